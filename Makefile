@@ -1,0 +1,44 @@
+# jaxnn: `make train` and `make test` are the whole set-up on a fresh machine with only Python.
+# The first call creates .venv and installs jaxnn with its dev extra (pinned by constraints.txt).
+# Other targets live in mk/*.mk, one file per area, so the areas can grow without stepping on each other.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MODEL ?= cnn
+DATA ?=
+DEVICES ?= 1
+ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help install train test test-fast bench clean
+
+help:
+	@echo "make train        train the CNN on the bundled digits (MODEL=gpt, DATA=dir, DEVICES=8, ARGS='...')"
+	@echo "make test         run the test suite (installs .venv on first use)"
+	@echo "make bench        time training steps of the benchmark models, fp32 and bf16"
+	@grep -hE '^[a-z][a-z0-9-]*:.*## ' mk/*.mk 2>/dev/null | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "make %-15s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+train: $(STAMP)
+	$(PY) -m jaxnn.cli train --model $(MODEL) $(if $(DATA),--data $(DATA)) --devices $(DEVICES) $(ARGS)
+
+# -n 2: one pytest worker per core; each test module compiles its own XLA programs.
+test: $(STAMP)
+	$(PY) -m pytest -n 2 --dist loadfile tests
+
+bench: $(STAMP)
+	$(PY) -m jaxnn.bench $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info
+
+-include mk/*.mk

@@ -1,0 +1,1 @@
+"""jaxnn: pure-functional neural-network layers and compiled training steps for JAX."""

@@ -1,0 +1,50 @@
+"""Convolutional image classifiers for small (8x8 digits up to 32x32) channels-last images."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxnn.layers import BatchNorm, Conv, Dense, Flatten, GlobalAvgPool, MaxPool, Relu, residual, serial
+
+
+@dataclasses.dataclass(frozen=True)
+class CNNConfig:
+    widths: tuple[int, ...] = (32, 64, 128)
+    num_classes: int = 10
+
+    def small(self) -> "CNNConfig":
+        return dataclasses.replace(self, widths=(8, 16))
+
+
+def CNN(cfg: CNNConfig = CNNConfig()):
+    """Per width: a 3x3 convolution, ReLU and 2x2 max pooling; then a Dense classifier on the flattened map."""
+    stages = [layer for width in cfg.widths
+              for layer in (Conv(width, 3, padding="SAME"), Relu, MaxPool(2, padding="SAME"))]
+    return serial(*stages, Flatten(), Dense(cfg.num_classes, name="logits"), name="cnn")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResNetConfig:
+    """A CIFAR-style ResNet: `blocks_per_stage` basic blocks at each width, stride 2 between stages."""
+
+    widths: tuple[int, ...] = (16, 32, 64)
+    blocks_per_stage: int = 2
+    num_classes: int = 10
+
+    def small(self) -> "ResNetConfig":
+        return dataclasses.replace(self, widths=(8, 16), blocks_per_stage=1)
+
+
+def _basic_block(width: int):
+    return serial(residual(Conv(width, 3), BatchNorm(), Relu, Conv(width, 3), BatchNorm(), name="block"), Relu,
+                  name="basic")
+
+
+def ResNet(cfg: ResNetConfig = ResNetConfig()):
+    """Stem conv, stages of residual basic blocks (a strided conv changes width between stages), global pooling."""
+    layers = [Conv(cfg.widths[0], 3, name="stem"), BatchNorm(), Relu]
+    for i, width in enumerate(cfg.widths):
+        if i > 0:
+            layers += [Conv(width, 3, strides=2, name="down"), BatchNorm(), Relu]
+        layers += [_basic_block(width) for _ in range(cfg.blocks_per_stage)]
+    return serial(*layers, GlobalAvgPool(), Dense(cfg.num_classes, name="logits"), name="resnet")

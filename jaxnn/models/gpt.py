@@ -1,0 +1,37 @@
+"""A decoder-only transformer (GPT) for byte-level language modelling."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxnn.layers import Dense, Embedding, LayerNorm, PositionEmbedding, TransformerBlock, serial
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256  # bytes
+    seq_len: int = 128
+    d_model: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    drop_prob: float = 0.0
+    attention_implementation: str = "auto"
+
+    def small(self) -> "GPTConfig":
+        return dataclasses.replace(self, seq_len=32, d_model=64, num_layers=2, num_heads=2)
+
+    def num_params(self) -> int:
+        d = self.d_model
+        per_block = 12 * d * d + 13 * d
+        return self.vocab_size * d * 2 + self.seq_len * d + self.num_layers * per_block + 2 * d + self.vocab_size
+
+
+def GPT(cfg: GPTConfig = GPTConfig()):
+    """Token and position embeddings, `num_layers` causal pre-norm blocks, a final LayerNorm and byte logits.
+
+    Input: (B, T) integer byte ids; output: (B, T, vocab_size) logits for the next byte.
+    """
+    blocks = [TransformerBlock(cfg.num_heads, drop_prob=cfg.drop_prob, causal=True,
+                               attention_implementation=cfg.attention_implementation) for _ in range(cfg.num_layers)]
+    return serial(Embedding(cfg.vocab_size, cfg.d_model, init_scale=0.02), PositionEmbedding(cfg.seq_len), *blocks,
+                  LayerNorm(name="ln_f"), Dense(cfg.vocab_size, name="logits"), name="gpt")

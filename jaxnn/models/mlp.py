@@ -1,0 +1,22 @@
+"""Multi-layer perceptron."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxnn.layers import Dense, Flatten, Relu, serial
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPConfig:
+    hidden: tuple[int, ...] = (512, 512)
+    num_classes: int = 10
+
+    def small(self) -> "MLPConfig":
+        return dataclasses.replace(self, hidden=(64,))
+
+
+def MLP(cfg: MLPConfig = MLPConfig()):
+    """Flatten, then Dense + ReLU per hidden width, then a Dense classifier producing logits."""
+    hidden = [layer for width in cfg.hidden for layer in (Dense(width), Relu)]
+    return serial(Flatten(), *hidden, Dense(cfg.num_classes, name="logits"), name="mlp")

@@ -1,0 +1,128 @@
+"""Mixed precision: a Policy of three dtypes (parameters, compute, output) and dynamic loss scaling.
+
+The policy casts parameters and inputs to the compute dtype once, at the step boundary (as in jmp/Haiku and
+levanter); layers then follow the dtype of their input. Every matmul, convolution and attention product is
+computed with `preferred_element_type=float32`: a bf16 x bf16 -> f32 product is the form tensor cores (and this
+CPU's AMX units) execute fast, while bf16 x bf16 -> bf16 takes a slow path on the CPU (~190 vs ~1070 GFLOP/s at
+2048^3, see DESIGN.md). Normalisation statistics and softmax are computed in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# The float32 matmul precisions a policy can ask for, by name. "highest" is exact fp32; "tensorfloat32" lets GPUs
+# use TF32 tensor cores (a 10-bit mantissa); the CPU computes both exactly.
+MATMUL_PRECISIONS = {
+    "highest": lax.Precision.HIGHEST,
+    "tensorfloat32": lax.Precision.HIGH,
+    "default": lax.Precision.DEFAULT,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Which dtype parameters are stored in, computed in, and returned in; and how fp32 products are computed."""
+
+    param_dtype: jnp.dtype = jnp.float32
+    compute_dtype: jnp.dtype = jnp.float32
+    output_dtype: jnp.dtype = jnp.float32
+    matmul_precision: str = "highest"
+    loss_scaling: bool = False
+    name: str = "fp32"
+
+    def __post_init__(self):
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"Policy: unknown matmul_precision {self.matmul_precision!r}; "
+                             f"choose one of {sorted(MATMUL_PRECISIONS)}")
+
+    def cast_to_compute(self, tree):
+        """Casts the floating-point leaves of `tree` to the compute dtype (integers, e.g. token ids, stay)."""
+        return _cast_floats(tree, self.compute_dtype)
+
+    def cast_to_param(self, tree):
+        return _cast_floats(tree, self.param_dtype)
+
+    def cast_to_output(self, tree):
+        return _cast_floats(tree, self.output_dtype)
+
+    def dot_precision(self, dtype) -> lax.Precision | None:
+        """The `precision=` argument for a product whose operands have `dtype`."""
+        return MATMUL_PRECISIONS[self.matmul_precision] if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _cast_floats(tree, dtype):
+    def cast(x):
+        return x.astype(dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x
+
+    return jax.tree.map(cast, tree)
+
+
+FP32 = Policy()
+TF32 = Policy(matmul_precision="tensorfloat32", name="tf32")
+BF16 = Policy(compute_dtype=jnp.bfloat16, name="bf16")
+FP16 = Policy(compute_dtype=jnp.float16, loss_scaling=True, name="fp16")
+
+PRESETS = {p.name: p for p in (FP32, TF32, BF16, FP16)}
+
+
+def get_policy(policy: "Policy | str | None") -> Policy:
+    """A Policy from a preset name ('fp32', 'tf32', 'bf16', 'fp16'), a Policy, or None (fp32)."""
+    if policy is None:
+        return FP32
+    if isinstance(policy, Policy):
+        return policy
+    if policy not in PRESETS:
+        raise ValueError(f"unknown precision {policy!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[policy]
+
+
+def product_kwargs(x_dtype, policy: Policy | None) -> dict:
+    """Keyword arguments for lax products: fp32 accumulation always, and the policy's fp32 precision."""
+    policy = policy or FP32
+    return {"precision": policy.dot_precision(x_dtype), "preferred_element_type": jnp.float32}
+
+
+class LossScale(NamedTuple):
+    """Dynamic loss scaling for fp16: skip an overflowing step and halve the scale; double it after
+    `period` finite steps in a row. Defaults as in the common libraries (initial 2^15, period 2000).
+
+    Written here rather than imported because optax has no loss scaling and jmp is not maintained; it is a
+    pytree of three scalars, so it lives in the TrainState and is checkpointed with it.
+    """
+
+    scale: jax.Array
+    good_steps: jax.Array
+    period: jax.Array
+
+    @classmethod
+    def create(cls, initial_scale: float = 2.0 ** 15, period: int = 2000) -> "LossScale":
+        return cls(jnp.asarray(initial_scale, jnp.float32), jnp.zeros((), jnp.int32), jnp.asarray(period, jnp.int32))
+
+    @classmethod
+    def disabled(cls) -> "LossScale":
+        """A scale of one that never changes (for fp32 and bf16, whose exponent range needs no scaling)."""
+        return cls(jnp.ones((), jnp.float32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+
+    def scale_loss(self, loss):
+        return loss * self.scale.astype(loss.dtype)
+
+    def unscale(self, grads):
+        return jax.tree.map(lambda g: g.astype(jnp.float32) / self.scale, grads)
+
+    def adjust(self, grads_finite: jax.Array) -> "LossScale":
+        """The next scale given whether this step's gradients were all finite (a no-op when disabled)."""
+        enabled = self.period > 0
+        grown = self.good_steps + 1 >= self.period
+        scale = jnp.where(grads_finite, jnp.where(grown, self.scale * 2, self.scale), jnp.maximum(self.scale / 2, 1.0))
+        good = jnp.where(grads_finite & ~grown, self.good_steps + 1, 0)
+        return LossScale(jnp.where(enabled, scale, self.scale), jnp.where(enabled, good, self.good_steps), self.period)
+
+
+def all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))

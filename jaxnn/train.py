@@ -1,0 +1,154 @@
+"""Compiled training: TrainState, the pure train step, the eval step, and K steps per call with lax.scan.
+
+A step is a pure function `(state, batch) -> (state, metrics)`; `batch` is a dict with inputs `"x"` and targets
+`"y"`. Randomness for a step is `fold_in(state.key, state.step)` (big_vision's habit), so a resumed run draws the
+same dropout masks as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxnn.layers.core import Layer, init_model, run
+from jaxnn.precision import LossScale, Policy, all_finite, get_policy
+
+LossFn = Callable[[jax.Array, dict], tuple[jax.Array, dict]]
+
+
+class TrainState(NamedTuple):
+    """Everything a training run carries from step to step; a pytree, so it is jitted, sharded and saved whole."""
+
+    params: Any
+    model_state: Any  # e.g. BatchNorm running statistics; {} for stateless models
+    opt_state: optax.OptState
+    step: jax.Array
+    key: jax.Array
+    loss_scale: LossScale
+
+
+def create_train_state(model: Layer, tx: optax.GradientTransformation, key, in_shape, policy="fp32") -> TrainState:
+    """Initialises parameters (in the policy's parameter dtype), model state and optimizer state."""
+    policy = get_policy(policy)
+    init_key, train_key = jax.random.split(key)
+    _, params, model_state = init_model(model, init_key, in_shape)
+    params = policy.cast_to_param(params)
+    loss_scale = LossScale.create() if policy.loss_scaling else LossScale.disabled()
+    return TrainState(params, model_state, tx.init(params), jnp.zeros((), jnp.int32), train_key, loss_scale)
+
+
+def classification_loss(logits, batch) -> tuple[jax.Array, dict]:
+    """Mean softmax cross-entropy against integer labels `batch["y"]`, with accuracy as a metric."""
+    labels = batch["y"]
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
+    accuracy = jnp.mean(jnp.argmax(logits, axis=-1) == labels)
+    return loss, {"accuracy": accuracy}
+
+
+def language_model_loss(logits_BTV, batch) -> tuple[jax.Array, dict]:
+    """Next-token cross-entropy: `batch["y"]` holds the inputs shifted by one; reports bits per byte too."""
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits_BTV.astype(jnp.float32), batch["y"]).mean()
+    return loss, {"bits_per_token": loss / jnp.log(2.0)}
+
+
+def weight_decay_mask(params):
+    """True for kernels (leaves named "w"), False for biases, norm scales and embedding tables."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], "key", None) == "w", params)
+
+
+def make_optimizer(learning_rate: float = 1e-3, *, total_steps: int = 1000, warmup_steps: int = 0,
+                   weight_decay: float = 0.0, clip_norm: float | None = 1.0) -> optax.GradientTransformation:
+    """AdamW with linear warm-up then cosine decay, global-norm clipping, and decay on kernels only (all optax)."""
+    if learning_rate <= 0:
+        raise ValueError(f"learning_rate must be positive, got {learning_rate!r}")
+    if total_steps <= 0:
+        raise ValueError(f"total_steps must be positive, got {total_steps!r}")
+    schedule = optax.warmup_cosine_decay_schedule(0.0 if warmup_steps else learning_rate, learning_rate,
+                                                  warmup_steps, max(total_steps, warmup_steps + 1))
+    adamw = optax.adamw(schedule, weight_decay=weight_decay, mask=weight_decay_mask)
+    return optax.chain(optax.clip_by_global_norm(clip_norm), adamw) if clip_norm else adamw
+
+
+def _forward(model, policy, params, model_state, batch, *, key, train):
+    logits, model_state = run(model, policy.cast_to_compute(params), policy.cast_to_compute(batch["x"]),
+                              state=model_state, key=key, train=train, policy=policy)
+    return policy.cast_to_output(logits), model_state
+
+
+def train_step_fn(model: Layer, loss_fn: LossFn, tx: optax.GradientTransformation, policy="fp32"):
+    """The un-jitted pure step `(state, batch) -> (state, metrics)`; jit it, scan it, or shard_map it."""
+    policy: Policy = get_policy(policy)
+
+    def step(state: TrainState, batch) -> tuple[TrainState, dict]:
+        key = jax.random.fold_in(state.key, state.step)
+
+        def scaled_loss(params):
+            logits, model_state = _forward(model, policy, params, state.model_state, batch, key=key, train=True)
+            loss, metrics = loss_fn(logits, batch)
+            return state.loss_scale.scale_loss(loss), (loss, metrics, model_state)
+
+        grads, (loss, metrics, model_state) = jax.grad(scaled_loss, has_aux=True)(state.params)
+        grads = state.loss_scale.unscale(grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        loss_scale = state.loss_scale
+        if policy.loss_scaling:
+            # An overflowing fp16 step changes nothing but the scale (halved); the step counter still advances.
+            finite = all_finite(grads)
+            keep_new = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+            params = keep_new(params, state.params)
+            opt_state = keep_new(opt_state, state.opt_state)
+            model_state = keep_new(model_state, state.model_state)
+            loss_scale = loss_scale.adjust(finite)
+            metrics = {**metrics, "grads_finite": finite}
+        metrics = {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads), "loss_scale": loss_scale.scale}
+        return TrainState(params, model_state, opt_state, state.step + 1, state.key, loss_scale), metrics
+
+    return step
+
+
+def make_train_step(model: Layer, loss_fn: LossFn, tx: optax.GradientTransformation, policy="fp32", *,
+                    donate: bool = True, **jit_kwargs):
+    """The jitted train step; the incoming state's buffers are donated (reused for the new state)."""
+    step = train_step_fn(model, loss_fn, tx, policy)
+    return jax.jit(step, donate_argnums=(0,) if donate else (), **jit_kwargs)
+
+
+def make_multi_step(model: Layer, loss_fn: LossFn, tx: optax.GradientTransformation, policy="fp32", *,
+                    donate: bool = True, **jit_kwargs):
+    """K steps per call: `(state, batches) -> (state, metrics)` where every leaf of `batches` has a leading K axis.
+
+    One dispatch runs K steps inside a `lax.scan`, which takes Python dispatch off the critical path for small
+    models; the metrics come back stacked with a leading K axis.
+    """
+    step = train_step_fn(model, loss_fn, tx, policy)
+
+    def multi_step(state, batches):
+        return jax.lax.scan(step, state, batches)
+
+    return jax.jit(multi_step, donate_argnums=(0,) if donate else (), **jit_kwargs)
+
+
+def make_eval_step(model: Layer, loss_fn: LossFn, policy="fp32", **jit_kwargs):
+    """The jitted eval step `(state, batch) -> metrics`: eval mode (no dropout, BatchNorm running statistics)."""
+    policy = get_policy(policy)
+
+    def eval_step(state: TrainState, batch) -> dict:
+        logits, _ = _forward(model, policy, state.params, state.model_state, batch, key=None, train=False)
+        loss, metrics = loss_fn(logits, batch)
+        return {**metrics, "loss": loss}
+
+    return jax.jit(eval_step, **jit_kwargs)
+
+
+def make_predict(model: Layer, policy="fp32", **jit_kwargs):
+    """The jitted inference function `(params, model_state, x) -> logits` in eval mode."""
+    policy = get_policy(policy)
+
+    def predict(params, model_state, x):
+        return _forward(model, policy, params, model_state, {"x": x}, key=None, train=False)[0]
+
+    return jax.jit(predict, **jit_kwargs)
