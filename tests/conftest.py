@@ -1,0 +1,16 @@
+"""Test settings: 8 simulated CPU devices (for the sharding tests), strict rank promotion, a fixed key."""
+
+import os
+
+# Must happen before jax initialises its backends.
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+@pytest.fixture
+def key():
+    return jax.random.key(0)
