@@ -82,10 +82,15 @@ def get_policy(policy: "Policy | str | None") -> Policy:
     return PRESETS[policy]
 
 
+def accumulation_dtype(dtype) -> jnp.dtype:
+    """The dtype products, sums and statistics are computed in: float32, or wider if the input is (float64)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def product_kwargs(x_dtype, policy: Policy | None) -> dict:
-    """Keyword arguments for lax products: fp32 accumulation always, and the policy's fp32 precision."""
+    """Keyword arguments for lax products: fp32 (or wider) accumulation always, and the policy's fp32 precision."""
     policy = policy or FP32
-    return {"precision": policy.dot_precision(x_dtype), "preferred_element_type": jnp.float32}
+    return {"precision": policy.dot_precision(x_dtype), "preferred_element_type": accumulation_dtype(x_dtype)}
 
 
 class LossScale(NamedTuple):

@@ -6,13 +6,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxnn.layers.core import Lambda, Layer
+from jaxnn.precision import accumulation_dtype
 
 Relu = Lambda(jax.nn.relu, "relu")
 Gelu = Lambda(jax.nn.gelu, "gelu")  # tanh approximation, as in GPT-2 and Flax's default
 Silu = Lambda(jax.nn.silu, "silu")
 Tanh = Lambda(jnp.tanh, "tanh")
 # Softmax over the last axis, computed in float32 and returned in the input dtype.
-Softmax = Lambda(lambda x: jax.nn.softmax(x.astype(jnp.float32), axis=-1).astype(x.dtype), "softmax")
+Softmax = Lambda(lambda x: jax.nn.softmax(x.astype(accumulation_dtype(x.dtype)), axis=-1).astype(x.dtype), "softmax")
 
 
 def Dropout(drop_prob: float, name: str = "dropout") -> Layer:

@@ -27,14 +27,14 @@ def _attention_f32acc(q_BTNH, k_BSNH, v_BSNH, mask_B11S, causal, policy):
     bf16 x bf16 -> f32.
     """
     kwargs = product_kwargs(q_BTNH.dtype, policy)
-    scale = 1.0 / jnp.sqrt(jnp.float32(q_BTNH.shape[-1]))
+    scale = 1.0 / jnp.sqrt(q_BTNH.shape[-1])
     logits_BNTS = jnp.einsum("BTNH,BSNH->BNTS", q_BTNH, k_BSNH, **kwargs) * scale
     valid = jnp.ones((1, 1, q_BTNH.shape[1], k_BSNH.shape[1]), bool)
     if causal:
         valid = jnp.tril(valid)
     if mask_B11S is not None:
         valid = valid & mask_B11S
-    logits_BNTS = jnp.where(valid, logits_BNTS, jnp.finfo(jnp.float32).min)
+    logits_BNTS = jnp.where(valid, logits_BNTS, jnp.finfo(logits_BNTS.dtype).min)
     probs_BNTS = jax.nn.softmax(logits_BNTS, axis=-1).astype(v_BSNH.dtype)
     return jnp.einsum("BNTS,BSNH->BTNH", probs_BNTS, v_BSNH, **kwargs).astype(v_BSNH.dtype)
 

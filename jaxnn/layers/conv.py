@@ -92,7 +92,7 @@ def Conv(features: int, kernel_size: int | Sequence[int], *, strides=1, padding=
     def apply(params, x, *, policy=None, **_):
         y = conv(x, params["w"].astype(x.dtype), policy)
         if use_bias:
-            y = y + params["b"].astype(jnp.float32)
+            y = y + params["b"].astype(y.dtype)
         return y.astype(x.dtype)
 
     return Layer(init, apply, name)

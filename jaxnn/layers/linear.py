@@ -31,7 +31,7 @@ def Dense(features: int, *, use_bias: bool = True, w_init=initializers.lecun_nor
             raise shape_error(name, f"with last axis {w.shape[0]}", x.shape)
         y = lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (0,)), ((), ())), **product_kwargs(x.dtype, policy))
         if use_bias:
-            y = y + params["b"].astype(jnp.float32)
+            y = y + params["b"].astype(y.dtype)
         return y.astype(x.dtype)
 
     return Layer(init, apply, name)

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxnn.layers.core import Layer, shape_error
+from jaxnn.precision import accumulation_dtype
 
 
 def _check_eps(layer: str, eps: float) -> None:
@@ -30,10 +31,10 @@ def LayerNorm(eps: float = 1e-6, name: str = "layer_norm") -> Layer:
     _check_eps("LayerNorm", eps)
 
     def apply(params, x, **_):
-        x32 = x.astype(jnp.float32)
+        x32 = x.astype(accumulation_dtype(x.dtype))
         mean = jnp.mean(x32, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
-        y = (x32 - mean) * lax.rsqrt(var + eps) * params["scale"].astype(jnp.float32) + params["bias"].astype(jnp.float32)
+        y = (x32 - mean) * lax.rsqrt(var + eps) * params["scale"] + params["bias"]
         return y.astype(x.dtype)
 
     return Layer(_feature_init(name, True), apply, name)
@@ -44,9 +45,9 @@ def RMSNorm(eps: float = 1e-6, name: str = "rms_norm") -> Layer:
     _check_eps("RMSNorm", eps)
 
     def apply(params, x, **_):
-        x32 = x.astype(jnp.float32)
+        x32 = x.astype(accumulation_dtype(x.dtype))
         y = x32 * lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
-        return (y * params["scale"].astype(jnp.float32)).astype(x.dtype)
+        return (y * params["scale"]).astype(x.dtype)
 
     return Layer(_feature_init(name, False), apply, name)
 
@@ -72,7 +73,7 @@ def BatchNorm(momentum: float = 0.99, eps: float = 1e-5, axis_name: str | None =
     def apply(params, x, *, state, train=False, **_):
         if state is None:
             raise ValueError(f"{name}: apply needs state= (from init_state or the previous apply)")
-        x32 = x.astype(jnp.float32)
+        x32 = x.astype(accumulation_dtype(x.dtype))
         if train:
             axes = tuple(range(x.ndim - 1))
             mean = jnp.mean(x32, axis=axes)

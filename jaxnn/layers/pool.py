@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxnn.layers.core import Layer, check_positive, shape_error
+from jaxnn.precision import accumulation_dtype
 
 
 def _pool(kind: str, reducer, init_value, window, strides, padding, name):
@@ -44,8 +45,9 @@ def AvgPool(window=2, strides=None, padding: str = "VALID", name: str = "avg_poo
     reduce, init = _pool("AvgPool", lax.add, lambda dt: 0.0, window, strides, padding, name)
 
     def apply(params, x, **_):
-        sums = reduce(x.astype(jnp.float32))
-        counts = reduce(jnp.ones((1, *x.shape[1:-1], 1), jnp.float32))
+        acc = accumulation_dtype(x.dtype)
+        sums = reduce(x.astype(acc))
+        counts = reduce(jnp.ones((1, *x.shape[1:-1], 1), acc))
         return (sums / counts).astype(x.dtype)
 
     return Layer(init, apply, name)
@@ -60,6 +62,6 @@ def GlobalAvgPool(name: str = "global_avg_pool") -> Layer:
         return (in_shape[0], in_shape[-1]), {}
 
     def apply(params, x, **_):
-        return jnp.mean(x, axis=tuple(range(1, x.ndim - 1)), dtype=jnp.float32).astype(x.dtype)
+        return jnp.mean(x, axis=tuple(range(1, x.ndim - 1)), dtype=accumulation_dtype(x.dtype)).astype(x.dtype)
 
     return Layer(init, apply, name)
