@@ -1,0 +1,315 @@
+"""What every experiment shares: the machine tag, size presets, time budgets, results files and plots.
+
+A results file is `<out>/<machine-tag>/<name>.json`: the machine it ran on (read from the system), the date, the jax
+version, the size preset, and every measured figure. The report reads these files and nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import jax
+import numpy as np
+
+SIZES = ("tiny", "quick", "full", "gpu")
+SCHEMA_VERSION = 1
+
+
+# ---------------------------------------------------------------------------------------------------- the machine
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags from /proc/cpuinfo (empty where the file does not exist, e.g. macOS)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    match = re.search(r"^flags\s*:\s*(.*)$", text, re.MULTILINE)
+    return set(match.group(1).split()) if match else set()
+
+
+def cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # the cores this process may use, not the host's total
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def cpu_model() -> str:
+    try:
+        match = re.search(r"^model name\s*:\s*(.*)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
+    except OSError:
+        match = None
+    return match.group(1).strip() if match else platform.processor() or platform.machine()
+
+
+def cpu_tag() -> str:
+    """E.g. `cpu-2core-avx512-amx`: the core count and the vector/matrix units XLA can use."""
+    flags = cpu_flags()
+    parts = [f"cpu-{cpu_cores()}core"]
+    if "avx512f" in flags:
+        parts.append("avx512")
+    elif "avx2" in flags:
+        parts.append("avx2")
+    if flags & {"amx_tile", "amx_bf16"}:
+        parts.append("amx")
+    if platform.machine() in ("aarch64", "arm64"):
+        parts.append("arm64")
+    return "-".join(parts)
+
+
+def device_tag(device) -> str:
+    """`gpu-h200` from 'NVIDIA H200', `tpu-v5-lite` from 'TPU v5 lite'; the CPU tag for a CPU device."""
+    if device.platform == "cpu":
+        return cpu_tag()
+    kind = re.sub(r"^(nvidia|amd)\s+", "", device.device_kind.strip(), flags=re.IGNORECASE)
+    kind = re.sub(r"[^a-z0-9]+", "-", kind.lower()).strip("-")
+    return f"{device.platform}-{kind}"
+
+
+def machine_tag() -> str:
+    """The tag of the default backend's first device; results from this process go under it."""
+    return device_tag(jax.devices()[0])
+
+
+def machine_info() -> dict:
+    device = jax.devices()[0]
+    return {
+        "tag": machine_tag(),
+        "backend": jax.default_backend(),
+        "device_kind": device.device_kind,
+        "device_count": jax.device_count(),
+        "cpu_model": cpu_model(),
+        "cpu_cores": cpu_cores(),
+        "cpu_flags": sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+                                             "amx_int8", "fma"}),
+        "jax_version": jax.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def backends_present() -> list[str]:
+    """The default backend first, then the host CPU if the default is an accelerator (both are always measured)."""
+    default = jax.default_backend()
+    return [default] if default == "cpu" else [default, "cpu"]
+
+
+def first_device(backend: str):
+    return jax.devices(backend)[0]
+
+
+# ---------------------------------------------------------------------------------------------------- budgets
+
+class Budget:
+    """A soft wall-clock budget: an experiment checks it between measurements and skips what would not fit."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds = seconds
+        self.start = time.perf_counter()
+        self.skipped: list[str] = []
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def left(self) -> float:
+        return float("inf") if self.seconds is None else self.seconds - self.elapsed()
+
+    def over(self, fraction: float = 1.0) -> bool:
+        """True once `fraction` of the budget is spent."""
+        return self.seconds is not None and self.elapsed() > fraction * self.seconds
+
+    def skip(self, what: str) -> None:
+        self.skipped.append(what)
+
+
+def preset(table: dict, size: str):
+    """The entry of a per-size table; `full` falls back to `quick` and `tiny` must always exist."""
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose one of {SIZES}")
+    return table[size] if size in table else table["quick"]
+
+
+# ---------------------------------------------------------------------------------------------------- measuring
+
+def latency_samples(fn: Callable[[], object], *, calls: int, warmup: int = 3, max_seconds: float | None = None
+                    ) -> np.ndarray:
+    """Seconds of each of `calls` separate calls of `fn` (which must finish its work, e.g. copy back to the host).
+
+    `jaxnn.bench.time_fn` reports windows of calls, which hides the tail; real-time inference cares about single
+    calls, so p99 needs every call timed on its own.
+    """
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    samples = []
+    start = time.perf_counter()
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        samples.append(time.perf_counter() - t0)
+        if max_seconds is not None and time.perf_counter() - start > max_seconds and len(samples) >= 5:
+            break
+    return np.asarray(samples)
+
+
+def relative_error(out, ref) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64; NaN or inf anywhere gives inf, so it can never pass as accurate."""
+    out = np.asarray(out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def custom_calls(hlo_text: str) -> list[str]:
+    """The library calls (custom-call targets) in a compiled HLO module's text, e.g. `__cublas$lt$matmul`."""
+    return sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo_text)))
+
+
+# ---------------------------------------------------------------------------------------------------- results
+
+def results_path(out: str | Path, name: str, tag: str | None = None) -> Path:
+    return Path(out) / (tag or machine_tag()) / f"{name}.json"
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (np.floating, float)):
+        value = float(value)
+        return value if np.isfinite(value) else None  # JSON has no inf/NaN; None reads as "no figure"
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, np.bool_):
+        return bool(value)
+    return value
+
+
+def write_results(out: str | Path, name: str, size: str, figures: dict, budget: Budget | None = None) -> Path:
+    """Writes `<out>/<tag>/<name>.json` and returns its path."""
+    path = results_path(out, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "schema": SCHEMA_VERSION,
+        "name": name,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "size": size,
+        "machine": machine_info(),
+        "seconds": round(budget.elapsed(), 2) if budget else None,
+        "budget_s": budget.seconds if budget else None,
+        "skipped": budget.skipped if budget else [],
+        **_jsonable(figures),
+    }
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
+
+
+def load_results(root: str | Path) -> dict[str, dict[str, dict]]:
+    """`{machine_tag: {experiment_name: record}}` for every results file under `root`."""
+    found: dict[str, dict[str, dict]] = {}
+    for path in sorted(Path(root).glob("*/*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"unreadable results file {path}: {err}") from err
+        if isinstance(record, dict) and "name" in record:
+            found.setdefault(path.parent.name, {})[record["name"]] = record
+    return found
+
+
+# ---------------------------------------------------------------------------------------------------- plots
+
+def pyplot():
+    """matplotlib with the file-only Agg backend (no display on servers or the GPU machine)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, json_path: Path) -> Path:
+    png = json_path.with_suffix(".png")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    pyplot().close(fig)
+    return png
+
+
+# ---------------------------------------------------------------------------------------------------- entry point
+
+def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--size", choices=SIZES, default="quick",
+                        help="tiny: tests; quick: minutes on a laptop CPU; full: longer CPU run; gpu: one H200")
+    parser.add_argument("--out", default="results", help="results folder (a subfolder per machine tag)")
+    parser.add_argument("--budget", type=float, default=None, help="soft time budget in seconds")
+    return parser
+
+
+def run_and_save(name: str, run: Callable, plot: Callable, size: str, out: str | Path,
+                 budget_s: float | None = None) -> tuple[Path, dict]:
+    """Runs one experiment, writes its JSON and PNG, and returns (json path, record)."""
+    budget = Budget(budget_s)
+    figures = run(size=size, budget=budget)
+    path = write_results(out, name, size, figures, budget)
+    record = json.loads(path.read_text())
+    plot(record, path)
+    return path, record
+
+
+def main(name: str, run: Callable, plot: Callable, summarize: Callable, argv=None) -> None:
+    """The `python -m experiments.<name>` entry point shared by every experiment."""
+    parser = add_args(argparse.ArgumentParser(prog=f"python -m experiments.{name}", description=run.__doc__))
+    args = parser.parse_args(argv)
+    try:
+        path, record = run_and_save(name, run, plot, args.size, args.out, args.budget)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    print(f"{name}: wrote {path} and {path.with_suffix('.png').name} in {record['seconds']} s")
+    for line in summarize(record):
+        print("  " + line)
+
+
+# ---------------------------------------------------------------------------------------------------- compiled HLO
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<type>\(.*?\)|[\w]+\[[^\]]*\](?:\{[^}]*\})?)\s+"
+                    r"(?P<op>[\w\-]+)\((?P<args>[^)]*)\)(?P<rest>.*)$")
+_KIND = re.compile(r'"kind"\s*:\s*"(__[^"]+)"')
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+
+
+def library_calls(hlo_text: str) -> list[dict]:
+    """The library kernels a compiled HLO module calls: custom calls (cuBLAS, cuDNN, oneDNN) and library fusions
+    (Triton GEMMs, cuDNN fusions, XNNPACK/YNNPACK), each with its target and its operands' element types.
+
+    Compiled HLO prints operands by name only, so their types are looked up from the instructions that define them.
+    """
+    types: dict[str, str] = {}
+    calls = []
+    for line in hlo_text.splitlines():
+        match = _INSTR.match(line)
+        if not match:
+            continue
+        types[match["name"]] = match["type"]
+        target = _TARGET.search(match["rest"]) or (_KIND.search(match["rest"]) if match["op"] == "fusion" else None)
+        if target:
+            args = [a.strip().lstrip("%") for a in match["args"].split(",") if a.strip()]
+            dtypes = [re.match(r"\(?(\w+)\[", types.get(a, "")) for a in args]
+            calls.append({"target": target.group(1), "op": match["op"],
+                          "operand_dtypes": [d.group(1) if d else "?" for d in dtypes],
+                          "result": re.sub(r"\{[^}]*\}", "", match["type"])})
+    return calls
+
+
+def compiled_hlo(jitted, *args) -> str:
+    return jitted.lower(*args).compile().as_text()
