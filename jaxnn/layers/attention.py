@@ -45,7 +45,9 @@ def _choose_implementation(implementation: str, dtype) -> str:
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     if jax.default_backend() == "gpu" and half:
         return "cudnn"  # the fused flash-attention kernel
-    return "f32acc" if half else "xla"
+    if half or jnp.dtype(dtype) == jnp.float64:
+        return "f32acc"  # jax's XLA path would compute float64 softmax in float32
+    return "xla"
 
 
 def MultiHeadAttention(num_heads: int, head_dim: int | None = None, *, causal: bool = False,

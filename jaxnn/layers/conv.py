@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.nn import initializers
 
-from jaxnn.layers.core import Layer, check_positive, shape_error
+from jaxnn.layers.core import Layer, along_last_axis, check_positive, shape_error
 from jaxnn.precision import product_kwargs
 
 _DIMENSION_NUMBERS = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC")}
@@ -92,7 +92,7 @@ def Conv(features: int, kernel_size: int | Sequence[int], *, strides=1, padding=
     def apply(params, x, *, policy=None, **_):
         y = conv(x, params["w"].astype(x.dtype), policy)
         if use_bias:
-            y = y + params["b"].astype(y.dtype)
+            y = y + along_last_axis(params["b"].astype(y.dtype), y.ndim)
         return y.astype(x.dtype)
 
     return Layer(init, apply, name)

@@ -68,6 +68,11 @@ def output_shape(layer: Layer, in_shape: Shape) -> Shape:
     return shapes[0]
 
 
+def along_last_axis(v, ndim: int):
+    """Reshapes a per-feature vector to broadcast explicitly against a rank-`ndim` array (no rank promotion)."""
+    return v.reshape((1,) * (ndim - 1) + (-1,))
+
+
 def shape_error(layer_name: str, expected: str, in_shape: Shape) -> ValueError:
     """The one-line error every layer raises at init for an input shape it cannot take."""
     return ValueError(f"{layer_name}: expected input {expected}, got shape {tuple(in_shape)}")

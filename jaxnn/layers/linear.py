@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.nn import initializers
 
-from jaxnn.layers.core import Layer, check_positive, shape_error
+from jaxnn.layers.core import Layer, along_last_axis, check_positive, shape_error
 from jaxnn.precision import product_kwargs
 
 
@@ -31,7 +31,7 @@ def Dense(features: int, *, use_bias: bool = True, w_init=initializers.lecun_nor
             raise shape_error(name, f"with last axis {w.shape[0]}", x.shape)
         y = lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (0,)), ((), ())), **product_kwargs(x.dtype, policy))
         if use_bias:
-            y = y + params["b"].astype(y.dtype)
+            y = y + along_last_axis(params["b"].astype(y.dtype), y.ndim)
         return y.astype(x.dtype)
 
     return Layer(init, apply, name)
@@ -77,6 +77,6 @@ def PositionEmbedding(max_len: int, *, init_scale: float = 0.02, name: str = "po
         return tuple(in_shape), {"table": initializers.normal(init_scale)(key, (max_len, in_shape[-1]), jnp.float32)}
 
     def apply(params, x_BTD, **_):
-        return x_BTD + params["table"][: x_BTD.shape[1]].astype(x_BTD.dtype)
+        return x_BTD + params["table"][None, : x_BTD.shape[1]].astype(x_BTD.dtype)
 
     return Layer(init, apply, name)

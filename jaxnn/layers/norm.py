@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jaxnn.layers.core import Layer, shape_error
+from jaxnn.layers.core import Layer, along_last_axis, shape_error
 from jaxnn.precision import accumulation_dtype
 
 
@@ -34,7 +34,7 @@ def LayerNorm(eps: float = 1e-6, name: str = "layer_norm") -> Layer:
         x32 = x.astype(accumulation_dtype(x.dtype))
         mean = jnp.mean(x32, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
-        y = (x32 - mean) * lax.rsqrt(var + eps) * params["scale"] + params["bias"]
+        y = (x32 - mean) * lax.rsqrt(var + eps) * along_last_axis(params["scale"], x.ndim) + along_last_axis(params["bias"], x.ndim)
         return y.astype(x.dtype)
 
     return Layer(_feature_init(name, True), apply, name)
@@ -47,7 +47,7 @@ def RMSNorm(eps: float = 1e-6, name: str = "rms_norm") -> Layer:
     def apply(params, x, **_):
         x32 = x.astype(accumulation_dtype(x.dtype))
         y = x32 * lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
-        return (y * params["scale"]).astype(x.dtype)
+        return (y * along_last_axis(params["scale"], x.ndim)).astype(x.dtype)
 
     return Layer(_feature_init(name, False), apply, name)
 
@@ -85,7 +85,8 @@ def BatchNorm(momentum: float = 0.99, eps: float = 1e-5, axis_name: str | None =
                      "var": momentum * state["var"] + (1 - momentum) * var}
         else:
             mean, var = state["mean"], state["var"]
-        y = (x32 - mean) * lax.rsqrt(var + eps) * params["scale"] + params["bias"]
+        scale = lax.rsqrt(var + eps) * params["scale"]
+        y = (x32 - along_last_axis(mean, x.ndim)) * along_last_axis(scale, x.ndim) + along_last_axis(params["bias"], x.ndim)
         return y.astype(x.dtype), state
 
     return Layer(_feature_init(name, True), apply, name, init_state)
