@@ -1,121 +1,58 @@
 """Claim 5 (split the work): CNN training with image augmentation in three arrangements, as augmentation grows.
 
-- `sync`: the host augments a batch, copies it to the device, runs the step and waits for it; then the next batch.
-- `overlapped`: host worker threads augment ahead into a bounded queue, batches are `device_put` two steps ahead,
-  and the loop never waits for a step (the loss is read at the end), so host and device work at the same time.
-- `device`: raw uint8 images go to the device and the augmentation runs inside the compiled train step.
+Built on the project's own input pipeline (`jaxnn.data`: `TrainBatches`, `host_iterator`, `DevicePrefetch`):
+- `sync`: the host computes a batch inline, copies it to the device, runs the step and waits for it; then the next.
+- `overlapped`: Grain's reader threads compute batches ahead (inline where Grain is not installed, as on the GPU
+  machine; jax's asynchronous dispatch still overlaps that host work with the running step), `DevicePrefetch`
+  keeps two batches in flight, and the loop never waits for a step (the loss is read at the end).
+- `device`: the host sends normalised but un-augmented batches, and the augmentation runs inside the compiled step.
 
-Augmentation is a random 4-pixel-padded crop, a random flip, scaling to [0, 1] and `cost` passes of a 3x3 box blur,
-the knob that makes it more expensive. Figures per arrangement and cost: step time (median and spread over
-windows of `steps` steps), samples/s, and the device-idle fraction, 1 - (compute-only step time x steps) / wall
-time, where the compute-only time is the same compiled step timed alone on a batch already on the device.
+Augmentation is the pipeline's random crop (zero padding `PAD`) and flip, applied `cost` times
+(`PipelineConfig.augment_repeats`): the knob that makes it more expensive. Figures per arrangement and cost: step
+time (median and spread over windows of `steps` steps), samples/s, and the device-idle fraction,
+1 - (compute-only step time x steps) / wall time, where the compute-only time is the same compiled step timed alone
+on a batch already on the device; and the time the loop waited for input (`DevicePrefetch.take_wait`).
 """
 
 from __future__ import annotations
 
-import collections
-import queue
-import threading
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from experiments import common
 from jaxnn.bench import time_fn
+from jaxnn.data import DevicePrefetch, PipelineConfig, TrainBatches, host_iterator, synthetic
+from jaxnn.data.pipeline import _grain_available
 from jaxnn.models import CNN, CNNConfig
 from jaxnn.train import classification_loss, create_train_state, make_optimizer, train_step_fn
 
 NAME = "exp_pipeline"
 
-CONFIG = {  # batch, steps per window, blur passes, CNN widths, host worker threads
-    "tiny": dict(batch=8, steps=2, costs=[1], widths=(4,), workers=1),
-    "quick": dict(batch=64, steps=6, costs=[0, 8, 32], widths=(16, 32), workers=2),
-    "full": dict(batch=128, steps=10, costs=[0, 8, 32, 96], widths=(16, 32), workers=2),
-    "gpu": dict(batch=256, steps=10, costs=[0, 4, 16, 64], widths=(32, 64, 128), workers=8),
+CONFIG = {  # batch, steps per window, augmentation repeats, CNN widths, host reader threads
+    "tiny": dict(batch=8, steps=2, costs=[1], widths=(4,), threads=1),
+    "quick": dict(batch=64, steps=6, costs=[1, 8, 32], widths=(16, 32), threads=2),
+    "full": dict(batch=128, steps=10, costs=[1, 8, 32, 96], widths=(16, 32), threads=2),
+    "gpu": dict(batch=256, steps=10, costs=[1, 4, 16, 64], widths=(32, 64, 128), threads=8),
 }
 IMAGE = (32, 32, 3)
 PAD = 4
 
 
-# ------------------------------------------------------------------------------------------- augmentation, twice
+def device_augment(x_BHWC, key, repeats: int):
+    """The pipeline's crop (zero padding) and flip, `repeats` times, in jax: traced into the train step."""
+    b, h, w, c = x_BHWC.shape
 
-def host_augment(images_u8: np.ndarray, rng: np.random.Generator, cost: int) -> np.ndarray:
-    """Crop, flip, scale and blur a uint8 NHWC batch in numpy (the host's share of the work)."""
-    b, h, w, _ = images_u8.shape
-    padded = np.pad(images_u8, ((0, 0), (PAD, PAD), (PAD, PAD), (0, 0)), mode="reflect")
-    dy, dx = rng.integers(0, 2 * PAD + 1, size=(2, b))
-    out = np.stack([padded[i, dy[i]:dy[i] + h, dx[i]:dx[i] + w] for i in range(b)])
-    flip = rng.random(b) < 0.5
-    out[flip] = out[flip, :, ::-1]
-    x = out.astype(np.float32) / 255.0
-    for _ in range(cost):
-        p = np.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)), mode="edge")
-        x = sum(p[:, i:i + h, j:j + w] for i in range(3) for j in range(3)) / 9.0
-    return x
+    def once(i, x):
+        k_off, k_flip = jax.random.split(jax.random.fold_in(key, i))
+        padded = jnp.pad(x, ((0, 0), (PAD, PAD), (PAD, PAD), (0, 0)))
+        offsets = jax.random.randint(k_off, (b, 2), 0, 2 * PAD + 1)
+        crop = jax.vmap(lambda img, off: lax.dynamic_slice(img, (off[0], off[1], 0), (h, w, c)))(padded, offsets)
+        flip = jax.random.bernoulli(k_flip, 0.5, (b, 1, 1, 1))
+        return jnp.where(flip, crop[:, :, ::-1], crop)
 
+    return lax.fori_loop(0, repeats, once, x_BHWC)
 
-def device_augment(images_u8, key, cost: int):
-    """The same augmentation in jax, traced into the train step."""
-    b, h, w, c = images_u8.shape
-    padded = jnp.pad(images_u8, ((0, 0), (PAD, PAD), (PAD, PAD), (0, 0)), mode="reflect")
-    k_off, k_flip = jax.random.split(key)
-    offsets = jax.random.randint(k_off, (b, 2), 0, 2 * PAD + 1)
-    crop = jax.vmap(lambda img, off: lax.dynamic_slice(img, (off[0], off[1], 0), (h, w, c)))(padded, offsets)
-    flip = jax.random.bernoulli(k_flip, 0.5, (b, 1, 1, 1))
-    x = jnp.where(flip, crop[:, :, ::-1], crop).astype(jnp.float32) / 255.0
-
-    def blur(_, x):
-        p = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)), mode="edge")
-        return sum(p[:, i:i + h, j:j + w] for i in range(3) for j in range(3)) / 9.0
-
-    return lax.fori_loop(0, cost, blur, x) if cost else x
-
-
-class HostLoader:
-    """Worker threads that augment batches ahead into a bounded queue (numpy releases the GIL in its kernels)."""
-
-    def __init__(self, images, labels, batch: int, cost: int, workers: int, depth: int = 4):
-        self.images, self.labels, self.batch, self.cost = images, labels, batch, cost
-        self.queue: queue.Queue = queue.Queue(maxsize=depth)
-        self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._work, args=(i,), daemon=True) for i in range(workers)]
-        for t in self.threads:
-            t.start()
-
-    def _work(self, seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        while not self.stop.is_set():
-            idx = rng.integers(0, len(self.images), self.batch)
-            item = (host_augment(self.images[idx], rng, self.cost), self.labels[idx])
-            while not self.stop.is_set():
-                try:
-                    self.queue.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-
-    def __next__(self):
-        return self.queue.get()
-
-    def close(self) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join()
-
-
-def prefetch_to_device(iterator, device, depth: int = 2):
-    """Yields batches already `device_put`, `depth` ahead, so the copy overlaps the running step."""
-    buf = collections.deque()
-    while True:
-        while len(buf) < depth:
-            x, y = next(iterator)
-            buf.append({"x": jax.device_put(x, device), "y": jax.device_put(y, device)})
-        yield buf.popleft()
-
-
-# ------------------------------------------------------------------------------------------- the measurement
 
 def run(size: str = "quick", budget: common.Budget | None = None) -> dict:
     """Step time, samples/s and device-idle fraction of each arrangement as augmentation cost grows."""
@@ -124,83 +61,73 @@ def run(size: str = "quick", budget: common.Budget | None = None) -> dict:
     batch, steps = cfg["batch"], cfg["steps"]
     repeats = 3
     device = jax.devices()[0]
-    rng = np.random.default_rng(0)
-    images = rng.integers(0, 256, size=(max(4 * batch, 256), *IMAGE), dtype=np.uint8)
-    labels = rng.integers(0, 10, size=len(images)).astype(np.int32)
+    data = synthetic(IMAGE, n_train=max(8 * batch, 512), n_test=batch)
     model = CNN(CNNConfig(widths=cfg["widths"]))
     tx = make_optimizer(1e-3)
     # Committed to the device like the states the step returns, so the step compiles once, not twice.
     state = jax.device_put(create_train_state(model, tx, jax.random.key(0), (batch, *IMAGE)), device)
     base_step = train_step_fn(model, classification_loss, tx)
     plain_step = jax.jit(base_step)
+    overlapped_backend = "grain" if _grain_available() else "inline"
+
+    def pipeline(cost: int, backend: str, augment_on_host: bool = True):
+        pc = PipelineConfig(batch_size=batch, crop_pad=PAD if augment_on_host else 0, flip=augment_on_host,
+                            augment_repeats=cost, backend=backend, threads=cfg["threads"], buffer=4)
+        return host_iterator(TrainBatches(data, pc), pc)
 
     def make_device_step(cost):
-        def step(state, raw):
+        def step(state, batch):
             key = jax.random.fold_in(jax.random.key(1), state.step)
-            return base_step(state, {"x": device_augment(raw["x"], key, cost), "y": raw["y"]})
+            return base_step(state, {**batch, "x": device_augment(batch["x"], key, cost)})
         return jax.jit(step)
 
     # The compute-only step time: what the device must do per step whatever the arrangement.
-    placed = {"x": jax.device_put(host_augment(images[:batch], rng, 0), device),
-              "y": jax.device_put(labels[:batch], device)}
+    placed = jax.device_put(next(pipeline(1, "inline")), device)
     compute_only = time_fn(lambda: plain_step(state, placed)[1]["loss"], repeats=repeats)
-    host_aug = {}
+    host_batch = {}
     rows = []
     for cost in cfg["costs"]:
         if budget.over(0.8):
             budget.skip(f"cost={cost}")
             continue
-        t_aug = time_fn(lambda: host_augment(images[:batch], rng, cost), warmup=1, repeats=repeats, number=1)
-        host_aug[cost] = t_aug.as_dict()
+        probe = TrainBatches(data, PipelineConfig(batch_size=batch, crop_pad=PAD, flip=True, augment_repeats=cost))
+        host_batch[cost] = time_fn(lambda: probe.batch(0), warmup=1, repeats=repeats, number=1).as_dict()
         device_step = make_device_step(cost)
-        raw_placed = {"x": jax.device_put(images[:batch], device), "y": jax.device_put(labels[:batch], device)}
-        device_compute = time_fn(lambda: device_step(state, raw_placed)[1]["loss"], repeats=repeats)
+        device_compute = time_fn(lambda: device_step(state, placed)[1]["loss"], repeats=repeats)
+        sync_iter = pipeline(cost, "inline")
+        overlap_iter = DevicePrefetch(pipeline(cost, overlapped_backend), size=2)
+        device_iter = DevicePrefetch(pipeline(cost, "inline", augment_on_host=False), size=2)
 
         def sync():
             s, loss = state, None
             for _ in range(steps):
-                idx = rng.integers(0, len(images), batch)
-                b = {"x": jax.device_put(host_augment(images[idx], rng, cost), device),
-                     "y": jax.device_put(labels[idx], device)}
-                s, metrics = plain_step(s, b)
+                s, metrics = plain_step(s, jax.device_put(next(sync_iter), device))
                 loss = jax.block_until_ready(metrics["loss"])  # synchronous: wait before preparing the next batch
             return loss
 
-        loader = HostLoader(images, labels, batch, cost, cfg["workers"])
-        stream = prefetch_to_device(loader, device)
+        def streamed(iterator, step_fn):
+            def loop():
+                s, metrics = state, None
+                for _ in range(steps):
+                    s, metrics = step_fn(s, next(iterator))
+                return metrics["loss"]
+            return loop
 
-        def overlapped():
-            s, metrics = state, None
-            for _ in range(steps):
-                s, metrics = plain_step(s, next(stream))
-            return metrics["loss"]
-
-        def on_device():
-            s, metrics = state, None
-            nxt = None
-            for i in range(steps):
-                idx = rng.integers(0, len(images), batch)
-                cur = nxt if nxt is not None else {"x": jax.device_put(images[idx], device),
-                                                   "y": jax.device_put(labels[idx], device)}
-                idx = rng.integers(0, len(images), batch)
-                nxt = {"x": jax.device_put(images[idx], device), "y": jax.device_put(labels[idx], device)}
-                s, metrics = device_step(s, cur)
-            return metrics["loss"]
-
-        try:
-            for arrangement, fn, busy in (("sync", sync, compute_only), ("overlapped", overlapped, compute_only),
-                                          ("device", on_device, device_compute)):
-                timing = time_fn(fn, warmup=1, repeats=repeats, number=1)
-                step_s = timing.median / steps
-                rows.append({"arrangement": arrangement, "cost": cost, "batch": batch, "steps": steps,
-                             **timing.as_dict(), "step_s": step_s, "samples_per_s": batch / step_s,
-                             "compute_step_s": busy.median,
-                             "device_idle": max(0.0, 1.0 - busy.median / step_s)})
-        finally:
-            loader.close()
-    return {"rows": rows, "compute_only": compute_only.as_dict(), "host_augment": host_aug,
-            "workers": cfg["workers"], "widths": list(cfg["widths"]), "image": list(IMAGE),
-            "pipeline_impl": "experiments.exp_pipeline (threads + device_put prefetch)"}
+        for arrangement, fn, busy, waits in (
+                ("sync", sync, compute_only, None),
+                ("overlapped", streamed(overlap_iter, plain_step), compute_only, overlap_iter),
+                ("device", streamed(device_iter, device_step), device_compute, device_iter)):
+            timing = time_fn(fn, warmup=1, repeats=repeats, number=1)
+            step_s = timing.median / steps
+            input_wait = waits.take_wait() / (waits.batches * step_s) if waits and waits.batches else None
+            rows.append({"arrangement": arrangement, "cost": cost, "batch": batch, "steps": steps,
+                         **timing.as_dict(), "step_s": step_s, "samples_per_s": batch / step_s,
+                         "compute_step_s": busy.median, "device_idle": max(0.0, 1.0 - busy.median / step_s),
+                         "input_wait_fraction": input_wait})
+    return {"rows": rows, "compute_only": compute_only.as_dict(), "host_batch": host_batch,
+            "threads": cfg["threads"], "widths": list(cfg["widths"]), "image": list(IMAGE),
+            "overlapped_backend": overlapped_backend,
+            "pipeline_impl": "jaxnn.data (TrainBatches, host_iterator, DevicePrefetch)"}
 
 
 def summary(record: dict) -> dict:
