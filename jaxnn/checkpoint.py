@@ -1,0 +1,186 @@
+"""A thin orbax-checkpoint wrapper: train state, data-iterator state and config saved together, every N steps.
+
+Each checkpoint holds `state` (the TrainState arrays, through `StandardSave`) and `meta` (JSON: the config, the
+data-iterator state, and a SHA-256 digest of the state's bytes). The digest is what lets a restore tell a
+corrupted checkpoint from a good one: orbax itself reads some damaged files back without complaint. Restoring
+walks from the newest step down, reports each unreadable or corrupted checkpoint, and uses the newest good one;
+a checkpoint written for a different config is refused with the differing fields named.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import pathlib
+import signal
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: incompatible with this run, or no readable one left."""
+
+
+def _is_key(x) -> bool:
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def to_saveable(tree):
+    """Typed PRNG keys become their raw uint32 data (orbax stores plain arrays)."""
+    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
+
+
+def from_saveable(tree, like):
+    """Inverse of `to_saveable`, using `like` (a tree of the original structure) to find the keys."""
+    return jax.tree.map(lambda x, ref: jax.random.wrap_key_data(x, impl=jax.random.key_impl(ref)) if _is_key(ref)
+                        else x, tree, like)
+
+
+def state_digest(tree) -> str:
+    """SHA-256 over every leaf's dtype, shape and bytes, in tree order."""
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(to_saveable(tree)):
+        arr = np.asarray(jax.device_get(leaf))
+        h.update(f"{arr.dtype}{arr.shape}".encode())
+        h.update(np.ascontiguousarray(arr).tobytes())
+    return h.hexdigest()
+
+
+def config_differences(saved: dict, current: dict, ignore=()) -> list[str]:
+    """Human-readable `field: checkpoint X, now Y` lines for the fields where two config dicts differ."""
+    keys = sorted((set(saved) | set(current)) - set(ignore))
+    missing = object()
+    return [f"{k}: checkpoint {saved.get(k, missing)!r}, now {current.get(k, missing)!r}".replace(repr(missing), "-")
+            for k in keys if saved.get(k, missing) != current.get(k, missing)]
+
+
+class Checkpointer:
+    """Saves every `save_every` steps (and when forced), keeps the newest `keep`, restores the newest good one.
+
+    `ignore` names config fields allowed to differ on restore (paths, logging cadence, device count).
+    """
+
+    def __init__(self, directory, *, keep: int = 3, save_every: int = 0, ignore=()):
+        import orbax.checkpoint as ocp
+
+        if keep < 1:
+            raise ValueError(f"Checkpointer: keep must be >= 1, got {keep}")
+        self.directory = pathlib.Path(directory).absolute()
+        self.save_every = save_every
+        self.ignore = tuple(ignore)
+        self._ocp = ocp
+        self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, cleanup_tmp_directories=True))
+
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def should_save(self, step: int) -> bool:
+        return self.save_every > 0 and step % self.save_every == 0
+
+    def save(self, step: int, state, *, data_state: dict, config: dict, force: bool = False) -> bool:
+        """Saves at `step` when it is a multiple of `save_every` or `force`d; returns whether it saved."""
+        if not (force or self.should_save(step)) or step in self._manager.all_steps():
+            return False
+        ocp = self._ocp
+        meta = {"step": int(step), "config": config, "data": data_state, "digest": state_digest(state)}
+        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(to_saveable(state)),
+                                                        meta=ocp.args.JsonSave(meta)), force=True)
+        return True
+
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def read_meta(self, step: int) -> dict:
+        ocp = self._ocp
+        return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+    def check_compatible(self, step: int, meta: dict, config: dict) -> None:
+        diffs = config_differences(meta.get("config", {}), config, self.ignore)
+        if diffs:
+            raise CheckpointError(f"checkpoint {self.directory / str(step)} is from a different config: "
+                                  + "; ".join(diffs))
+
+    def restore(self, like_state, config: dict) -> tuple[Any, dict, int] | None:
+        """The newest good checkpoint as `(state, data_state, step)`, or None when the directory has none.
+
+        `like_state` is a state of the right structure, shapes, dtypes and shardings (e.g. freshly initialised).
+        Raises CheckpointError for an incompatible config, or when every checkpoint present is unreadable.
+        """
+        ocp = self._ocp
+        steps = sorted(self._manager.all_steps(), reverse=True)
+        if not steps:
+            return None
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                              to_saveable(like_state))
+        problems = []
+        for step in steps:
+            where = self.directory / str(step)
+            try:
+                meta = self.read_meta(step)
+            except Exception as err:  # noqa: BLE001 - orbax raises many types for damaged files
+                problems.append(f"step {step}: unreadable metadata ({type(err).__name__}: {str(err)[:200]})")
+                log.warning("checkpoint %s is unreadable (%s); trying the previous one", where, problems[-1])
+                continue
+            self.check_compatible(step, meta, config)
+            try:
+                restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+                state = from_saveable(restored["state"], like_state)
+            except Exception as err:  # noqa: BLE001
+                problems.append(f"step {step}: unreadable state ({type(err).__name__}: {str(err)[:200]})")
+                log.warning("checkpoint %s is unreadable (%s); trying the previous one", where, problems[-1])
+                continue
+            if state_digest(state) != meta.get("digest"):
+                problems.append(f"step {step}: state bytes do not match the saved digest (corrupted)")
+                log.warning("checkpoint %s is corrupted (its state does not match its digest); "
+                            "trying the previous one", where)
+                continue
+            if problems:
+                log.warning("restored checkpoint %s after skipping: %s", where, "; ".join(problems))
+            return state, meta.get("data", {}), step
+        raise CheckpointError(f"{self.directory}: no readable checkpoint ({'; '.join(problems)})")
+
+
+class StopSignal:
+    """Turns SIGTERM and SIGINT into a flag the training loop polls, so it can checkpoint before exiting.
+
+    Use as a context manager; the previous handlers come back on exit. Outside the main thread (where Python
+    forbids signal handlers) it installs nothing and the flag stays False.
+    """
+
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
+        self.signals = signals
+        self.received: int | None = None
+        self._previous = {}
+
+    def __bool__(self) -> bool:
+        return self.received is not None
+
+    def _handle(self, signum, frame):
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C means now
+        self.received = signum
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in self.signals:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()
+        return False

@@ -1,0 +1,159 @@
+"""`jaxnn train ...` (also `python -m jaxnn.cli train ...`): typed flags -> a frozen TrainConfig -> jaxnn.run.train.
+
+jax is imported only after the flags are parsed, because `--devices N` on a CPU-only machine must set the number
+of simulated CPU devices before jax initialises its backends. Bad input exits with one line and status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import logging
+import os
+import pathlib
+import sys
+
+EXIT_USAGE = 2
+
+# Per-model defaults for `make train`: each finishes in about a minute (cnn, mlp) or a few minutes (gpt) on the
+# 2-core CPU. The gpt width is halved from GPTConfig's 256 for that reason (4x fewer FLOPs per step).
+MODEL_DEFAULTS = {
+    "cnn": dict(steps=600, batch_size=64, lr=3e-3),
+    "mlp": dict(steps=1000, batch_size=64, lr=1e-3),
+    "resnet": dict(steps=600, batch_size=64, lr=3e-3),
+    "gpt": dict(steps=1000, batch_size=32, lr=2e-3, warmup=50, seq_len=128, model_overrides=(("d_model", 128),)),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxnn", description="jaxnn: train models with JAX on the host at hand.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="train a model", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="Train a model; checkpoints, metrics.jsonl and plots go to the run directory.")
+    a = p.add_argument
+    a("--model", default="cnn", help="model: mlp, cnn, resnet or gpt")
+    a("--data", default=None, metavar="DIR", help="directory of MNIST/Fashion-MNIST IDX, CIFAR-10 binary or text "
+      "files (default: the bundled digits, or the Python stdlib source for gpt)")
+    a("--dataset", default="auto", help="data format: auto, digits, mnist, fashion_mnist, cifar10, text, synthetic")
+    a("--size", default="base", help="model size: base (the model's default config) or small (for quick runs)")
+    a("--steps", type=int, default=None, help="training steps (default per model)")
+    a("--batch-size", type=int, default=None, help="global batch size, split over --devices (default per model)")
+    a("--precision", default="fp32", help="precision policy: fp32, tf32, bf16 or fp16")
+    a("--lr", type=float, default=None, help="peak learning rate of AdamW (default per model)")
+    a("--warmup", type=int, default=None, help="linear warm-up steps before the cosine decay")
+    a("--weight-decay", type=float, default=0.0, help="AdamW weight decay on kernels")
+    a("--seed", type=int, default=0, help="seed for initialisation, shuffling and augmentation")
+    a("--seq-len", type=int, default=None, help="gpt: context length in bytes")
+    a("--d-model", type=int, default=None, help="gpt: model width (default 128)")
+    a("--layers", type=int, default=None, help="gpt: number of transformer blocks")
+    a("--crop-pad", type=int, default=0, help="images: random crop after zero-padding by this many pixels")
+    a("--flip", action="store_true", help="images: random horizontal flips")
+    a("--run-dir", default=None, help="run directory (default runs/<model>-<data>/<time>; with --resume, the "
+      "newest of those)")
+    a("--ckpt-dir", default=None, help="checkpoint directory (default <run-dir>/ckpt)")
+    a("--resume", action="store_true", help="continue from the newest good checkpoint in the run directory")
+    a("--overwrite", action="store_true", help="replace the run in --run-dir instead of refusing")
+    a("--eval-every", type=int, default=0, help="evaluate every N steps (0: five times per run)")
+    a("--log-every", type=int, default=50, help="log metrics and input wait every N steps")
+    a("--ckpt-every", type=int, default=0, help="checkpoint every N steps (0: only at the end and on a signal)")
+    a("--keep", type=int, default=3, help="checkpoints to keep")
+    a("--devices", type=int, default=1, help="data-parallel devices (on a CPU, that many simulated devices)")
+    a("--prefetch", type=int, default=2, help="batches put on the device ahead of the step (0: none)")
+    a("--backend", default="grain", choices=("grain", "inline"), help="host pipeline: Grain workers or inline")
+    a("--workers", type=int, default=0, help="Grain worker processes (0: reader threads in this process)")
+    a("--no-progress", action="store_true", help="no progress bar")
+    a("--no-plots", action="store_true", help="no PNG plots at the end")
+    return parser
+
+
+def set_cpu_devices(n: int) -> None:
+    """Asks for `n` CPU devices; must run before jax initialises (a no-op if it already has enough)."""
+    if n <= 1:
+        return
+    flag = f"--xla_force_host_platform_device_count={n}"
+    if "jax" not in sys.modules:
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+        return
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except Exception:  # noqa: BLE001 - backends already up: whatever count they have is what we get
+        pass
+
+
+def default_run_dir(model: str, data: str | None, resume: bool) -> str:
+    base = pathlib.Path("runs") / f"{model}-{pathlib.Path(data).name if data else 'default'}"
+    if resume:
+        previous = sorted(p for p in base.glob("*") if p.is_dir()) if base.is_dir() else []
+        if previous:
+            return str(previous[-1])
+    return str(base / datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+
+
+def config_from_args(args) -> "TrainConfig":  # noqa: F821
+    from jaxnn.run import TrainConfig
+
+    defaults = dict(MODEL_DEFAULTS.get(args.model, {}))
+    overrides = dict(defaults.pop("model_overrides", ()))
+    for flag, field in (("d_model", "d_model"), ("layers", "num_layers")):
+        if getattr(args, flag) is not None:
+            overrides[field] = getattr(args, flag)
+    if args.size == "small":  # the small config's own widths, unless asked otherwise
+        overrides = {k: v for k, v in overrides.items() if getattr(args, {"num_layers": "layers"}.get(k, k), None)}
+    pick = lambda name, fallback: getattr(args, name) if getattr(args, name) is not None else defaults.get(
+        name, fallback)
+    return TrainConfig(
+        model=args.model, dataset=args.dataset, data_dir=args.data, size=args.size,
+        model_overrides=tuple(sorted(overrides.items())), steps=pick("steps", 600),
+        batch_size=pick("batch_size", 64), precision=args.precision, lr=pick("lr", 3e-3),
+        warmup=pick("warmup", 0), weight_decay=args.weight_decay, seed=args.seed, crop_pad=args.crop_pad,
+        flip=args.flip, seq_len=pick("seq_len", 128),
+        run_dir=args.run_dir or default_run_dir(args.model, args.data, args.resume), ckpt_dir=args.ckpt_dir,
+        resume=args.resume, overwrite=args.overwrite, devices=args.devices, eval_every=args.eval_every,
+        log_every=args.log_every, ckpt_every=args.ckpt_every, keep=args.keep, prefetch=args.prefetch,
+        backend=args.backend, workers=args.workers, progress=not args.no_progress, plots=not args.no_plots)
+
+
+def format_summary(s: dict) -> str:
+    if "eval_accuracy" in s:
+        quality = f"test accuracy {100 * s['eval_accuracy']:.2f}% (loss {s['eval_loss']:.4f})"
+    elif "eval_bits_per_token" in s:
+        quality = f"test {s['eval_bits_per_token']:.3f} bits/byte (loss {s['eval_loss']:.4f})"
+    else:
+        quality = "no evaluation"
+    stopped = f", stopped by signal {s['interrupted_by']}" if s.get("interrupted_by") else ""
+    return (f"{s['model']} on {s['dataset']}: step {s['step']}/{s['steps']}, {quality}, "
+            f"{s['examples_per_s']:.0f} examples/s, input wait {100 * s['input_wait_frac']:.1f}%, "
+            f"{s['time_s']:.1f} s{stopped} -> {s['run_dir']}")
+
+
+def train_main(args) -> int:
+    set_cpu_devices(args.devices)
+    from jaxnn.run import train
+
+    try:
+        cfg = config_from_args(args)
+        summary = train(cfg)
+    except ValueError as err:  # ConfigError, DataError, CheckpointError: refused before anything is written
+        print(f"jaxnn: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    if "sample" in summary:
+        print("--- sample ---")
+        print(summary["sample"])
+        print("--------------")
+    print(format_summary(summary))
+    return 128 + summary["interrupted_by"] if summary.get("interrupted_by") else 0
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    if args.command == "train":
+        return train_main(args)
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

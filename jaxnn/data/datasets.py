@@ -1,0 +1,312 @@
+"""Data sets as in-memory numpy arrays: the bundled digits, MNIST/Fashion-MNIST IDX, CIFAR-10 binary, a byte-level
+text corpus (the Python standard library's own source by default) and a synthetic generator.
+
+Every loader reads local files only (no downloads) and never unpickles anything. A missing directory, a truncated
+file, a wrong magic number or mismatched image/label counts raise one `DataError` naming the file and what was
+expected; no record is silently dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import logging
+import pathlib
+import sysconfig
+import zlib
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+IMAGE_FORMATS = ("digits", "mnist", "fashion_mnist", "cifar10", "synthetic")
+FORMATS = IMAGE_FORMATS + ("text",)
+
+# The IDX dtype codes (third magic byte) this loader understands, mapped to big-endian numpy dtypes.
+_IDX_DTYPES = {0x08: np.dtype(">u1"), 0x09: np.dtype(">i1"), 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
+               0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
+CIFAR_RECORD = 1 + 3 * 32 * 32  # one label byte, then the red, green and blue 32x32 planes
+
+
+class DataError(ValueError):
+    """A data directory or file that does not hold what its format promises; the message names the file."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ImageDataset:
+    """Channels-last images `x_*` (N, H, W, C) in their stored dtype, integer labels `y_*` (N,).
+
+    `scale` maps stored values to [0, 1] (255 for bytes, 16 for the digits); `mean` and `std` are per-channel
+    statistics of the scaled training images, used by the pipeline's normalisation.
+    """
+
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+    scale: float
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    @property
+    def image_shape(self) -> tuple[int, ...]:
+        return tuple(self.x_train.shape[1:])
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TextCorpus:
+    """A byte-level corpus: `train` and `test` are 1-D uint8 arrays (the test part is the corpus's tail)."""
+
+    name: str
+    train: np.ndarray
+    test: np.ndarray
+    num_files: int
+    vocab_size: int = 256
+
+
+def make_image_dataset(name, x_train, y_train, x_test, y_test, *, num_classes=None, scale=1.0) -> ImageDataset:
+    """Checks shapes and labels, adds a channel axis to (N, H, W) images, and computes channel statistics."""
+    x_train, x_test = (x if x.ndim == 4 else x[..., None] for x in (x_train, x_test))
+    for split, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):
+        if len(x) != len(y):
+            raise DataError(f"{name}: {split} split has {len(x)} images but {len(y)} labels")
+        if len(x) == 0:
+            raise DataError(f"{name}: {split} split is empty")
+    if x_train.shape[1:] != x_test.shape[1:]:
+        raise DataError(f"{name}: train images are {x_train.shape[1:]} but test images are {x_test.shape[1:]}")
+    y_train, y_test = y_train.astype(np.int32), y_test.astype(np.int32)
+    num_classes = int(num_classes or max(y_train.max(), y_test.max()) + 1)
+    for split, y in (("train", y_train), ("test", y_test)):
+        if y.min() < 0 or y.max() >= num_classes:
+            raise DataError(f"{name}: {split} labels must lie in [0, {num_classes}), found [{y.min()}, {y.max()}]")
+    # Statistics from (at most) 10,000 training images: exact enough for normalisation, and fast for 60,000.
+    sample = x_train[:10000].astype(np.float64) / scale
+    mean = tuple(float(m) for m in sample.mean(axis=(0, 1, 2)))
+    std = tuple(float(max(s, 1e-6)) for s in sample.std(axis=(0, 1, 2)))
+    return ImageDataset(name, x_train, y_train, x_test, y_test, num_classes, float(scale), mean, std)
+
+
+def split_dataset(name, x, y, *, test_fraction=0.2, seed=0, **kwargs) -> ImageDataset:
+    """A fixed, seeded train/test split of one labelled array (for sets that ship without one)."""
+    order = np.random.default_rng(seed).permutation(len(x))
+    n_test = max(1, int(round(len(x) * test_fraction)))
+    train, test = order[:-n_test], order[-n_test:]
+    return make_image_dataset(name, x[train], y[train], x[test], y[test], **kwargs)
+
+
+def load_digits() -> ImageDataset:
+    """scikit-learn's 1,797 bundled 8x8 handwritten digits (values 0..16), split 80/20 with a fixed seed."""
+    from sklearn.datasets import load_digits as sk_load_digits
+
+    bunch = sk_load_digits()
+    x = bunch.images.astype(np.uint8).reshape(-1, 8, 8, 1)
+    return split_dataset("digits", x, bunch.target, num_classes=10, scale=16.0)
+
+
+# --- IDX (MNIST, Fashion-MNIST) -------------------------------------------------------------------------------
+
+def _read_bytes(path: pathlib.Path) -> bytes:
+    if not path.is_file():
+        raise DataError(f"{path}: file not found")
+    if path.suffix != ".gz":
+        return path.read_bytes()
+    try:
+        with gzip.open(path, "rb") as f:
+            return f.read()
+    except (EOFError, OSError, zlib.error) as err:
+        raise DataError(f"{path}: not a complete gzip file ({err})") from None
+
+
+def read_idx(path, *, expected_ndim: int | None = None) -> np.ndarray:
+    """Reads one IDX file (gzipped or raw): magic `00 00 <dtype> <ndim>`, big-endian int32 dims, then the data."""
+    path = pathlib.Path(path)
+    raw = _read_bytes(path)
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
+        raise DataError(f"{path}: bad IDX magic number {raw[:4].hex() or '(empty file)'}; expected 0000<dtype><ndim>"
+                        f" with dtype in {sorted(hex(k) for k in _IDX_DTYPES)}")
+    dtype, ndim = _IDX_DTYPES[raw[2]], raw[3]
+    if expected_ndim is not None and ndim != expected_ndim:
+        magic = int.from_bytes(raw[:4], "big")
+        raise DataError(f"{path}: magic number {magic} says {ndim} dimensions; expected {expected_ndim} "
+                        f"(magic {0x800 + expected_ndim})")
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise DataError(f"{path}: truncated header: {len(raw)} bytes, expected at least {header}")
+    dims = tuple(int(d) for d in np.frombuffer(raw, ">i4", ndim, 4))
+    expected = int(np.prod(dims)) * dtype.itemsize
+    if len(raw) - header != expected:
+        raise DataError(f"{path}: {len(raw) - header} bytes of data, expected {expected} for shape {dims} "
+                        f"({'truncated' if len(raw) - header < expected else 'trailing bytes'})")
+    return np.frombuffer(raw, dtype, offset=header).reshape(dims).astype(dtype.newbyteorder("="))
+
+
+def _find_idx(directory: pathlib.Path, split: str, kind: str) -> pathlib.Path | None:
+    ndim = 3 if kind == "images" else 1
+    for sep in ("-", "."):
+        for suffix in (".gz", ""):
+            path = directory / f"{split}-{kind}{sep}idx{ndim}-ubyte{suffix}"
+            if path.is_file():
+                return path
+    return None
+
+
+def read_idx_split(directory, split: str = "t10k") -> tuple[np.ndarray, np.ndarray]:
+    """Images (N, 28, 28) uint8 and labels (N,) of one split ('train' or 't10k') of an IDX directory."""
+    directory = _check_dir(directory)
+    paths = {kind: _find_idx(directory, split, kind) for kind in ("images", "labels")}
+    for kind, path in paths.items():
+        if path is None:
+            ndim = 3 if kind == "images" else 1
+            raise DataError(f"{directory}: no {split}-{kind}-idx{ndim}-ubyte[.gz] file (MNIST/Fashion-MNIST IDX)")
+    images = read_idx(paths["images"], expected_ndim=3)
+    labels = read_idx(paths["labels"], expected_ndim=1)
+    if len(images) != len(labels):
+        raise DataError(f"{paths['labels']}: {len(labels)} labels, expected {len(images)} to match "
+                        f"{paths['images'].name}")
+    return images, labels
+
+
+def load_mnist(directory, name: str = "mnist") -> ImageDataset:
+    """MNIST or Fashion-MNIST (same file names and format) from a directory of IDX files.
+
+    A directory holding only the t10k split (like the shared MNIST test set) is split 8,000 / 2,000 with a
+    logged warning, so that it can still be trained on.
+    """
+    directory = _check_dir(directory)
+    x_test, y_test = read_idx_split(directory, "t10k")
+    if _find_idx(directory, "train", "images") is None and _find_idx(directory, "train", "labels") is None:
+        n_train = int(len(x_test) * 0.8)
+        log.warning("%s: no train-*-ubyte files; training on the first %d t10k images, testing on the other %d",
+                    directory, n_train, len(x_test) - n_train)
+        return make_image_dataset(name, x_test[:n_train], y_test[:n_train], x_test[n_train:], y_test[n_train:],
+                                  num_classes=10, scale=255.0)
+    x_train, y_train = read_idx_split(directory, "train")
+    return make_image_dataset(name, x_train, y_train, x_test, y_test, num_classes=10, scale=255.0)
+
+
+# --- CIFAR-10 binary --------------------------------------------------------------------------------------------
+
+def read_cifar_batch(path) -> tuple[np.ndarray, np.ndarray]:
+    """One CIFAR-10 binary batch: records of a label byte then 3x32x32 bytes (CHW); returns NHWC uint8, labels."""
+    path = pathlib.Path(path)
+    raw = _read_bytes(path)
+    if len(raw) == 0 or len(raw) % CIFAR_RECORD:
+        raise DataError(f"{path}: {len(raw)} bytes is not a whole number of {CIFAR_RECORD}-byte CIFAR-10 records "
+                        f"(truncated or not the binary version)")
+    records = np.frombuffer(raw, np.uint8).reshape(-1, CIFAR_RECORD)
+    labels = records[:, 0].astype(np.int32)
+    if labels.max() >= 10:
+        bad = int(np.argmax(labels >= 10))
+        raise DataError(f"{path}: record {bad} has label {labels[bad]}, expected 0..9 (not a CIFAR-10 binary file?)")
+    images = records[:, 1:].reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+    return np.ascontiguousarray(images), labels
+
+
+def _cifar_dir(directory: pathlib.Path) -> pathlib.Path:
+    # The official archive unpacks into cifar-10-batches-bin/; accept that folder or its parent.
+    nested = directory / "cifar-10-batches-bin"
+    return nested if nested.is_dir() else directory
+
+
+def load_cifar10(directory) -> ImageDataset:
+    """CIFAR-10 from its binary version: data_batch_1..5.bin and test_batch.bin (never the pickled version)."""
+    directory = _cifar_dir(_check_dir(directory))
+    train_paths = sorted(directory.glob("data_batch_[0-9].bin"))
+    if not train_paths:
+        raise DataError(f"{directory}: no data_batch_N.bin files (CIFAR-10 binary version)")
+    if len(train_paths) < 5:
+        log.warning("%s: %d of the 5 CIFAR-10 training batches present", directory, len(train_paths))
+    train = [read_cifar_batch(p) for p in train_paths]
+    x_test, y_test = read_cifar_batch(directory / "test_batch.bin")
+    return make_image_dataset("cifar10", np.concatenate([x for x, _ in train]), np.concatenate([y for _, y in train]),
+                              x_test, y_test, num_classes=10, scale=255.0)
+
+
+# --- text -------------------------------------------------------------------------------------------------------
+
+TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
+
+
+def stdlib_dir() -> pathlib.Path:
+    return pathlib.Path(sysconfig.get_paths()["stdlib"])
+
+
+def load_text(directory=None, *, max_bytes: int = 8 << 20, test_fraction: float = 0.05) -> TextCorpus:
+    """Concatenated bytes of the text files under `directory` (default: the Python standard library's *.py).
+
+    Files are read in sorted path order until `max_bytes`, so the corpus is the same on every run; the last
+    `test_fraction` of the bytes is the test split.
+    """
+    if directory is None:
+        root, suffixes, name = stdlib_dir(), (".py",), "stdlib"
+    else:
+        root, suffixes, name = _check_dir(directory), TEXT_SUFFIXES, "text"
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    paths = sorted(p for p in root.rglob("*") if p.suffix in suffixes and p.is_file()
+                   and not skip.intersection(p.relative_to(root).parts))
+    chunks, total = [], 0
+    for path in paths:
+        if total >= max_bytes:
+            break
+        data = path.read_bytes()[: max_bytes - total]
+        chunks.append(data)
+        total += len(data)
+    if total < 1024:
+        raise DataError(f"{root}: {total} bytes of text in {len(chunks)} files ({', '.join(suffixes)}); "
+                        f"expected at least 1024")
+    corpus = np.frombuffer(b"".join(chunks), np.uint8)
+    n_test = max(int(total * test_fraction), 513)
+    return TextCorpus(name, corpus[:-n_test], corpus[-n_test:], len(chunks))
+
+
+# --- synthetic --------------------------------------------------------------------------------------------------
+
+def synthetic(shape=(8, 8, 1), *, num_classes: int = 10, n_train: int = 2048, n_test: int = 512,
+              noise: float = 1.0, seed: int = 0) -> ImageDataset:
+    """Float images of any channels-last `shape`: a random prototype per class plus Gaussian noise (learnable)."""
+    rng = np.random.default_rng(seed)
+    prototypes = rng.normal(size=(num_classes, *shape)).astype(np.float32)
+    y = rng.integers(0, num_classes, n_train + n_test)
+    x = prototypes[y] + noise * rng.normal(size=(len(y), *shape)).astype(np.float32)
+    return make_image_dataset("synthetic", x[:n_train], y[:n_train], x[n_train:], y[n_train:],
+                              num_classes=num_classes)
+
+
+# --- dispatch ---------------------------------------------------------------------------------------------------
+
+def _check_dir(directory) -> pathlib.Path:
+    path = pathlib.Path(directory).expanduser()
+    if not path.is_dir():
+        raise DataError(f"{path}: data directory not found")
+    return path
+
+
+def detect_format(directory) -> str:
+    """'mnist' for IDX files, 'cifar10' for CIFAR binary batches, 'text' for text files; else a DataError."""
+    directory = _check_dir(directory)
+    if _find_idx(directory, "t10k", "images") or _find_idx(directory, "train", "images"):
+        return "mnist"
+    if any(_cifar_dir(directory).glob("data_batch_[0-9].bin")):
+        return "cifar10"
+    if any(p.suffix in TEXT_SUFFIXES for p in directory.rglob("*")):
+        return "text"
+    raise DataError(f"{directory}: holds no MNIST/Fashion-MNIST IDX files, CIFAR-10 binary batches or text files")
+
+
+def load_dataset(name: str, directory=None):
+    """An ImageDataset or TextCorpus by format name; `directory` is needed for mnist, fashion_mnist and cifar10."""
+    if name not in FORMATS:
+        raise DataError(f"unknown data set {name!r}; choose one of {list(FORMATS)}")
+    if name in ("mnist", "fashion_mnist", "cifar10") and directory is None:
+        raise DataError(f"data set {name!r} needs a data directory (--data DIR)")
+    if name == "digits":
+        return load_digits()
+    if name == "synthetic":
+        return synthetic()
+    if name == "text":
+        return load_text(directory)
+    if name == "cifar10":
+        return load_cifar10(directory)
+    return load_mnist(directory, name)
