@@ -1,13 +1,22 @@
-"""Timing that waits for the device, FLOP counts from the compiler, and the measured matmul peak.
+"""Timing that waits for the device, FLOP counts from the compiler, the measured matmul peak, and `make bench`.
 
 Every timing warms up first (compilation and caches), calls `block_until_ready` on the result, repeats, and
 reports the median and the spread (min, max, and the interquartile range), because these machines are noisy.
+Rates are reported as fractions of the large-GEMM peak measured in the same run, never of a datasheet number.
+
+`python -m jaxnn.bench` times a training step (Adam) of the four benchmark models (SPECS) in fp32 and bf16, as a
+plain jitted step and as K steps per call (lax.scan); `--gpu` runs the GPU model-FLOP-utilisation check
+(`gpu_mfu`). The peers in benchmarks/peers build the same models from SPECS and time them with `time_fn`.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
+import os
 import statistics
+import sys
 import time
 from typing import Any, Callable
 
@@ -61,7 +70,16 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 7, number:
 def compiled_flops(jitted: Callable, *args) -> float | None:
     """FLOPs of one call of a jitted function, from XLA's cost analysis of the compiled program (None if absent)."""
     try:
-        cost = jitted.lower(*args).compile().cost_analysis()
+        compiled = jitted.lower(*args).compile()
+    except Exception:  # some backends do not implement cost analysis
+        return None
+    return flops_of(compiled)
+
+
+def flops_of(compiled) -> float | None:
+    """FLOPs of one call of an already compiled (`jit(f).lower(...).compile()`) program, or None."""
+    try:
+        cost = compiled.cost_analysis()
     except Exception:  # some backends do not implement cost analysis
         return None
     if isinstance(cost, (list, tuple)):
@@ -84,3 +102,239 @@ def measure_matmul_peak(size: int = 2048, dtype=jnp.bfloat16, device=None, repea
     timing = time_fn(lambda: matmul(a, b), repeats=repeats)
     return {"size": size, "dtype": jnp.dtype(dtype).name, "gflops": matmul_flops(size, size, size) / timing.median / 1e9,
             "timing": timing.as_dict()}
+
+
+# The benchmark models, shared with the peers in benchmarks/peers so that every library builds the same network.
+# `scan_k` is how many steps one call of the scan variant runs: enough to amortise dispatch for the small models,
+# few for the large ones, where dispatch is already negligible and a call would otherwise take seconds.
+SPECS: dict[str, dict] = {
+    "tiny": {"kind": "mlp", "batch": 32, "in_features": 16, "hidden": (32,), "classes": 10, "scan_k": 32},
+    "mlp": {"kind": "mlp", "batch": 256, "in_features": 784, "hidden": (512, 512), "classes": 10, "scan_k": 8},
+    "cnn": {"kind": "cnn", "batch": 64, "image": (32, 32, 3), "widths": (32, 64, 128), "classes": 10, "scan_k": 4},
+    "gpt": {"kind": "gpt", "batch": 16, "seq_len": 128, "d_model": 256, "num_layers": 4, "num_heads": 4,
+            "vocab": 256, "scan_k": 2},
+}
+PRECISIONS = ("fp32", "bf16")
+LEARNING_RATE = 1e-3
+
+
+def synthetic_batch(name: str, seed: int = 0) -> dict:
+    """A fixed random batch for model `name` as numpy arrays (`x`, `y`), identical for jaxnn and every peer."""
+    spec = SPECS[name]
+    rng = np.random.default_rng(seed)
+    if spec["kind"] == "gpt":
+        tokens = rng.integers(0, spec["vocab"], (spec["batch"], spec["seq_len"] + 1), dtype=np.int32)
+        return {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+    shape = (spec["batch"], spec["in_features"]) if spec["kind"] == "mlp" else (spec["batch"], *spec["image"])
+    return {"x": rng.standard_normal(shape, dtype=np.float32),
+            "y": rng.integers(0, spec["classes"], (spec["batch"],), dtype=np.int32)}
+
+
+def jaxnn_model(name: str):
+    """The jaxnn layer and loss function for benchmark model `name`."""
+    from jaxnn import models, train
+
+    spec = SPECS[name]
+    if spec["kind"] == "mlp":
+        return models.MLP(models.MLPConfig(hidden=spec["hidden"], num_classes=spec["classes"])), train.classification_loss
+    if spec["kind"] == "cnn":
+        return models.CNN(models.CNNConfig(widths=spec["widths"], num_classes=spec["classes"])), train.classification_loss
+    cfg = models.GPTConfig(vocab_size=spec["vocab"], seq_len=spec["seq_len"], d_model=spec["d_model"],
+                           num_layers=spec["num_layers"], num_heads=spec["num_heads"])
+    return models.GPT(cfg), train.language_model_loss
+
+
+def time_train_step(step: Callable, state, batch, **time_kwargs) -> Timing:
+    """Times `state, _ = step(state, batch)` over and over; `step` may donate `state`, so it is threaded through."""
+    holder = [state]
+
+    def call():
+        holder[0], _ = step(holder[0], batch)
+        return holder[0]
+
+    return time_fn(call, **time_kwargs)
+
+
+def bench_jaxnn(name: str, precision: str, *, scan: bool = True, repeats: int = 7) -> dict:
+    """One benchmark row: jaxnn's plain jitted step and K-steps scan step for model `name` at `precision`.
+
+    Returns milliseconds per step (median and spread) for both, and the compiled FLOPs of one step.
+    """
+    import optax
+
+    from jaxnn import train
+
+    model, loss_fn = jaxnn_model(name)
+    tx = optax.adam(LEARNING_RATE)
+    batch = jax.tree.map(jnp.asarray, synthetic_batch(name))
+    in_shape = batch["x"].shape
+    state = train.create_train_state(model, tx, jax.random.key(0), in_shape, precision)
+    step = train.make_train_step(model, loss_fn, tx, precision)
+    compiled = step.lower(state, batch).compile()
+    flops = flops_of(compiled)
+    timing = time_train_step(compiled, state, batch, repeats=repeats)
+    row = {"library": "jaxnn", "model": name, "precision": precision, "step_ms": timing.median * 1e3,
+           "timing": timing.as_dict(), "flops_per_step": flops}
+    if scan:
+        k = SPECS[name]["scan_k"]
+        batches = jax.tree.map(lambda a: jnp.broadcast_to(a, (k, *a.shape)), batch)
+        multi = train.make_multi_step(model, loss_fn, tx, precision)
+        state = train.create_train_state(model, tx, jax.random.key(0), in_shape, precision)
+        multi = multi.lower(state, batches).compile()
+        scan_timing = time_train_step(multi, state, batches, repeats=repeats)
+        row.update(scan_k=k, scan_step_ms=scan_timing.median / k * 1e3, scan_timing=scan_timing.as_dict())
+    return row
+
+
+def _peaks(quick: bool) -> dict:
+    size = 1024 if quick else 2048
+    return {p: measure_matmul_peak(size, jnp.float32 if p == "fp32" else jnp.bfloat16) for p in PRECISIONS}
+
+
+def run_benchmarks(models=tuple(SPECS), precisions=PRECISIONS, *, quick: bool = False, scan: bool = True) -> dict:
+    """Runs `make bench`: the matmul peaks first, then every (model, precision) row, each with GFLOP/s and the
+    fraction of the peak of its own compute dtype (the f32 GEMM for fp32, bf16 x bf16 -> f32 for bf16)."""
+    repeats = 3 if quick else 7
+    peaks = _peaks(quick)
+    rows = []
+    for name in models:
+        for precision in precisions:
+            row = bench_jaxnn(name, precision, scan=scan, repeats=repeats)
+            if row["flops_per_step"]:
+                best_ms = min(row["step_ms"], row.get("scan_step_ms", row["step_ms"]))
+                row["gflops"] = row["flops_per_step"] / (best_ms * 1e-3) / 1e9
+                row["fraction_of_peak"] = row["gflops"] / peaks[precision]["gflops"]
+            rows.append(row)
+    return {"device": str(jax.devices()[0]), "platform": jax.default_backend(), "jax": jax.__version__,
+            "cpu_count": os.cpu_count(), "peaks": peaks, "rows": rows}
+
+
+def _fmt(value, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def format_report(result: dict) -> str:
+    """The `make bench` table as text."""
+    peaks = result["peaks"]
+    lines = [f"device {result['device']} (jax {result['jax']}); large-GEMM peak: "
+             + ", ".join(f"{p} {v['gflops']:.0f} GFLOP/s ({v['size']}^3)" for p, v in peaks.items()),
+             f"{'model':6} {'prec':5} {'jit ms/step':>12} {'scan ms/step':>13} {'K':>3} {'scan/jit':>8} "
+             f"{'GFLOP/step':>10} {'GFLOP/s':>8} {'of peak':>8}"]
+    for r in result["rows"]:
+        scan_ms, flops, gflops, frac = (r.get("scan_step_ms"), r.get("flops_per_step"), r.get("gflops"),
+                                        r.get("fraction_of_peak"))
+        lines.append(
+            f"{r['model']:6} {r['precision']:5} {r['step_ms']:12.4g} {_fmt(scan_ms, '.4g'):>13} "
+            f"{r.get('scan_k', '-'):>3} {_fmt(scan_ms and scan_ms / r['step_ms'], '.2f'):>8} "
+            f"{_fmt(flops and flops / 1e9, '.3g'):>10} {_fmt(gflops, '.1f'):>8} "
+            f"{_fmt(frac and 100 * frac, '.0f', '%'):>8}")
+    lines.append("GFLOP/s uses the faster of the two variants; 'of peak' is against the GEMM peak of the row's dtype.")
+    return "\n".join(lines)
+
+
+# The GPU check: a GPT that fills an H200 (about 300M parameters at d=1024, 24 layers; T=1024) in bf16 with the
+# fused attention kernel. The dry run is the same code path at a size the CPU finishes in seconds.
+GPU_GPT = {"batch": 16, "seq_len": 1024, "d_model": 1024, "num_layers": 24, "num_heads": 16, "vocab": 256}
+DRY_RUN_GPT = {"batch": 2, "seq_len": 64, "d_model": 64, "num_layers": 2, "num_heads": 2, "vocab": 256}
+
+
+def gpt_model_flops(cfg: dict) -> float:
+    """Model FLOPs of one training step (forward + backward, no rematerialisation), as in the PaLM MFU definition:
+    6 x (non-embedding parameters, output head included) per token, plus 12 x layers x T x d per token for the
+    attention score and value products."""
+    d, layers, t, v = cfg["d_model"], cfg["num_layers"], cfg["seq_len"], cfg["vocab"]
+    params = layers * (12 * d * d + 13 * d) + 2 * d + d * v + v
+    tokens = cfg["batch"] * t
+    return 6.0 * params * tokens + 12.0 * layers * t * d * tokens
+
+
+def gpu_mfu(out_dir, dry_run: bool = False, *, steps: int = 3, repeats: int = 5) -> dict:
+    """Trains the GPU-sized GPT in bf16 and returns its model FLOP utilisation against the bf16 GEMM peak measured
+    in the same run; writes the result to `out_dir/gpu_mfu.json`. `dry_run` shrinks the model to run on a CPU.
+
+    Attention uses the cuDNN fused kernel on GPUs ("cudnn"); if that kernel is unavailable the XLA path is used
+    and the result says so.
+    """
+    import optax
+
+    from jaxnn import models, train
+
+    cfg = DRY_RUN_GPT if dry_run else GPU_GPT
+    on_gpu = jax.default_backend() == "gpu"
+    peak = measure_matmul_peak(256 if dry_run else 8192, jnp.bfloat16, repeats=repeats)
+    batch = {"x": jnp.asarray(np.random.default_rng(0).integers(0, cfg["vocab"], (cfg["batch"], cfg["seq_len"] + 1),
+                                                                 dtype=np.int32))}
+    batch = {"x": batch["x"][:, :-1], "y": batch["x"][:, 1:]}
+    tx = optax.adamw(3e-4, weight_decay=0.1, mask=train.weight_decay_mask)
+    result = {"config": cfg, "dry_run": dry_run, "device": str(jax.devices()[0]), "jax": jax.__version__,
+              "peak": peak, "notes": []}
+    attempts = ["cudnn", "xla"] if on_gpu else ["auto"]
+    for impl in attempts:
+        gpt_cfg = models.GPTConfig(vocab_size=cfg["vocab"], seq_len=cfg["seq_len"], d_model=cfg["d_model"],
+                                   num_layers=cfg["num_layers"], num_heads=cfg["num_heads"],
+                                   attention_implementation=impl)
+        model = models.GPT(gpt_cfg)
+        state = train.create_train_state(model, tx, jax.random.key(0), batch["x"].shape, "bf16")
+        step = train.make_train_step(model, train.language_model_loss, tx, "bf16")
+        try:
+            t0 = time.perf_counter()
+            compiled = step.lower(state, batch).compile()
+            result["compile_s"] = time.perf_counter() - t0
+        except Exception as err:  # e.g. no cuDNN attention for this GPU/jax build: record it, try the next one
+            result["notes"].append(f"attention {impl!r} failed to compile: {type(err).__name__}: {err}"[:500])
+            continue
+        timing = time_train_step(compiled, state, batch, warmup=2, repeats=repeats, number=steps)
+        model_flops = gpt_model_flops(cfg)
+        compiled_fl = flops_of(compiled)
+        result.update(
+            attention=impl, num_params=gpt_cfg.num_params(), step_s=timing.median, timing=timing.as_dict(),
+            tokens_per_s=cfg["batch"] * cfg["seq_len"] / timing.median, model_flops_per_step=model_flops,
+            model_tflops=model_flops / timing.median / 1e12, compiled_flops_per_step=compiled_fl,
+            mfu=model_flops / timing.median / (peak["gflops"] * 1e9))
+        break
+    else:
+        result["mfu"] = None
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "gpu_mfu.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    return result
+
+
+def _main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxnn.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=list(SPECS), default=list(SPECS))
+    parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
+    parser.add_argument("--quick", action="store_true", help="fewer timing windows and a smaller peak GEMM")
+    parser.add_argument("--no-scan", action="store_true", help="skip the K-steps-per-call variant")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    parser.add_argument("--gpu", action="store_true", help="run the GPU GPT MFU check instead (gpu_mfu)")
+    parser.add_argument("--dry-run", action="store_true", help="with --gpu: a tiny GPT that runs on the CPU")
+    parser.add_argument("--out-dir", default="results/bench", help="with --gpu: where gpu_mfu.json goes")
+    args = parser.parse_args(argv)
+    if args.gpu:
+        if jax.default_backend() != "gpu" and not args.dry_run:
+            print("bench --gpu: no GPU here (backend is %r); use --dry-run to check it on the CPU"
+                  % jax.default_backend(), file=sys.stderr)
+            return 2
+        res = gpu_mfu(args.out_dir, dry_run=args.dry_run)
+        mfu = res.get("mfu")
+        print(f"GPT {res.get('num_params', 0) / 1e6:.0f}M params, T={res['config']['seq_len']}, bf16, attention "
+              f"{res.get('attention')}: {res.get('step_s', float('nan')) * 1e3:.1f} ms/step, "
+              f"{res.get('model_tflops', float('nan')):.3g} model TFLOP/s; bf16 GEMM peak "
+              f"{res['peak']['gflops'] / 1e3:.3g} TFLOP/s; MFU {'-' if mfu is None else f'{100 * mfu:.1f}%'}"
+              f"{' (dry run)' if args.dry_run else ''}")
+        for note in res["notes"]:
+            print("note:", note)
+        return 0 if mfu is not None else 1
+    result = run_benchmarks(args.models, args.precisions, quick=args.quick, scan=not args.no_scan)
+    print(format_report(result))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,20 @@
+# Benchmarks against the peer libraries (issue 6). The peers live in the `bench` extra, never in the runtime deps.
+.PHONY: bench-peers bench-gpu bench-gpu-dry install-bench
+
+BENCH_STAMP := $(VENV)/.installed-bench
+
+# torch==2.13.0 is pinned to the CPU wheel on disk: an unpinned torch would pull a multi-GB CUDA build.
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,bench]'
+	touch $(BENCH_STAMP)
+
+install-bench: $(BENCH_STAMP) ## install the peer libraries (Flax, Equinox, Haiku, PyTorch CPU) for bench-peers
+
+bench-peers: $(STAMP) $(BENCH_STAMP) ## jaxnn vs Flax Linen/NNX, Equinox, Haiku, PyTorch: one table + JSON (ARGS='--rounds 3')
+	$(PY) -m benchmarks.peers $(ARGS)
+
+bench-gpu: $(STAMP) ## GPT ~300M params, T=1024, bf16, fused attention: MFU vs the measured bf16 GEMM peak (GPU)
+	$(PY) -m jaxnn.bench --gpu --out-dir results/bench $(ARGS)
+
+bench-gpu-dry: $(STAMP) ## the bench-gpu code path at a tiny size, on the CPU
+	$(PY) -m jaxnn.bench --gpu --dry-run --out-dir results/bench $(ARGS)
