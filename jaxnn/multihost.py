@@ -249,6 +249,17 @@ def launch_local(num_processes: int, worker_args: list[str], *, devices_per_proc
     return results
 
 
+def failure_reason(stderr: str) -> str:
+    """The line of a failed worker's stderr that says why (jax's fatal-error line, the watchdog, a traceback's end)."""
+    lines = [line.strip() for line in stderr.splitlines()
+             if line.strip() and not line.lstrip().startswith(("@", "***", "[Gloo]"))]
+    for marker in ("Terminating process because", "jaxnn.multihost:", "Error"):
+        found = [line for line in lines if marker in line]
+        if found:
+            return found[-1][:400]
+    return lines[-1][:400] if lines else "(no output)"
+
+
 def _worker(args) -> None:
     from jaxnn import parallel
 
@@ -320,8 +331,7 @@ def main(argv=None) -> int:
             print(f"  process {r.process_id}: step {r.result['step']} final loss {r.result['loss']:.4f} "
                   f"params {r.result['params_digest']}")
         else:
-            tail = "\n      ".join((r.stderr.strip().splitlines() or ["(no output)"])[-3:])
-            print(f"  process {r.process_id}: failed (exit {r.returncode})\n      {tail}")
+            print(f"  process {r.process_id}: failed (exit {r.returncode}): {failure_reason(r.stderr)}")
     if all(r.returncode == 0 and r.result for r in results):
         same = len({r.result["params_digest"] for r in results}) == 1
         print("params identical on every process" if same else "PARAMS DIFFER between processes")
