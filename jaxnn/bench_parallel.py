@@ -27,28 +27,39 @@ def bench(forms, device_counts, *, global_batch: int, scaling: str, model_name: 
     tx = make_optimizer(1e-3)
     rng = np.random.default_rng(0)
     rows, base = [], {}
-    # Device count outermost: the forms at one count are measured close together in time, so they compare fairly.
     for n in device_counts:
         batch_size = global_batch if scaling == "strong" else global_batch * n
         batch = {"x": rng.normal(size=(batch_size, 8, 8, 1)).astype(np.float32),
                  "y": rng.integers(0, 10, size=(batch_size,)).astype(np.int32)}
+        steps = {form: _step_closure(parallel.data_parallel_train_step(
+            model, classification_loss, tx, mesh=parallel.make_mesh(n), form=form),
+            create_train_state(model, tx, jax.random.key(0), batch["x"].shape), batch) for form in forms}
+        # Rounds that alternate between the forms: load from other users of the machine then lands on every form
+        # alike, so the forms compare fairly even when absolute times drift.
+        number = {form: time_fn(fn, repeats=1).number for form, fn in steps.items()}
+        per_call = {form: [] for form in forms}
+        for _ in range(repeats):
+            for form, fn in steps.items():
+                per_call[form].append(time_fn(fn, warmup=0, repeats=1, number=number[form]).median)
         for form in forms:
-            dp = parallel.data_parallel_train_step(model, classification_loss, tx, mesh=parallel.make_mesh(n),
-                                                   form=form)
-            box = [dp.place_state(create_train_state(model, tx, jax.random.key(0), batch["x"].shape))]
-            placed = dp.place_batch(batch)
-
-            def one_step():
-                box[0], metrics = dp.step(box[0], placed)
-                return metrics["loss"]
-
-            timing = time_fn(one_step, repeats=repeats)
-            throughput = batch_size / timing.median
+            t = np.asarray(per_call[form])
+            throughput = batch_size / float(np.median(t))
             base.setdefault(form, throughput)
-            rows.append({"form": form, "devices": n, "global_batch": batch_size, "step_ms": timing.median * 1e3,
-                         "step_ms_iqr": [timing.p25 * 1e3, timing.p75 * 1e3], "examples_per_s": throughput,
-                         "efficiency": throughput / (base[form] * n / device_counts[0])})
+            rows.append({"form": form, "devices": n, "global_batch": batch_size, "step_ms": float(np.median(t)) * 1e3,
+                         "step_ms_iqr": [float(q) * 1e3 for q in np.percentile(t, [25, 75])],
+                         "examples_per_s": throughput, "efficiency": throughput / (base[form] * n / device_counts[0])})
     return rows
+
+
+def _step_closure(dp, state, batch):
+    box = [dp.place_state(state)]
+    placed = dp.place_batch(batch)
+
+    def one_step():
+        box[0], metrics = dp.step(box[0], placed)
+        return metrics["loss"]
+
+    return one_step
 
 
 def main(argv=None) -> int:
