@@ -91,7 +91,8 @@ def main(argv=None) -> int:
         print(f"skipped device counts {skipped}: only {jax.device_count()} devices")
     rows = bench(args.forms, counts, global_batch=args.global_batch, scaling=args.scaling, model_name=args.model,
                  repeats=args.repeats)
-    print(f"{'form':<10} {'devices':>7} {'batch':>6} {'step ms':>9} {'IQR ms':>15} {'examples/s':>11} {'efficiency':>10}")
+    print(f"{'form':<10} {'devices':>7} {'batch':>6} {'step ms':>9} {'IQR ms':>15} {'examples/s':>11} "
+          f"{'efficiency':>10}")
     for r in rows:
         iqr = f"{r['step_ms_iqr'][0]:.2f}-{r['step_ms_iqr'][1]:.2f}"
         print(f"{r['form']:<10} {r['devices']:>7} {r['global_batch']:>6} {r['step_ms']:>9.2f} {iqr:>15} "

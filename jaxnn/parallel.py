@@ -86,7 +86,8 @@ def check_batch_divisible(global_batch: int, mesh: Mesh) -> None:
 def _leading_size(batch) -> int:
     sizes = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
     if len(sizes) != 1 or None in sizes:
-        raise ValueError(f"batch leaves must share one leading (batch) axis, got leading sizes {sorted(map(str, sizes))}")
+        raise ValueError("batch leaves must share one leading (batch) axis, got leading sizes "
+                         f"{sorted(map(str, sizes))}")
     return sizes.pop()
 
 
