@@ -143,14 +143,11 @@ def train(cfg: RunConfig, *, mesh=None, checkpoint_dir: str | None = None, resto
     key = jax.random.key(cfg.seed)
     dp = parallel.data_parallel_train_step(model, classification_loss, tx, mesh=mesh, form=cfg.form)
     create = lambda: create_train_state(model, tx, key, (cfg.global_batch, *images.shape[1:]))  # noqa: E731
-    if cfg.form == "pmap":
-        if restore_dir:
+    state = dp.place_state(create())
+    if restore_dir:
+        if cfg.form == "pmap":
             raise ValueError("multihost.train: restoring is for forms 'jit' and 'shard_map', not 'pmap'")
-        state = dp.place_state(create())
-    else:
-        state = parallel.init_replicated_state(create, mesh)
-        if restore_dir:
-            state = restore_state(restore_dir, state)
+        state = restore_state(restore_dir, state)
     rows = parallel.process_slice(cfg.global_batch, mesh)
     loss = float("nan")
     last = cfg.steps if until is None else until

@@ -41,19 +41,18 @@ def configure_cpu_devices(num_devices: int) -> None:
     """
     if not isinstance(num_devices, int) or num_devices < 1:
         raise ValueError(f"configure_cpu_devices: num_devices must be a positive integer, got {num_devices!r}")
-    from jax._src import xla_bridge  # the only way to tell whether the device count can still change
-
-    if xla_bridge.backends_are_initialized():
+    try:
+        jax.config.update("jax_num_cpu_devices", num_devices)
+    except RuntimeError:  # jax's backends already exist: the count is fixed
         if jax.local_device_count() == num_devices or jax.default_backend() != "cpu":
             return
         raise RuntimeError(f"configure_cpu_devices({num_devices}) called after jax started with "
-                           f"{jax.local_device_count()} devices; call it before any jax computation")
-    # The XLA flag (set by tests/conftest.py) overrides the config option, so it must not contradict it.
+                           f"{jax.local_device_count()} devices; call it before any jax computation") from None
+    # The XLA flag (set by tests/conftest.py) would override the option, so it must not contradict it.
     flags = os.environ.get("XLA_FLAGS", "")
     if "--xla_force_host_platform_device_count" in flags:
         os.environ["XLA_FLAGS"] = " ".join(f for f in flags.split()
                                            if not f.startswith("--xla_force_host_platform_device_count"))
-    jax.config.update("jax_num_cpu_devices", num_devices)
 
 
 def make_mesh(num_devices: int | None = None) -> Mesh:
