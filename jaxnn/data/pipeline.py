@@ -118,7 +118,7 @@ class TrainBatches:
 
 
 def eval_batches(data: ImageDataset | TextCorpus, batch_size: int, *, seq_len: int = 128, seed: int = 0,
-                 max_text_batches: int = 8) -> list[dict]:
+                 max_text_batches: int = 4) -> list[dict]:
     """The test split as padded batches with a `mask` (images), or a fixed seeded set of windows (text)."""
     if isinstance(data, TextCorpus):
         rng = np.random.default_rng([seed, 2])
