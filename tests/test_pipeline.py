@@ -141,7 +141,7 @@ def test_prefetch_keeps_order_and_sharding(size):
 
 def test_prefetch_measures_input_wait():
     def slow():
-        for i in range(3):
+        for i in range(5):
             time.sleep(0.05)
             yield {"x": np.full((2,), i, np.float32)}
 
