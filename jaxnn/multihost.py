@@ -325,8 +325,8 @@ def main(argv=None) -> int:
           f"{time.monotonic() - t0:.1f} s")
     for r in results:
         if r.result:
-            print(f"  process {r.process_id}: step {r.result['step']} final loss {r.result['loss']:.4f} "
-                  f"params {r.result['params_digest']}")
+            print(f"  process {r.process_id} of {r.result['processes']} ({r.result['devices']} devices in the mesh): "
+                  f"step {r.result['step']} final loss {r.result['loss']:.4f} params {r.result['params_digest']}")
         else:
             print(f"  process {r.process_id}: failed (exit {r.returncode}): {failure_reason(r.stderr)}")
     if all(r.returncode == 0 and r.result for r in results):

@@ -1,5 +1,6 @@
 """Two local processes on 127.0.0.1 training together (gloo), checkpoints across process counts, a dying peer."""
 
+import re
 import subprocess
 import sys
 import time
@@ -13,23 +14,25 @@ CFG = multihost.RunConfig(model="mlp", steps=6, global_batch=16, learning_rate=1
 HALF = 3
 
 
-def test_two_processes_resume_one_process_checkpoint_and_match_one_process_run(tmp_path):
+def test_two_processes_resume_one_process_checkpoint_and_match_one_process_run(tmp_path, capsys):
     mesh = parallel.make_mesh()
     # One process writes the state of the run at step HALF ...
     half, _ = multihost.train(CFG, mesh=mesh, until=HALF)
     assert int(half.step) == HALF
     multihost.save_state(str(tmp_path / "one"), half)
 
-    # ... two processes restore it, train on to CFG.steps with their own halves of each batch, and save.
-    args = [f"--steps={CFG.steps}", f"--global-batch={CFG.global_batch}", f"--learning-rate={CFG.learning_rate}",
-            f"--restore-dir={tmp_path / 'one'}", f"--checkpoint-dir={tmp_path / 'two'}", "--heartbeat-timeout=10"]
-    results = multihost.launch_local(2, args, timeout_s=240)
-    for r in results:
-        assert r.returncode == 0, f"process {r.process_id} failed:\n{r.stderr[-3000:]}"
-    reports = [r.result for r in results]
-    assert [(r["process"], r["processes"], r["devices"], r["step"]) for r in reports] == [(0, 2, 2, 6), (1, 2, 2, 6)]
-    assert reports[0]["params_digest"] == reports[1]["params_digest"]  # bitwise identical on both processes
-    assert reports[0]["loss"] == reports[1]["loss"]
+    # ... two processes (the `make train-multihost` launcher) restore it, train on to CFG.steps with their own
+    # halves of each batch, and save.
+    code = multihost.main([f"--steps={CFG.steps}", f"--global-batch={CFG.global_batch}",
+                           f"--learning-rate={CFG.learning_rate}", f"--restore-dir={tmp_path / 'one'}",
+                           f"--checkpoint-dir={tmp_path / 'two'}", "--heartbeat-timeout=10", "--timeout=240"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "2 processes x 1 CPU device(s) on 127.0.0.1" in out
+    reports = re.findall(r"process (\d) of 2 \(2 devices in the mesh\): step (\d+) final loss (\S+) params (\w+)", out)
+    assert [(p, step) for p, step, _, _ in reports] == [("0", "6"), ("1", "6")], out
+    assert reports[0][2:] == reports[1][2:]  # same loss, bitwise identical parameters on both processes
+    assert "params identical on every process" in out
 
     # One process restores what the two wrote; it equals an uninterrupted one-process run on the same batches.
     reference, ref_loss = multihost.train(CFG, mesh=mesh)
@@ -39,7 +42,7 @@ def test_two_processes_resume_one_process_checkpoint_and_match_one_process_run(t
                  restored.params, reference.params)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6),
                  restored.opt_state, reference.opt_state)
-    np.testing.assert_allclose(reports[0]["loss"], ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(float(reports[0][2]), ref_loss, atol=1e-4)
     assert not np.allclose(np.asarray(restored.params["1_dense"]["w"]), np.asarray(half.params["1_dense"]["w"]))
 
 
@@ -56,14 +59,6 @@ def test_survivor_stops_with_clear_error_when_a_peer_dies():
         survivor.stderr[-2000:]
     assert survivor.result is None
     assert elapsed < 120
-
-
-def test_launcher_cli_reports_agreement():
-    out = subprocess.run([sys.executable, "-m", "jaxnn.multihost", "--num-processes", "2", "--steps", "4",
-                          "--global-batch", "16", "--timeout", "200"], capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "params identical on every process" in out.stdout
-    assert out.stdout.count("final loss") == 2
 
 
 def test_configure_cpu_devices_in_fresh_process():
