@@ -81,7 +81,8 @@ class TrainConfig:
 
     def trajectory(self) -> dict:
         """The fields that determine the computed parameters (what a resumed run must share)."""
-        return {k: v for k, v in self.as_dict().items() if k not in RUN_ONLY_FIELDS}
+        # Through JSON, so that it compares equal to a saved copy (tuples come back as lists).
+        return json.loads(json.dumps({k: v for k, v in self.as_dict().items() if k not in RUN_ONLY_FIELDS}))
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -300,7 +301,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.overwrite:
         for path in (ckpt_dir, run_dir / "metrics.jsonl"):
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-    run_config = {**cfg.trajectory(), "model_config": dataclasses.asdict(mcfg)}
+    run_config = json.loads(json.dumps({**cfg.trajectory(), "model_config": dataclasses.asdict(mcfg)}))
     ckpt = Checkpointer(ckpt_dir, keep=cfg.keep, save_every=cfg.ckpt_every, ignore=RUN_ONLY_FIELDS)
     start = 0
     if cfg.resume:

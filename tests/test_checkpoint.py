@@ -1,0 +1,187 @@
+"""Checkpoints: bitwise round trip of a real TrainState, keep-last-K, fallback past a damaged newest checkpoint,
+refusal of another config, the signal flag, and real training processes killed and resumed to identical params."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jaxnn.checkpoint import CheckpointError, Checkpointer, StopSignal, config_differences, state_digest
+from jaxnn.models import MLP, MLPConfig
+from jaxnn.train import create_train_state, make_optimizer
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CONFIG = {"model": "mlp", "lr": 0.001, "batch_size": 16}
+
+
+def make_state(seed):
+    model = MLP(MLPConfig().small())
+    tx = make_optimizer(1e-3, total_steps=10)
+    state = create_train_state(model, tx, jax.random.key(seed), (4, 8, 8, 1))
+    # Perturb every float leaf randomly so a restore of the wrong bytes cannot pass by accident.
+    leaves, treedef = jax.tree.flatten(state.params)
+    rng = np.random.default_rng(seed)
+    leaves = [x + rng.normal(size=x.shape).astype(x.dtype) for x in leaves]
+    return state._replace(params=jax.tree.unflatten(treedef, leaves))
+
+
+def assert_same(a, b):
+    for x, y in zip(jax.tree.leaves(jax.random.key_data(a.key)), jax.tree.leaves(jax.random.key_data(b.key))):
+        np.testing.assert_array_equal(x, y)
+    flat_a = jax.tree.leaves(a._replace(key=jax.random.key_data(a.key)))
+    flat_b = jax.tree.leaves(b._replace(key=jax.random.key_data(b.key)))
+    assert len(flat_a) == len(flat_b)
+    for x, y in zip(flat_a, flat_b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def saved(tmp_path, steps=(1, 2, 3), keep=2):
+    ckpt = Checkpointer(tmp_path / "ckpt", keep=keep, save_every=1)
+    states = {s: make_state(s) for s in steps}
+    for s in steps:
+        assert ckpt.save(s, states[s], data_state={"next_step": s}, config=CONFIG)
+    ckpt.wait()
+    return ckpt, states
+
+
+def test_roundtrip_bitwise_and_keep_last(tmp_path):
+    ckpt, states = saved(tmp_path)
+    assert ckpt.all_steps() == [2, 3]
+    state, data_state, step = ckpt.restore(make_state(0), CONFIG)
+    assert step == 3 and data_state == {"next_step": 3}
+    assert_same(state, states[3])
+    assert not ckpt.save(3, states[3], data_state={}, config=CONFIG, force=True)  # already there
+    assert not Checkpointer(tmp_path / "empty").should_save(5)
+    assert Checkpointer(tmp_path / "empty").restore(make_state(0), CONFIG) is None
+
+
+def newest_data_file(ckpt_dir: pathlib.Path, step: int) -> pathlib.Path:
+    files = [p for p in (ckpt_dir / str(step) / "state").rglob("*") if p.is_file() and "/d/" in str(p)]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "meta"])
+def test_damaged_newest_falls_back(tmp_path, caplog, damage):
+    ckpt, states = saved(tmp_path)
+    if damage == "meta":
+        (tmp_path / "ckpt" / "3" / "meta" / "metadata").write_text("{not json")
+    else:
+        path = newest_data_file(tmp_path / "ckpt", 3)
+        raw = bytearray(path.read_bytes())
+        if damage == "truncate":
+            raw = raw[: len(raw) // 2]
+        else:
+            raw[len(raw) // 2] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    state, _, step = Checkpointer(tmp_path / "ckpt", keep=2).restore(make_state(0), CONFIG)
+    assert step == 2
+    assert_same(state, states[2])
+    assert f"{tmp_path / 'ckpt' / '3'}" in caplog.text and "previous" in caplog.text
+
+
+def test_all_damaged_is_an_error(tmp_path):
+    saved(tmp_path, steps=(1,), keep=1)
+    (tmp_path / "ckpt" / "1" / "meta" / "metadata").write_text("")
+    with pytest.raises(CheckpointError, match="no readable checkpoint.*step 1: unreadable metadata"):
+        Checkpointer(tmp_path / "ckpt").restore(make_state(0), CONFIG)
+
+
+def test_incompatible_config_is_refused(tmp_path):
+    saved(tmp_path, steps=(1,))
+    other = {**CONFIG, "model": "cnn", "lr": 0.01}
+    with pytest.raises(CheckpointError, match=r"different config: lr: checkpoint 0.001, now 0.01; "
+                                              r"model: checkpoint 'mlp', now 'cnn'"):
+        Checkpointer(tmp_path / "ckpt").restore(make_state(0), other)
+    # Fields named in `ignore` may differ (paths, logging cadence).
+    assert Checkpointer(tmp_path / "ckpt", ignore=("lr", "model")).restore(make_state(0), other)[2] == 1
+    assert config_differences({"a": 1}, {"b": 2}) == ["a: checkpoint 1, now -", "b: checkpoint -, now 2"]
+
+
+def test_digest_sees_every_byte():
+    a = make_state(1)
+    leaves, treedef = jax.tree.flatten(a.params)
+    leaves[0] = leaves[0].at[0].add(1e-6)
+    assert state_digest(a) != state_digest(a._replace(params=jax.tree.unflatten(treedef, leaves)))
+    assert state_digest(a) == state_digest(make_state(1))
+
+
+def test_stop_signal_sets_flag_and_restores_handler():
+    before = signal.getsignal(signal.SIGTERM)
+    with StopSignal() as stop:
+        assert not stop
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        assert stop and stop.received == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+# --- real processes, killed and resumed ---------------------------------------------------------------------
+
+# The synthetic set spares each process the ~3 s import of scikit-learn (where the digits live).
+TRAIN = [sys.executable, "-m", "jaxnn.cli", "train", "--model", "mlp", "--size", "small", "--steps", "120",
+         "--dataset", "synthetic",
+         "--batch-size", "16", "--ckpt-every", "10", "--log-every", "20", "--eval-every", "60", "--keep", "2",
+         "--no-progress", "--no-plots"]
+
+
+def env():
+    e = dict(os.environ)
+    e.pop("XLA_FLAGS", None)  # one CPU device, as a user's run
+    return e
+
+
+def start(run_dir, *extra):
+    return subprocess.Popen([*TRAIN, "--run-dir", str(run_dir), *extra], cwd=REPO, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finished_steps(run_dir):
+    d = pathlib.Path(run_dir) / "ckpt"
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
+
+
+def kill_after(proc, run_dir, min_step, sig, timeout=90):
+    """Sends `sig` once a checkpoint at `min_step` or later exists (the run is mid-way, possibly mid-save)."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            pytest.fail(f"training ended before the kill point: {proc.communicate()[1][-2000:]}")
+        steps = finished_steps(run_dir)
+        if steps and steps[-1] >= min_step:
+            proc.send_signal(sig)
+            out, err = proc.communicate(timeout=60)
+            return proc.returncode, out, err
+        time.sleep(0.02)
+    proc.kill()
+    pytest.fail("no checkpoint appeared in time")
+
+
+@pytest.mark.slow
+def test_killed_and_resumed_run_matches_uninterrupted(tmp_path):
+    reference = start(tmp_path / "ref")
+    run = tmp_path / "run"
+    rc, _, _ = kill_after(start(run), run, 20, signal.SIGKILL)
+    assert rc == -signal.SIGKILL
+    rc, out, err = kill_after(start(run, "--resume"), run, 50, signal.SIGKILL)
+    assert rc == -signal.SIGKILL
+    rc, out, err = kill_after(start(run, "--resume"), run, 80, signal.SIGTERM)
+    assert rc == 128 + signal.SIGTERM, err[-2000:]
+    assert "stopped by signal 15" in out
+    interrupted_at = json.loads((run / "summary.json").read_text())["step"]
+    assert interrupted_at in finished_steps(run)  # the signal's own checkpoint
+    final = subprocess.run([*TRAIN, "--run-dir", str(run), "--resume"], cwd=REPO, env=env(), capture_output=True,
+                           text=True, timeout=120)
+    assert final.returncode == 0, final.stderr[-2000:]
+    ref_out, ref_err = reference.communicate(timeout=120)
+    assert reference.returncode == 0, ref_err[-2000:]
+    ref, resumed = (json.loads((d / "summary.json").read_text()) for d in (tmp_path / "ref", run))
+    assert resumed["resumed_from"] == interrupted_at and resumed["step"] == ref["step"] == 120
+    assert resumed["param_digest"] == ref["param_digest"]  # bitwise-equal parameters
+    assert resumed["eval_accuracy"] == ref["eval_accuracy"]
