@@ -15,7 +15,7 @@ import numpy as np
 from experiments import common
 from jaxnn.bench import time_fn
 from jaxnn.models import CNN, MLP, CNNConfig, MLPConfig
-from jaxnn.parallel import FORMS, configure_cpu_devices, data_parallel_train_step, make_mesh
+from jaxnn.parallel import FORMS, configure_cpu_devices, data_parallel_train_step, init_replicated_state, make_mesh
 from jaxnn.train import classification_loss, create_train_state, make_optimizer
 
 NAME = "exp_parallel"
@@ -37,7 +37,9 @@ def _measure(model, form: str, n_devices: int, global_batch: int, repeats: int) 
     tx = make_optimizer(1e-3)
     mesh = make_mesh(n_devices)
     dp = data_parallel_train_step(model, classification_loss, tx, mesh=mesh, form=form, donate=False)
-    state = dp.place_state(create_train_state(model, tx, jax.random.key(0), (global_batch, *IMAGE)))
+    # Initialised straight into replicated arrays: one compiled program, not one per initialiser op.
+    state = dp.place_state(init_replicated_state(
+        lambda: create_train_state(model, tx, jax.random.key(0), (global_batch, *IMAGE)), mesh))
     rng = np.random.default_rng(0)
     batch = dp.place_batch({"x": rng.standard_normal((global_batch, *IMAGE)).astype(np.float32),
                             "y": rng.integers(0, 10, global_batch).astype(np.int32)})

@@ -25,7 +25,7 @@ from jaxnn.bench import time_fn
 from jaxnn.data import DevicePrefetch, PipelineConfig, TrainBatches, host_iterator, synthetic
 from jaxnn.data.pipeline import _grain_available
 from jaxnn.models import CNN, CNNConfig
-from jaxnn.train import classification_loss, create_train_state, make_optimizer, train_step_fn
+from jaxnn.train import classification_loss, make_optimizer, train_step_fn
 
 NAME = "exp_pipeline"
 
@@ -64,8 +64,7 @@ def run(size: str = "quick", budget: common.Budget | None = None) -> dict:
     data = synthetic(IMAGE, n_train=max(8 * batch, 512), n_test=batch)
     model = CNN(CNNConfig(widths=cfg["widths"]))
     tx = make_optimizer(1e-3)
-    # Committed to the device like the states the step returns, so the step compiles once, not twice.
-    state = jax.device_put(create_train_state(model, tx, jax.random.key(0), (batch, *IMAGE)), device)
+    state = common.init_train_state(model, tx, (batch, *IMAGE), device=device)
     base_step = train_step_fn(model, classification_loss, tx)
     plain_step = jax.jit(base_step)
     overlapped_backend = "grain" if _grain_available() else "inline"

@@ -1,0 +1,490 @@
+"""`make report`: REPORT.md from every results/<machine-tag>/ folder present, one section per claim.
+
+Each section has the claim, a table with the CPU and GPU figures side by side (a backend with no results file shows
+'not measured', never a number), the plots, and a verdict (confirmed / refuted / depends / not measured) decided by
+the rules written next to each verdict function from the figures in the table. Every number is read from a results
+file; the only numbers in this file are the vendor's datasheet figures quoted in claim 3's correction and the
+thresholds of the verdict rules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+from pathlib import Path
+
+from experiments import exp_inference, exp_matmul, exp_parallel, exp_pipeline, exp_precision, exp_sequential, exp_train
+from experiments.common import load_results
+
+NOT_MEASURED = "not measured"
+
+# NVIDIA datasheet figures (dense TFLOP/s), quoted, not measured: the corrected version of the article's "12x".
+SPEC = {
+    "V100 tensor fp16": 125.0, "V100 fp32": 15.7, "P100 fp32": 10.6,
+    "H200 bf16 dense": 989.0, "H200 fp32": 67.0,
+}
+
+CLAIMS = {
+    1: ("Parallel matrix work", "Neural networks are mostly matrix products, which are embarrassingly parallel; a GPU "
+        "with thousands of cores and far higher memory bandwidth computes them much faster than a CPU."),
+    2: ("Latency", "Work that cannot be split into parallel pieces (sequential, dependent steps) runs faster on the "
+        "CPU, whose cores have lower latency."),
+    3: ("Tensor cores", "Since Volta, GPUs carry matrix units (tensor cores) with NVIDIA's '12x the throughput' of "
+        "ordinary CUDA cores; CPUs have matrix units too (Intel AMX)."),
+    4: ("Libraries", "CUDA made general GPU computing possible and cuDNN gave networks ready primitives; in jaxnn XLA "
+        "emits these library calls."),
+    5: ("Split the work", "Only compute-heavy parallel code should go to the GPU; data preprocessing belongs on the "
+        "CPU, or the GPU becomes a bottleneck."),
+    6: ("Big data, big batches", "The GPU pays off when training on large data in chunks (batches)."),
+    7: ("Inference", "For batched inference the GPU helps; for one-at-a-time real-time inference it may bring no "
+        "gain."),
+}
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+def _fmt(x, unit: str = "", digits: int = 3) -> str:
+    if x is None:
+        return NOT_MEASURED
+    if isinstance(x, str):
+        return x
+    if abs(x) >= 100:
+        s = f"{x:,.0f}"
+    elif abs(x) >= 1:
+        s = f"{x:.{max(digits - 1, 1)}g}" if abs(x) < 10 else f"{x:.1f}"
+    else:
+        s = f"{x:.{digits}g}"
+    return f"{s}{unit}"
+
+
+def _ratio(x) -> str:
+    return NOT_MEASURED if x is None else f"{x:.2f}x"
+
+
+def _is_gpu(tag: str) -> bool:
+    return not tag.startswith("cpu")
+
+
+class Machines:
+    """The results by machine tag; columns of the tables are the CPU tags, then the GPU tags (or one 'GPU' column
+    reading 'not measured' when no GPU results exist)."""
+
+    def __init__(self, results: dict[str, dict[str, dict]]):
+        self.results = results
+        self.cpu = sorted(t for t in results if not _is_gpu(t))
+        self.gpu = sorted(t for t in results if _is_gpu(t))
+
+    def columns(self) -> list[str | None]:
+        return (self.cpu or [None]) + (self.gpu or [None])
+
+    def header(self) -> list[str]:
+        cpu = [f"CPU `{t}`" for t in self.cpu] or [f"CPU ({NOT_MEASURED})"]
+        gpu = [f"GPU `{t}`" for t in self.gpu] or [f"GPU ({NOT_MEASURED})"]
+        return cpu + gpu
+
+    def get(self, tag: str | None, name: str) -> dict | None:
+        return self.results.get(tag, {}).get(name) if tag else None
+
+
+def _table(machines: Machines, rows: list[tuple[str, callable]]) -> str:
+    """`rows`: (label, fn(tag, machines) -> str or None); None shows as 'not measured'."""
+    head = ["figure"] + machines.header()
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, fn in rows:
+        cells = []
+        for tag in machines.columns():
+            try:
+                value = fn(tag) if tag else None
+            except (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError):
+                value = None
+            cells.append(NOT_MEASURED if value is None else value)
+        lines.append("| " + " | ".join([label] + cells) + " |")
+    return "\n".join(lines)
+
+
+def _plots(machines: Machines, name: str, report_dir: Path, results_root: Path) -> str:
+    out = []
+    for tag in machines.cpu + machines.gpu:
+        png = results_root / tag / f"{name}.png"
+        if png.exists():
+            out.append(f"![{name} on {tag}]({os.path.relpath(png, report_dir)})")
+    return "\n\n".join(out)
+
+
+def _overall(verdicts: dict[str, tuple[str, str]]) -> tuple[str, str]:
+    """One verdict from per-machine ones: the GPU's where a GPU was measured (the claims are about GPUs)."""
+    gpu = {t: v for t, v in verdicts.items() if _is_gpu(t) and v[0] != NOT_MEASURED}
+    chosen = gpu or {t: v for t, v in verdicts.items() if v[0] != NOT_MEASURED}
+    if not chosen:
+        return NOT_MEASURED, "; ".join(v[1] for v in verdicts.values()) or "no results files"
+    kinds = {v[0] for v in chosen.values()}
+    verdict = kinds.pop() if len(kinds) == 1 else "depends"
+    reason = "; ".join(f"`{t}`: {v[0]} — {v[1]}" for t, v in chosen.items())
+    if not gpu:
+        reason += " (CPU only: no GPU results yet)"
+    return verdict, reason
+
+
+# ------------------------------------------------------------------------------------------------ verdicts
+# Each takes one machine's results and returns (verdict, the numbers that decide it).
+
+def verdict_matmul(rec: dict | None) -> tuple[str, str]:
+    """Confirmed when the accelerator runs the largest fp32 product >= 5x faster than the same machine's CPU;
+    refuted when it is slower; depends in between. Needs both backends in one run (a GPU machine)."""
+    if not rec:
+        return NOT_MEASURED, "no exp_matmul results"
+    s = exp_matmul.summary(rec)
+    if "speedup_at_largest" not in s:
+        best = s["best_gflops"].get("cpu/f32")
+        return NOT_MEASURED, (f"CPU only (best fp32 {best[0]:.0f} GFLOP/s at n={best[1]}); the GPU comparison "
+                              "needs a GPU run" if best else "no accelerator in this run")
+    x = s["speedup_at_largest"]
+    verdict = "confirmed" if x >= 5 else "refuted" if x < 1 else "depends"
+    return verdict, (f"{s['accelerator']} is {x:.1f}x the host CPU on an fp32 {s['largest_n']}^3 product; it "
+                     f"overtakes the CPU from n={s['overtake_n']}")
+
+
+def verdict_latency(seq: dict | None, mm: dict | None) -> tuple[str, str]:
+    """Confirmed when the CPU wins every dependent chain at the smallest hidden size and the smallest products;
+    refuted when the accelerator wins them; depends otherwise. Needs both backends in one run."""
+    if not seq:
+        return NOT_MEASURED, "no exp_sequential results"
+    s = exp_sequential.summary(seq)
+    if not s["winner"]:
+        per = s["per_step_us"].get("cpu", {}).get("chain", {})
+        pen = s["sequential_penalty"].get("cpu", {}).get("chain", {})
+        if per:
+            h = min(per, key=float)
+            return NOT_MEASURED, (f"CPU only: a dependent step costs {per[h]:.2f} µs at hidden {h}, "
+                                  f"{pen.get(h, float('nan')):.1f}x the time of the equal-FLOP parallel product; the CPU-vs-GPU "
+                                  "comparison needs a GPU run")
+        return NOT_MEASURED, "no CPU rows"
+    small = {case: per[min(per, key=float)] for case, per in s["winner"].items()}
+    cpu_wins = [c for c, v in small.items() if v["winner"] == "cpu"]
+    mm_small = exp_matmul.summary(mm).get("cpu_faster_sizes", []) if mm else []
+    detail = ", ".join(f"{c}: CPU takes {v['cpu_over_accel']:.2f}x the accelerator's time" for c, v in small.items())
+    if len(cpu_wins) == len(small) and mm_small:
+        verdict = "confirmed"
+    elif not cpu_wins and not mm_small:
+        verdict = "refuted"
+    else:
+        verdict = "depends"
+    return verdict, f"smallest hidden size: {detail}; CPU faster on products of n in {mm_small or 'none'}"
+
+
+def verdict_tensor_cores(prec: dict | None) -> tuple[str, str]:
+    """On an accelerator: confirmed when bf16 products run >= 8x exact fp32 (the like-for-like figure behind the
+    '12x'), depends from 2x to 8x, refuted under 2x. On a CPU: the same thresholds for its matrix units."""
+    if not prec:
+        return NOT_MEASURED, "no exp_precision results"
+    s = exp_precision.summary(prec).get("matmul", {})
+    bf16 = s.get("bf16", {}).get("speedup")
+    if bf16 is None:
+        return NOT_MEASURED, "no bf16 matmul"
+    err = s["bf16"]["rel_error"]
+    extra = ", ".join(f"{m} {v['speedup']:.2f}x" for m, v in s.items() if m not in ("fp32", "bf16") and v.get("speedup"))
+    numbers = f"bf16 x bf16 -> fp32 product {bf16:.2f}x exact fp32 (relative error {err:.1e} vs float64); {extra}"
+    if prec["machine"]["backend"] == "cpu":
+        # The claim is about GPU tensor cores; a CPU run only says what this CPU's own matrix units give.
+        amx = "with" if any(f.startswith("amx") for f in prec["machine"].get("cpu_flags", [])) else "without"
+        return NOT_MEASURED, f"no GPU in this run; this CPU ({amx} AMX in its flags): {numbers}"
+    verdict = "confirmed" if bf16 >= 8 else "depends" if bf16 >= 2 else "refuted"
+    return verdict, numbers
+
+
+def verdict_libraries(check: dict | None, prec: dict | None) -> tuple[str, str]:
+    """Confirmed when the compiled HLO of a bf16 product calls cuBLAS/cuDNN/Triton GEMMs on bf16 operands (and,
+    for convolutions, cuDNN); refuted when a GPU run shows none; not measured without a GPU run."""
+    kernels = sorted({k["target"] for r in (prec or {}).get("rows", []) for k in r["kernels"]})
+    if not check or check.get("dry_run", True):
+        return NOT_MEASURED, (f"CPU: XLA's compiled HLO calls {', '.join(kernels) or 'no library kernels'} "
+                              "(its own code elsewhere); the cuBLAS/cuDNN check needs a GPU run")
+    c = check["check"]
+    gemm = ", ".join(sorted({g["target"] for g in c.get("gemm_calls", [])})) or "none"
+    conv = ", ".join(sorted({k["target"] for k in c.get("conv_calls", [])})) or "none"
+    verdict = "confirmed" if c.get("bf16_gemm") else "refuted"
+    return verdict, f"bf16 product -> {gemm}; bf16 convolution -> {conv}"
+
+
+def verdict_pipeline(pipe: dict | None) -> tuple[str, str]:
+    """Per augmentation cost, the fastest arrangement. Confirmed when host preprocessing overlapped with the step
+    wins at every cost; refuted when augmenting on the device wins at every cost; depends otherwise."""
+    if not pipe:
+        return NOT_MEASURED, "no exp_pipeline results"
+    s = exp_pipeline.summary(pipe)
+    if not s:
+        return NOT_MEASURED, "no rows"
+    winners = {int(c): v["best"] for c, v in s.items()}
+    kinds = set(winners.values())
+    verdict = ("confirmed" if kinds == {"overlapped"} else "refuted" if kinds == {"device"} else "depends")
+    top = max(s, key=float)
+    sync_idle = s[top].get("sync", {}).get("device_idle")
+    idle = f"; in-line (sync) preprocessing leaves the device idle {sync_idle:.0%} of the time" if sync_idle is not None else ""
+    return verdict, ("fastest per augmentation cost: " + ", ".join(f"{c}: {w}" for c, w in sorted(winners.items()))
+                     + f"; at cost {top} the best is {s[top].get('best_over_sync', float('nan')):.2f}x sync" + idle)
+
+
+def verdict_batches(par: dict | None) -> tuple[str, str]:
+    """Confirmed when training throughput grows >= 3x from the smallest to the largest batch; refuted under 1.5x."""
+    if not par:
+        return NOT_MEASURED, "no exp_parallel results"
+    g = exp_parallel.summary(par).get("batch_gain")
+    if not g:
+        return NOT_MEASURED, "no batch sweep"
+    verdict = "confirmed" if g["gain"] >= 3 else "refuted" if g["gain"] < 1.5 else "depends"
+    return verdict, (f"samples/s {g['samples_per_s_from']:.0f} at batch {g['from']} -> "
+                     f"{g['samples_per_s_to']:.0f} at batch {g['to']} ({g['gain']:.1f}x)")
+
+
+def verdict_inference(inf: dict | None) -> tuple[str, str]:
+    """Needs both backends in one run. Batched half: the accelerator's best throughput >= 2x the CPU's. Real-time
+    half: the accelerator's batch-1 p50 latency is not below half the CPU's. Both: confirmed; neither: refuted."""
+    if not inf:
+        return NOT_MEASURED, "no exp_inference results"
+    s = exp_inference.summary(inf)
+    accel = [b for b in s if b != "cpu"]
+    if not accel or "cpu" not in s:
+        cpu = s.get("cpu", {})
+        parts = [f"{m}: batch-1 p50 {v.get('batch1_p50_ms', float('nan')):.2f} ms, batching gives "
+                 f"{v.get('batching_gain', float('nan')):.1f}x the samples/s" for m, v in cpu.items()]
+        return NOT_MEASURED, "CPU only: " + "; ".join(parts) + "; the GPU comparison needs a GPU run"
+    a = accel[0]
+    halves, parts = [], []
+    for model in s["cpu"]:
+        c, g = s["cpu"][model], s[a].get(model)
+        if not g or "batch1_p50_ms" not in c or "batch1_p50_ms" not in g:
+            continue
+        batched = g["best_samples_per_s"] >= 2 * c["best_samples_per_s"]
+        realtime = g["batch1_p50_ms"] >= 0.5 * c["batch1_p50_ms"]
+        halves.append((batched, realtime))
+        parts.append(f"{model}: best {g['best_samples_per_s']:.0f} vs {c['best_samples_per_s']:.0f} samples/s, "
+                     f"batch-1 p50 {g['batch1_p50_ms']:.2f} vs {c['batch1_p50_ms']:.2f} ms ({a} vs cpu)")
+    if not halves:
+        return NOT_MEASURED, "no comparable rows"
+    if all(b and r for b, r in halves):
+        verdict = "confirmed"
+    elif not any(b or r for b, r in halves):
+        verdict = "refuted"
+    else:
+        verdict = "depends"
+    return verdict, "; ".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------ sections
+
+def _best(rec, key):
+    v = exp_matmul.summary(rec)["best_gflops"].get(key)
+    return f"{v[0]:,.0f} GFLOP/s (n={v[1]})" if v else None
+
+
+def section_matmul(m: Machines) -> tuple[str, dict]:
+    get = lambda t: m.get(t, "exp_matmul")  # noqa: E731
+    accel = lambda t: next((b for b in get(t)["peaks"] if b != "cpu"), None)  # noqa: E731
+    rows = [
+        ("best fp32 (exact)", lambda t: _best(get(t), f"{accel(t) or 'cpu'}/f32")),
+        ("best bf16 -> fp32", lambda t: _best(get(t), f"{accel(t) or 'cpu'}/bf16")),
+        ("measured bf16 peak", lambda t: _fmt(get(t)["peaks"][accel(t) or "cpu"]["gflops"], " GFLOP/s")),
+        ("host CPU best fp32 (same machine)", lambda t: _best(get(t), "cpu/f32") if accel(t) else None),
+        ("accelerator / host CPU, largest fp32", lambda t: _ratio(exp_matmul.summary(get(t)).get("speedup_at_largest"))),
+        ("accelerator overtakes the CPU from n =", lambda t: _fmt(exp_matmul.summary(get(t)).get("overtake_n"))),
+    ]
+    verdicts = {t: verdict_matmul(get(t)) for t in m.cpu + m.gpu}
+    return _table(m, rows), verdicts
+
+
+def section_latency(m: Machines) -> tuple[str, dict]:
+    seq = lambda t: m.get(t, "exp_sequential")  # noqa: E731
+
+    def per_step(t, backend, case):
+        per = exp_sequential.summary(seq(t))["per_step_us"].get(backend, {}).get(case)
+        h = min(per, key=float)
+        return f"{per[h]:.2f} µs (hidden {h})"
+
+    def penalty(t, backend):
+        pen = exp_sequential.summary(seq(t))["sequential_penalty"][backend]["chain"]
+        h = min(pen, key=float)
+        return f"{pen[h]:.1f}x"
+
+    def lat(t, backend):
+        s = exp_matmul.summary(m.get(t, "exp_matmul"))["latency_us"]
+        n = min(s, key=float)
+        return f"{s[n][backend]:.1f} µs (n={n})"
+
+    rows = [
+        ("CPU: µs per dependent step (chain)", lambda t: per_step(t, "cpu", "chain")),
+        ("CPU: µs per dependent step (RNN)", lambda t: per_step(t, "cpu", "rnn")),
+        ("CPU: chain time / equal-FLOP parallel product", lambda t: penalty(t, "cpu")),
+        ("GPU: µs per dependent step (chain)", lambda t: per_step(t, "gpu", "chain")),
+        ("GPU: µs per dependent step (RNN)", lambda t: per_step(t, "gpu", "rnn")),
+        ("GPU: chain time / equal-FLOP parallel product", lambda t: penalty(t, "gpu")),
+        ("smallest fp32 product, host CPU", lambda t: lat(t, "cpu")),
+        ("smallest fp32 product, GPU", lambda t: lat(t, "gpu")),
+    ]
+    verdicts = {t: verdict_latency(seq(t), m.get(t, "exp_matmul")) for t in m.cpu + m.gpu}
+    return _table(m, rows), verdicts
+
+
+def section_precision(m: Machines) -> tuple[str, dict]:
+    prec = lambda t: exp_precision.summary(m.get(t, "exp_precision"))  # noqa: E731
+    train = lambda t: exp_train.summary(m.get(t, "exp_train"))  # noqa: E731
+    rows = []
+    for op in ("matmul", "conv"):
+        for mode in ("fp32", "tf32", "bf16", "fp16", "bf16_out"):
+            rows.append((f"{op} {mode}: GFLOP/s, speedup, rel. error",
+                         lambda t, op=op, mode=mode: (lambda v: f"{v['gflops']:,.0f}; {v['speedup']:.2f}x; "
+                                                      f"{v['rel_error']:.1e}")(prec(t)[op][mode])))
+    def mm_pair(t):
+        rec = m.get(t, "exp_matmul")
+        b = next((x for x in rec["peaks"] if x != "cpu"), "cpu")
+        n = max(r["n"] for r in rec["rows"] if r["backend"] == b)
+        g = {r["dtype"]: r["gflops"] for r in rec["rows"] if r["backend"] == b and r["n"] == n}
+        return f"{g['f32']:,.0f} / {g['bf16']:,.0f} GFLOP/s ({g['bf16'] / g['f32']:.2f}x, n={n})"
+
+    rows.append(("exp_matmul, largest n: fp32 / bf16->fp32", mm_pair))
+    for model in ("cnn", "gpt"):
+        for p in ("bf16", "fp16", "tf32"):
+            rows.append((f"train {model} {p}: step speedup, quality (fp32's)",
+                         lambda t, model=model, p=p: (lambda s: f"{s[p]['speedup']:.2f}x; {s[p]['quality']:.3f} "
+                                                      f"({s['fp32']['quality']:.3f})")(train(t)[model])))
+    verdicts = {t: verdict_tensor_cores(m.get(t, "exp_precision")) for t in m.cpu + m.gpu}
+    return _table(m, rows), verdicts
+
+
+def section_libraries(m: Machines) -> tuple[str, dict]:
+    prec = lambda t: exp_precision.summary(m.get(t, "exp_precision"))  # noqa: E731
+    chk = lambda t: m.get(t, "gpu_check")  # noqa: E731
+    rows = [
+        ("bf16 matmul kernels", lambda t: ", ".join(f"`{k}`" for k in prec(t)["matmul"]["bf16"]["kernels"]) or "XLA's own"),
+        ("fp32 matmul kernels", lambda t: ", ".join(f"`{k}`" for k in prec(t)["matmul"]["fp32"]["kernels"]) or "XLA's own"),
+        ("bf16 conv kernels", lambda t: ", ".join(f"`{k}`" for k in prec(t)["conv"]["bf16"]["kernels"]) or "XLA's own"),
+        ("gpu-check: bf16 GEMM on bf16 operands",
+         lambda t: None if chk(t)["dry_run"] else str(chk(t)["check"]["bf16_gemm"])),
+        ("gpu-check: cuDNN convolution", lambda t: None if chk(t)["dry_run"] else str(chk(t)["check"]["cudnn_conv"])),
+    ]
+    verdicts = {t: verdict_libraries(chk(t), m.get(t, "exp_precision")) for t in m.cpu + m.gpu}
+    return _table(m, rows), verdicts
+
+
+def section_pipeline(m: Machines) -> tuple[str, dict]:
+    pipe = lambda t: exp_pipeline.summary(m.get(t, "exp_pipeline"))  # noqa: E731
+    rows = []
+    costs = sorted({int(c) for t in m.cpu + m.gpu for c in (pipe(t) if m.get(t, "exp_pipeline") else {})})
+    for cost in costs:
+        for arr in ("sync", "overlapped", "device"):
+            rows.append((f"cost {cost}, {arr}: samples/s (device idle)",
+                         lambda t, c=cost, a=arr: (lambda v: f"{v['samples_per_s']:,.0f} ({v['device_idle']:.0%})")(
+                             {int(k): x for k, x in pipe(t).items()}[c][a])))
+    verdicts = {t: verdict_pipeline(m.get(t, "exp_pipeline")) for t in m.cpu + m.gpu}
+    return _table(m, rows), verdicts
+
+
+def section_batches(m: Machines) -> tuple[str, dict]:
+    par = lambda t: m.get(t, "exp_parallel")  # noqa: E731
+    rows = []
+    batches = sorted({r["global_batch"] for t in m.cpu + m.gpu if par(t) for r in par(t)["sweep"]})
+    for b in batches:
+        rows.append((f"train samples/s, batch {b} (1 device)",
+                     lambda t, b=b: _fmt(next(r["samples_per_s"] for r in par(t)["sweep"] if r["global_batch"] == b))))
+    for form in ("jit", "shard_map", "pmap"):
+        rows.append((f"{form}: speedup from 1 to N devices",
+                     lambda t, f=form: (lambda v: f"{v['speedup']:.2f}x (N={v['devices']})")(
+                         exp_parallel.summary(par(t))["scaling"][f])))
+    rows.append(("devices simulated on the CPU", lambda t: str(par(t)["simulated_devices"])))
+    verdicts = {t: verdict_batches(par(t)) for t in m.cpu + m.gpu}
+    return _table(m, rows), verdicts
+
+
+def section_inference(m: Machines) -> tuple[str, dict]:
+    inf = lambda t: exp_inference.summary(m.get(t, "exp_inference"))  # noqa: E731
+    rows = []
+    for backend in ("cpu", "gpu"):
+        for model in ("cnn", "gpt"):
+            rows.append((f"{backend} {model}: batch-1 p50 / p99",
+                         lambda t, b=backend, mo=model: (lambda v: f"{v['batch1_p50_ms']:.2f} / {v['batch1_p99_ms']:.2f} ms")(
+                             inf(t)[b][mo])))
+            rows.append((f"{backend} {model}: best samples/s (batch)",
+                         lambda t, b=backend, mo=model: (lambda v: f"{v['best_samples_per_s']:,.0f} ({v['best_batch']})")(
+                             inf(t)[b][mo])))
+    verdicts = {t: verdict_inference(m.get(t, "exp_inference")) for t in m.cpu + m.gpu}
+    return _table(m, rows), verdicts
+
+
+CORRECTION = (
+    "**Correction to the article's figure.** NVIDIA's \"12x\" compares V100 tensor cores with the previous "
+    "generation's (P100) fp32 cores: {v100tc:.0f} vs {p100:.1f} TFLOP/s is {r1:.0f}x; against V100's own fp32 cores "
+    "({v100:.1f}) it is about {r2:.0f}x. On an H200 the datasheet ratio of dense bf16 to fp32 is {h200bf:.0f} vs "
+    "{h200fp:.0f} TFLOP/s, about {r3:.0f}x. (Datasheet figures, quoted, not measured; the measured ratios are in the "
+    "table.)")
+
+
+def build(results_root: str | Path, report_path: str | Path) -> str:
+    """Builds the report's Markdown from `results_root` and writes it to `report_path`; returns the text."""
+    results_root, report_path = Path(results_root), Path(report_path)
+    m = Machines(load_results(results_root))
+    report_dir = report_path.parent.resolve()
+    root = results_root.resolve()
+    out = ["# What a GPU does for deep learning — measured", "",
+           "Generated by `make report` from the results files under `results/` "
+           f"({datetime.date.today().isoformat()}). No figure below is typed by hand: each comes from a results "
+           "file, and a backend without one reads *not measured*. How each verdict is decided: docs/experiments.md "
+           "and the verdict functions in experiments/report.py.", "", "## Machines", "",
+           "| tag | device | CPU | cores | jax | results date | size |", "|---|---|---|---|---|---|---|"]
+    for tag in m.cpu + m.gpu:
+        recs = [r for r in m.results[tag].values() if "machine" in r]
+        info = recs[0]["machine"]
+        dates = sorted(r.get("date", "")[:10] for r in recs)
+        sizes = sorted({r.get("size", "?") for r in recs})
+        out.append(f"| `{tag}` | {info['device_kind']} | {info.get('cpu_model', '?')} | {info.get('cpu_cores', '?')} "
+                   f"| {info['jax_version']} | {dates[0]}..{dates[-1]} | {', '.join(sizes)} |")
+    if not m.gpu:
+        out += ["", f"No GPU results yet: every GPU column reads *{NOT_MEASURED}*. `make gpu-check` on a GPU "
+                "machine writes them (results/gpu-*/)."]
+    sections = [
+        (1, section_matmul, ["exp_matmul"]),
+        (2, section_latency, ["exp_sequential"]),
+        (3, section_precision, ["exp_precision", "exp_train"]),
+        (4, section_libraries, []),
+        (5, section_pipeline, ["exp_pipeline"]),
+        (6, section_batches, ["exp_parallel"]),
+        (7, section_inference, ["exp_inference"]),
+    ]
+    summary_rows = []
+    for number, fn, plots in sections:
+        title, claim = CLAIMS[number]
+        table, verdicts = fn(m)
+        verdict, reason = _overall(verdicts)
+        summary_rows.append((number, title, verdict))
+        out += ["", f"## Claim {number}: {title}", "", f"> {claim}", "", table, ""]
+        if number == 3:
+            s = SPEC
+            out += [CORRECTION.format(v100tc=s["V100 tensor fp16"], p100=s["P100 fp32"], v100=s["V100 fp32"],
+                                      r1=s["V100 tensor fp16"] / s["P100 fp32"], r2=s["V100 tensor fp16"] / s["V100 fp32"],
+                                      h200bf=s["H200 bf16 dense"], h200fp=s["H200 fp32"],
+                                      r3=s["H200 bf16 dense"] / s["H200 fp32"]), ""]
+        out += [f"**Verdict: {verdict}.** {reason}", ""]
+        for name in plots:
+            pics = _plots(m, name, report_dir, root)
+            if pics:
+                out += [pics, ""]
+    out[out.index("## Machines"):out.index("## Machines")] = (
+        ["## Verdicts", "", "| claim | verdict |", "|---|---|"]
+        + [f"| {n}. {t} | {v} |" for n, t, v in summary_rows] + [""])
+    text = "\n".join(out).rstrip() + "\n"
+    report_path.write_text(text)
+    return text
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m experiments.report", description=__doc__)
+    parser.add_argument("--results", default="results", help="folder holding one subfolder per machine tag")
+    parser.add_argument("--out", default="REPORT.md")
+    args = parser.parse_args(argv)
+    if not Path(args.results).is_dir():
+        raise SystemExit(f"report: no results folder {args.results!r}; run `make experiments` first")
+    build(args.results, args.out)
+    print(f"report: wrote {args.out} from {args.results}/")
+
+
+if __name__ == "__main__":
+    main()
