@@ -2,8 +2,8 @@
 
 - `"jit"` (the default): `jax.jit` with `NamedSharding`; the batch is split over the mesh's `data` axis, the train
   state is replicated, and XLA inserts the gradient all-reduce itself.
-- `"shard_map"`: `jax.shard_map` runs the step per device on its shard; gradients are averaged with an explicit
-  `lax.pmean`, and so are the metrics.
+- `"shard_map"`: `jax.shard_map` runs the step per device on its shard; gradients are averaged across devices
+  with an explicit collective, and the metrics with `lax.pmean`.
 - `"pmap"`: the older `jax.pmap` form (state carries a leading device axis), kept for comparison and migration.
 
 All three build on `jaxnn.train.train_step_fn`; `data_parallel_train_step` returns a `DataParallelStep` whose
@@ -175,43 +175,56 @@ def _pmean_floats(tree, axis_name: str):
     return jax.tree.map(lambda x: lax.pmean(x, axis_name) if _is_float(x) else x, tree)
 
 
-def _grads_averaged_over(model: Layer, axis_name: str) -> Layer:
-    """`model` whose parameter gradients come out averaged over `axis_name` (an identity with a pmean backward).
+def _grads_summed_over(model: Layer, axis_name: str) -> Layer:
+    """`model` whose parameter gradients come out summed over `axis_name` (an identity with a psum backward).
 
-    Averaging where the parameters enter the model, rather than inside the optimiser, means the step's gradient
+    Reducing where the parameters enter the model, rather than inside the optimiser, means the step's gradient
     norm, overflow check and update all see the global gradient, exactly as on one device.
     """
 
     @jax.custom_vjp
-    def mean_grads(params):
+    def global_grads(params):
         return params
 
     def backward(_, grads):
         # Reduce in float32 so that bf16/fp16 compute does not lose the sum's precision.
-        return (jax.tree.map(lambda g: lax.pmean(g.astype(jnp.float32), axis_name).astype(g.dtype), grads),)
+        return (jax.tree.map(lambda g: lax.psum(g.astype(jnp.float32), axis_name).astype(g.dtype), grads),)
 
-    mean_grads.defvjp(lambda params: (params, None), backward)
+    global_grads.defvjp(lambda params: (params, None), backward)
 
     def apply(params, x, **kwargs):
-        return model.apply(mean_grads(params), x, **kwargs)
+        return model.apply(global_grads(params), x, **kwargs)
 
     return Layer(model.init, apply, model.name, model.init_state)
+
+
+def _share_of_global_mean(loss_fn: LossFn, axis_name: str) -> LossFn:
+    def loss(logits, batch):
+        value, metrics = loss_fn(logits, batch)
+        return value / lax.axis_size(axis_name), metrics
+
+    return loss
 
 
 def per_device_step_fn(model: Layer, loss_fn: LossFn, tx, policy="fp32", axis_name: str = DATA_AXIS):
     """The step one device runs inside `shard_map`/`pmap` over `axis_name`: `(state, local_batch) -> (state, metrics)`.
 
-    Gradients and metrics are averaged across devices, and so is the model state (BatchNorm running statistics)
-    so that the state stays identical everywhere even with per-device statistics. Each device draws its own
-    randomness (dropout) from `fold_in(key, device index)`.
+    The gradient is the explicit average over devices of each device's gradient of its local mean loss. It is
+    computed as a psum of the gradients of (local mean / device count), which is the same average, but keeps every
+    intermediate gradient the size it has on one device, so fp16 loss scaling overflows exactly when one device
+    would. `loss_fn` must be a mean over the examples (equal shards make the global mean the mean of local ones).
+    Metrics are averaged (`lax.pmean`), and so is the model state (BatchNorm running statistics), which keeps it
+    identical everywhere even with per-device statistics. Each device draws its own randomness (dropout) from
+    `fold_in(key, device index)`.
     """
-    step = train_step_fn(_grads_averaged_over(model, axis_name), loss_fn, tx, policy)
+    step = train_step_fn(_grads_summed_over(model, axis_name), _share_of_global_mean(loss_fn, axis_name), tx, policy)
 
     def per_device(state: TrainState, batch):
         device_key = jax.random.fold_in(state.key, lax.axis_index(axis_name))
         new_state, metrics = step(state._replace(key=device_key), batch)
         new_state = new_state._replace(key=state.key, model_state=_pmean_floats(new_state.model_state, axis_name))
-        return new_state, _pmean_floats(metrics, axis_name)
+        metrics = {**_pmean_floats(metrics, axis_name), "loss": lax.psum(metrics["loss"], axis_name)}
+        return new_state, metrics
 
     return per_device
 

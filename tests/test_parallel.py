@@ -197,3 +197,23 @@ def test_init_replicated_state(key):
     assert len(state.params["0_dense"]["w"].addressable_shards) == 8
     _assert_trees_close(state.params, ref.params, rtol=0, atol=0)
     assert jnp.array_equal(jax.random.key_data(state.key), jax.random.key_data(ref.key))
+
+
+@pytest.mark.parametrize("policy", ["bf16", "fp16"])
+def test_shard_map_matches_jit_in_low_precision(policy, key):
+    """The explicit pmean happens in float32 and the fp16 overflow check sees the global gradient."""
+    batches = _batches(4)
+    results = {}
+    for form in ("jit", "shard_map"):
+        tx = _tx()
+        state = create_train_state(_mlp(), tx, key, (BATCH, FEATURES), policy)
+        dp = parallel.data_parallel_train_step(_mlp(), classification_loss, tx, policy, form=form)
+        state = dp.place_state(state)
+        for b in batches:
+            state, metrics = dp.step(state, dp.place_batch(b))
+        results[form] = (state, metrics)
+    (ref, ref_metrics), (state, metrics) = results["jit"], results["shard_map"]
+    _assert_trees_close(state.params, ref.params, rtol=1e-2, atol=2e-3)
+    np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-2)
+    if policy == "fp16":
+        assert bool(metrics["grads_finite"]) and float(metrics["loss_scale"]) == float(ref_metrics["loss_scale"])
