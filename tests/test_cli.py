@@ -1,0 +1,99 @@
+"""`jaxnn train`: bad input refused with one line and exit 2 before anything is written; small real runs write
+metrics, plots and a summary, train data-parallel, and print a gpt sample."""
+
+import gzip
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from jaxnn import cli
+from jaxnn.run import TrainConfig, validate
+
+QUICK = ["--size", "small", "--steps", "24", "--batch-size", "16", "--log-every", "8", "--no-progress"]
+
+
+def refused(capsys, argv, match):
+    assert cli.main(["train", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("jaxnn: error: ") and "\n" not in err, err
+    assert match in err, err
+    return err
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--model", "transformer"], "unknown model 'transformer'"),
+    (["--precision", "fp8"], "unknown precision 'fp8'"),
+    (["--devices", "3", "--batch-size", "16"], "batch size 16 is not divisible by the 3 devices"),
+    (["--steps", "0"], "steps must be a positive integer, got 0"),
+    (["--lr", "-0.1"], "lr must be a positive number, got -0.1"),
+    (["--dataset", "imagenet"], "unknown data set 'imagenet'"),
+    (["--model", "gpt", "--dataset", "digits"], "model 'gpt' cannot train on data set 'digits'"),
+    (["--resume", "--overwrite"], "exclude each other"),
+])
+def test_bad_flags_refused(capsys, tmp_path, argv, match):
+    refused(capsys, [*argv, "--run-dir", str(tmp_path / "run")], match)
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_data_dir_refused(capsys, tmp_path):
+    refused(capsys, ["--data", str(tmp_path / "nope"), "--run-dir", str(tmp_path / "r")], "data directory not found")
+    idx = tmp_path / "idx"
+    idx.mkdir()
+    header = bytes([0, 0, 8, 1]) + (5).to_bytes(4, "big")
+    (idx / "t10k-labels-idx1-ubyte.gz").write_bytes(gzip.compress(header + bytes(5)))
+    dims = b"".join(d.to_bytes(4, "big") for d in (5, 28, 28))
+    (idx / "t10k-images-idx3-ubyte").write_bytes(b"\x00\x00\x08\x03" + dims + bytes(100))  # truncated
+    refused(capsys, ["--dataset", "cifar10", "--data", str(idx), "--run-dir", str(tmp_path / "r")],
+            "holds mnist files, not the cifar10 format")
+    refused(capsys, ["--data", str(idx), "--run-dir", str(tmp_path / "r")], "t10k-images-idx3-ubyte: 100 bytes of data, expected 3920")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    refused(capsys, ["--data", str(empty), "--run-dir", str(tmp_path / "r")], "holds no MNIST")
+    assert not (tmp_path / "r").exists()
+
+
+def test_train_writes_metrics_plots_summary_and_refuses_reuse(capsys, tmp_path):
+    run = tmp_path / "run"
+    assert cli.main(["train", *QUICK, "--devices", "2", "--run-dir", str(run), "--eval-every", "12"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].startswith("cnn on digits: step 24/24, test accuracy ") and "examples/s" in out[-1]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if r["split"] == "train"]
+    assert [r["step"] for r in train_rows] == [8, 16, 24]
+    assert all(np.isfinite(r["loss"]) and r["input_wait_s"] >= 0 and r["examples_per_s"] > 0 for r in train_rows)
+    assert [r["step"] for r in rows if r["split"] == "eval"] == [12, 24]
+    for png in ("loss.png", "accuracy.png"):
+        assert (run / png).read_bytes()[:4] == b"\x89PNG"
+    summary = json.loads((run / "summary.json").read_text())
+    assert 0.0 < summary["eval_accuracy"] <= 1.0 and summary["step"] == 24
+    assert train_rows[-1]["loss"] < train_rows[0]["loss"]  # learning, if only 24 small steps
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    refused(capsys, [*QUICK, "--lr", "0.5", "--run-dir", str(run)], "belongs to a different config (lr: ")
+    refused(capsys, [*QUICK, "--run-dir", str(run)], "already holds a run; pass --resume")
+    refused(capsys, [*QUICK, "--steps", "20", "--resume", "--run-dir", str(run)],
+            "is from a different config: steps: checkpoint 24, now 20")
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before  # nothing overwritten
+    assert cli.main(["train", *QUICK, "--no-plots", "--run-dir", str(run), "--overwrite"]) == 0
+    assert "test accuracy" in capsys.readouterr().out
+
+
+def test_gpt_prints_a_sample(capsys, tmp_path):
+    # A small text folder instead of the default standard-library corpus, which takes seconds to gather.
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "a.py").write_bytes(pathlib.Path(cli.__file__).read_bytes() * 3)
+    assert cli.main(["train", "--model", "gpt", *QUICK, "--no-plots", "--data", str(text),
+                     "--run-dir", str(tmp_path / "g")]) == 0
+    out = capsys.readouterr().out
+    assert "--- sample ---\ndef " in out and "bits/byte" in out.splitlines()[-1]
+
+
+def test_config_small_and_validation():
+    cfg = TrainConfig().small()
+    validate(cfg)
+    assert cfg.size == "small" and cfg.steps < TrainConfig().steps
+    assert "run_dir" not in cfg.trajectory() and cfg.trajectory()["lr"] == cfg.lr
+    parser = cli.build_parser()
+    assert all(a.help for a in parser._subparsers._group_actions[0].choices["train"]._actions)
