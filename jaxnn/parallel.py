@@ -265,12 +265,12 @@ def data_parallel_train_step(model: Layer, loss_fn: LossFn, tx, policy="fp32", *
             raise ValueError("form 'pmap' is kept for single-process comparison; use 'jit' or 'shard_map' "
                              "across processes")
         pmapped = jax.pmap(per_device_step_fn(model, loss_fn, tx, policy), axis_name=DATA_AXIS,
-                           devices=list(mesh.devices.flat), donate_argnums=donate_argnums)
+                           devices=list(mesh.devices.flat), donate_argnums=donate_argnums,
+                           out_axes=(0, None))  # metrics are identical on every device after their pmean
 
         def pmap_step(state, batch):
             _check_pmap_batch(batch, mesh)
-            new_state, metrics = pmapped(state, batch)
-            return new_state, jax.tree.map(lambda m: m[0], metrics)  # identical on every device after pmean
+            return pmapped(state, batch)
 
         return DataParallelStep(pmap_step, lambda s: _stack_for_pmap(s, mesh), lambda b: _split_for_pmap(b, mesh),
                                 lambda s: jax.tree.map(lambda x: x[0], s), mesh, form)
@@ -280,8 +280,8 @@ def data_parallel_train_step(model: Layer, loss_fn: LossFn, tx, policy="fp32", *
     else:
         body = jax.shard_map(per_device_step_fn(model, loss_fn, tx, policy), mesh=mesh,
                              in_specs=(P(), P(DATA_AXIS)), out_specs=(P(), P()),
-                             # The gradient average is the explicit pmean above; with check_vma=True, autodiff
-                             # would also sum the gradients of the replicated parameters implicitly.
+                             # The gradient average is the explicit psum in per_device_step_fn; with
+                             # check_vma=True, autodiff would also sum the replicated parameters' gradients.
                              check_vma=False)
     compiled = jax.jit(body, in_shardings=(rep, data), out_shardings=(rep, rep), donate_argnums=donate_argnums)
 
