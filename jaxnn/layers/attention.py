@@ -14,7 +14,7 @@ from jaxnn.layers.activation import Dropout, Gelu
 from jaxnn.layers.core import Layer, check_positive, residual, serial, shape_error
 from jaxnn.layers.linear import Dense
 from jaxnn.layers.norm import LayerNorm
-from jaxnn.precision import product_kwargs
+from jaxnn import precision
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "f32acc")
 
@@ -26,9 +26,8 @@ def _attention_f32acc(q_BTNH, k_BSNH, v_BSNH, mask_B11S, causal, policy):
     backend runs as a slow bf16 -> bf16 dot instead of on the AMX units; this path keeps every product
     bf16 x bf16 -> f32.
     """
-    kwargs = product_kwargs(q_BTNH.dtype, policy)
     scale = 1.0 / jnp.sqrt(q_BTNH.shape[-1])
-    logits_BNTS = jnp.einsum("BTNH,BSNH->BNTS", q_BTNH, k_BSNH, **kwargs) * scale
+    logits_BNTS = precision.einsum("BTNH,BSNH->BNTS", q_BTNH, k_BSNH, policy) * scale
     valid = jnp.ones((1, 1, q_BTNH.shape[1], k_BSNH.shape[1]), bool)
     if causal:
         valid = jnp.tril(valid)
@@ -36,7 +35,7 @@ def _attention_f32acc(q_BTNH, k_BSNH, v_BSNH, mask_B11S, causal, policy):
         valid = valid & mask_B11S
     logits_BNTS = jnp.where(valid, logits_BNTS, jnp.finfo(logits_BNTS.dtype).min)
     probs_BNTS = jax.nn.softmax(logits_BNTS, axis=-1).astype(v_BSNH.dtype)
-    return jnp.einsum("BNTS,BSNH->BTNH", probs_BNTS, v_BSNH, **kwargs).astype(v_BSNH.dtype)
+    return precision.einsum("BNTS,BSNH->BTNH", probs_BNTS, v_BSNH, policy).astype(v_BSNH.dtype)
 
 
 def _choose_implementation(implementation: str, dtype) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import jax
@@ -10,10 +11,11 @@ from jax import lax
 from jax.nn import initializers
 
 from jaxnn.layers.core import Layer, along_last_axis, check_positive, shape_error
-from jaxnn.precision import product_kwargs
+from jaxnn import precision
 
 _DIMENSION_NUMBERS = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC")}
 PADDING_MODES = ("SAME", "VALID", "CAUSAL")
+LOWERINGS = ("auto", "xla", "im2col")
 
 
 def _as_tuple(value, rank: int, arg: str, layer: str) -> tuple[int, ...]:
@@ -44,14 +46,54 @@ def _normalise_padding(padding, rank: int, kernel: tuple[int, ...], dilation: tu
     return pairs
 
 
+def _explicit_pads(pad, in_spatial, kernel, strides, dilation):
+    if not isinstance(pad, str):
+        return [tuple(p) for p in pad]
+    dilated = [(k - 1) * d + 1 for k, d in zip(kernel, dilation)]
+    return list(lax.padtype_to_pads(in_spatial, dilated, strides, pad))
+
+
+def conv_im2col(x, w, strides, pad, dilation, policy=None):
+    """A channels-last convolution (no feature groups) as one matmul: the kernel_size taps of the padded input
+    are sliced out and concatenated along channels (im2col), then contracted with `w` reshaped to
+    (taps * in_channels, features). Gives what `lax.conv_general_dilated` gives, up to summation order.
+
+    Why: XLA's CPU convolution (forward, and above all its input- and weight-gradient convolutions) runs well
+    below its matmul rate; here the forward pass and both gradients are plain dots (see docs/performance.md).
+    """
+    kernel = w.shape[:-2]
+    spatial = x.shape[1:-1]
+    pads = _explicit_pads(pad, spatial, kernel, strides, dilation)
+    x = jnp.pad(x, [(0, 0), *pads, (0, 0)])
+    out = [(n + lo + hi - (k - 1) * d - 1) // s + 1
+           for n, (lo, hi), k, d, s in zip(spatial, pads, kernel, dilation, strides)]
+    taps = []
+    for offsets in itertools.product(*(range(k) for k in kernel)):
+        start = (0, *(o * d for o, d in zip(offsets, dilation)), 0)
+        limit = (x.shape[0], *(o * d + (n - 1) * s + 1 for o, d, n, s in zip(offsets, dilation, out, strides)),
+                 x.shape[-1])
+        taps.append(lax.slice(x, start, limit, (1, *strides, 1)))
+    patches = taps[0] if len(taps) == 1 else jnp.concatenate(taps, axis=-1)
+    w_flat = w.reshape(-1, w.shape[-1])
+    y = precision.einsum("mk,kn->mn", patches.reshape(-1, w_flat.shape[0]), w_flat, policy)
+    return y.reshape(*patches.shape[:-1], w_flat.shape[1])
+
+
 def Conv(features: int, kernel_size: int | Sequence[int], *, strides=1, padding="SAME", dilation=1,
          feature_group_count: int = 1, use_bias: bool = True, w_init=initializers.lecun_normal(),
-         b_init=initializers.zeros, name: str = "conv") -> Layer:
+         b_init=initializers.zeros, lowering: str = "auto", name: str = "conv") -> Layer:
     """Convolution with channels last; the rank (1 or 2) is the length of `kernel_size` (an int means 2-D).
 
     `w` has shape kernel_size + (in_channels // feature_group_count, features); products accumulate in float32.
+    `lowering`: "xla" is XLA's convolution op; "im2col" computes it as one matmul over the concatenated kernel
+    taps (no feature groups); "auto" takes im2col on the CPU, where it measures faster (docs/performance.md), and
+    XLA's convolution on accelerators, whose convolution kernels are the fast path there.
     """
     check_positive("Conv", features=features, feature_group_count=feature_group_count)
+    if lowering not in LOWERINGS:
+        raise ValueError(f"Conv: unknown lowering {lowering!r}; choose one of {LOWERINGS}")
+    if lowering == "im2col" and feature_group_count != 1:
+        raise ValueError("Conv: the im2col lowering has no feature groups; use lowering='xla'")
     kernel = (kernel_size, kernel_size) if isinstance(kernel_size, int) else tuple(kernel_size)
     rank = len(kernel)
     if rank not in _DIMENSION_NUMBERS:
@@ -64,10 +106,16 @@ def Conv(features: int, kernel_size: int | Sequence[int], *, strides=1, padding=
         raise ValueError(f"Conv: features {features} is not divisible by feature_group_count {feature_group_count}")
     dimension_numbers = _DIMENSION_NUMBERS[rank]
 
+    def use_im2col():
+        if lowering == "auto":
+            return feature_group_count == 1 and jax.default_backend() == "cpu"
+        return lowering == "im2col"
+
     def conv(x, w, policy=None):
-        return lax.conv_general_dilated(x, w, strides, pad, rhs_dilation=dilation,
-                                        dimension_numbers=dimension_numbers,
-                                        feature_group_count=feature_group_count, **product_kwargs(x.dtype, policy))
+        if use_im2col():
+            return conv_im2col(x, w, strides, pad, dilation, policy)
+        return precision.conv(x, w, policy, window_strides=strides, padding=pad, rhs_dilation=dilation,
+                              dimension_numbers=dimension_numbers, feature_group_count=feature_group_count)
 
     def init(key, in_shape):
         expected = f"of rank {rank + 2} ({dimension_numbers[0]})"

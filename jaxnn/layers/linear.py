@@ -9,7 +9,7 @@ from jax import lax
 from jax.nn import initializers
 
 from jaxnn.layers.core import Layer, along_last_axis, check_positive, shape_error
-from jaxnn.precision import product_kwargs
+from jaxnn import precision
 
 
 def Dense(features: int, *, use_bias: bool = True, w_init=initializers.lecun_normal(),
@@ -29,7 +29,8 @@ def Dense(features: int, *, use_bias: bool = True, w_init=initializers.lecun_nor
         w = params["w"]
         if x.shape[-1] != w.shape[0]:
             raise shape_error(name, f"with last axis {w.shape[0]}", x.shape)
-        y = lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (0,)), ((), ())), **product_kwargs(x.dtype, policy))
+        y = precision.einsum("mk,kn->mn", x.reshape(-1, w.shape[0]), w.astype(x.dtype), policy)
+        y = y.reshape(*x.shape[:-1], w.shape[1])
         if use_bias:
             y = y + along_last_axis(params["b"].astype(y.dtype), y.ndim)
         return y.astype(x.dtype)
