@@ -48,8 +48,9 @@ def test_two_processes_resume_one_process_checkpoint_and_match_one_process_run(t
 
 def test_survivor_stops_with_clear_error_when_a_peer_dies():
     t0 = time.monotonic()
+    # (shard_map form here, so that form also runs across processes; the resume test runs jit)
     results = multihost.launch_local(2, ["--steps=200", "--global-batch=16", "--heartbeat-timeout=5",
-                                         "--fail-at", "1", "2"], timeout_s=150, grace_s=60)
+                                         "--form=shard_map", "--fail-at", "1", "2"], timeout_s=150, grace_s=60)
     elapsed = time.monotonic() - t0
     dead, survivor = results[1], results[0]
     assert dead.returncode == 17 and "failing at step 2" in dead.stderr
@@ -58,6 +59,7 @@ def test_survivor_stops_with_clear_error_when_a_peer_dies():
     assert ("detected fatal errors" in survivor.stderr or "another process has probably died" in survivor.stderr), \
         survivor.stderr[-2000:]
     assert survivor.result is None
+    assert "process 0 step 1 loss" in survivor.stderr  # it had trained with its peer before the peer died
     assert elapsed < 120
 
 
