@@ -21,7 +21,7 @@ from jaxnn.train import classification_loss, create_train_state, make_optimizer
 NAME = "exp_parallel"
 
 CONFIG = {
-    "tiny": dict(model="mlp", cfg=MLPConfig(hidden=(32,)), counts=[2], per_device=8, sweep=[8, 32]),
+    "tiny": dict(model="mlp", cfg=MLPConfig(hidden=(32,)), counts=[2], per_device=8, sweep=[8, 16]),
     "quick": dict(model="mlp", cfg=MLPConfig(hidden=(512, 512)), counts=[1, 2, 8], per_device=64,
                   sweep=[16, 64, 256, 1024]),
     "full": dict(model="cnn", cfg=CNNConfig(widths=(16, 32)), counts=[1, 2, 4, 8], per_device=64,

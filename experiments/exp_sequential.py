@@ -91,7 +91,7 @@ def summary(record: dict) -> dict:
     accel = [b for b in backends if b != "cpu"]
     if accel and "cpu" in backends:
         for (backend, case, hidden), r in by.items():
-            if backend == accel[0] and ("cpu", case, hidden) in by:
+            if backend == accel[0] and case in ("chain", "rnn") and ("cpu", case, hidden) in by:
                 cpu = by[("cpu", case, hidden)]["median"]
                 out["winner"].setdefault(case, {})[hidden] = {"winner": "cpu" if cpu < r["median"] else accel[0],
                                                               "cpu_over_accel": cpu / r["median"]}

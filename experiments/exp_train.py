@@ -26,7 +26,7 @@ NAME = "exp_train"
 CONFIG = {
     "tiny": dict(cnn=CNNConfig(widths=(4,)), cnn_batch=16, cnn_steps=3,
                  gpt=GPTConfig(seq_len=16, d_model=32, num_layers=1, num_heads=2), gpt_batch=4, gpt_steps=3,
-                 precisions=["fp32", "bf16", "fp16"], gpt_precisions=["bf16"], text_bytes=1 << 16),
+                 precisions=["fp32", "bf16"], gpt_precisions=["fp16"], text_bytes=1 << 16),
     "quick": dict(cnn=CNNConfig(widths=(16, 32)), cnn_batch=64, cnn_steps=150,
                   gpt=GPTConfig(seq_len=64, d_model=128, num_layers=2, num_heads=4), gpt_batch=16, gpt_steps=100,
                   precisions=["fp32", "bf16", "fp16"], text_bytes=2 << 20),

@@ -1,0 +1,45 @@
+# Experiments (issue 5): each measures one claim of shared/seed-claims.md into results/<machine-tag>/, and the
+# report turns every results folder present into REPORT.md. SIZE=quick|full|gpu|tiny; RESULTS is the results folder
+# (not OUT: the GPU machine exports OUT for its own use, and make would read it).
+SIZE ?= quick
+RESULTS ?= results
+# gpu-check runs on a machine without network, from a plain checkout: the venv when one exists, else python3.
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+GPU_ARGS ?=
+
+.PHONY: exp-matmul exp-precision exp-sequential exp-pipeline exp-inference exp-parallel exp-train report \
+	experiments gpu-check gpu-check-dry
+
+exp-matmul: $(STAMP) ## matmul GFLOP/s vs size (64..8192) per backend, next to the measured peak
+	$(PY) -m experiments.exp_matmul --size $(SIZE) --out $(RESULTS)
+
+exp-precision: $(STAMP) ## fp32/tf32/bf16/fp16 matmul and conv: speedup over fp32 and error vs float64
+	$(PY) -m experiments.exp_precision --size $(SIZE) --out $(RESULTS)
+
+exp-sequential: $(STAMP) ## dependent lax.scan chains and an RNN vs one equal-FLOP parallel product
+	$(PY) -m experiments.exp_sequential --size $(SIZE) --out $(RESULTS)
+
+exp-pipeline: $(STAMP) ## host augmentation: synchronous vs overlapped vs on-device, as its cost grows
+	$(PY) -m experiments.exp_pipeline --size $(SIZE) --out $(RESULTS)
+
+exp-inference: $(STAMP) ## CNN and GPT latency (p50/p99) and throughput vs batch size 1..4096
+	$(PY) -m experiments.exp_inference --size $(SIZE) --out $(RESULTS)
+
+exp-parallel: $(STAMP) ## training throughput vs device count (jit, shard_map, pmap) and vs batch size
+	$(PY) -m experiments.exp_parallel --size $(SIZE) --out $(RESULTS)
+
+exp-train: $(STAMP) ## CNN and GPT training in fp32, bf16, fp16 (loss scaling): curves, quality, speed
+	$(PY) -m experiments.exp_train --size $(SIZE) --out $(RESULTS)
+
+report: $(STAMP) ## REPORT.md from every results/<machine-tag>/ present: per-claim tables, plots, verdicts
+	$(PY) -m experiments.report --results $(RESULTS) --out REPORT.md
+
+experiments: $(STAMP) ## all experiments at quick size (<10 min on 2 cores, progress bar), then the report
+	$(PY) -m experiments.run_all --size $(SIZE) --out $(RESULTS)
+	$(PY) -m experiments.report --results $(RESULTS) --out REPORT.md
+
+gpu-check: ## on a GPU machine (no venv needed): check tensor cores, run every experiment at GPU size in <8 min
+	PYTHONPATH=. $(GPU_PY) -m experiments.gpu_check --out $(RESULTS) $(GPU_ARGS)
+
+gpu-check-dry: ## the gpu-check code path at tiny sizes on the CPU (GPU assertions skipped)
+	PYTHONPATH=. $(GPU_PY) -m experiments.gpu_check --dry-run --out $${TMPDIR:-/tmp}/jaxnn-gpu-check-dry $(GPU_ARGS)

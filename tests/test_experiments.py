@@ -1,0 +1,220 @@
+"""Experiments: the machine tag, the HLO library-call reader, the float64 references, every experiment's code path
+(through `gpu_check --dry-run` at tiny sizes), and the report builder on a fixture of results files."""
+
+import json
+import re
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from experiments import common, exp_precision, gpu_check, report
+
+EXPERIMENTS = ["exp_matmul", "exp_precision", "exp_sequential", "exp_pipeline", "exp_inference", "exp_parallel",
+               "exp_train"]
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+def test_cpu_tag_names_cores_and_units():
+    tag = common.cpu_tag()
+    assert re.fullmatch(r"cpu-\d+core(-avx512|-avx2)?(-amx)?(-arm64)?", tag), tag
+    assert f"-{common.cpu_cores()}core" in tag
+    assert ("avx512" in tag) == ("avx512f" in common.cpu_flags())
+    assert ("amx" in tag) == bool(common.cpu_flags() & {"amx_tile", "amx_bf16"})
+
+
+def test_device_tag_of_a_gpu():
+    h200 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H200")
+    assert common.device_tag(h200) == "gpu-h200"
+    a100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA A100-SXM4-80GB")
+    assert common.device_tag(a100) == "gpu-a100-sxm4-80gb"
+
+
+GPU_HLO = """
+ENTRY %main (a.1: bf16[64,64], b.1: bf16[64,64]) -> f32[64,64] {
+  %a.1 = bf16[64,64]{1,0} parameter(0)
+  %b.1 = bf16[64,64]{1,0} parameter(1)
+  %x.2 = f32[64,64]{1,0} parameter(2)
+  %custom-call.1 = (f32[64,64]{1,0}, s8[4194304]{0}) custom-call(%a.1, %b.1), custom_call_target="__cublas$lt$matmul", backend_config={}
+  %conv = (f32[8,32,32,64]{3,2,1,0}, u8[0]{0}) custom-call(%x.2, %x.2), window={size=3x3}, custom_call_target="__cudnn$convForward"
+  ROOT %gemm_fusion_dot = f32[64,64]{1,0} fusion(%a.1, %b.1), kind=kCustom, calls=%c, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+}
+"""
+
+
+def test_library_calls_reads_targets_and_operand_types():
+    calls = common.library_calls(GPU_HLO)
+    by_target = {c["target"]: c for c in calls}
+    assert set(by_target) == {"__cublas$lt$matmul", "__cudnn$convForward", "__triton_gemm"}
+    assert by_target["__cublas$lt$matmul"]["operand_dtypes"] == ["bf16", "bf16"]
+    assert by_target["__cudnn$convForward"]["operand_dtypes"] == ["f32", "f32"]
+    assert by_target["__triton_gemm"]["result"] == "f32[64,64]"
+
+
+def test_library_calls_on_this_backends_compiled_bf16_product():
+    a = jnp.ones((64, 64), jnp.bfloat16)
+    product = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
+    calls = common.library_calls(common.compiled_hlo(product, a, a))
+    # Whatever kernel XLA picks here, any library call it makes on these operands must read as bf16.
+    for call in calls:
+        assert set(call["operand_dtypes"]) <= {"bf16", "f32", "?"}
+    assert gpu_check.tensor_core_check(32)["matmul_n"] == 32
+
+
+def test_conv_reference_matches_exact_fp32_convolution():
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((2, 6, 6, 3)), rng.standard_normal((3, 3, 3, 4))
+    conv = exp_precision._conv(lax.Precision.HIGHEST, jnp.float32)
+    out = np.asarray(conv(jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32)))
+    assert common.relative_error(out, exp_precision.conv_reference(x, w)) < 1e-5
+
+
+def test_relative_error_never_passes_nan():
+    ref = np.ones(4)
+    assert common.relative_error(ref, ref) == 0.0
+    assert common.relative_error(np.array([1.0, np.nan, 1.0, 1.0]), ref) == float("inf")
+
+
+def test_budget_skips_once_spent():
+    budget = common.Budget(0.0)
+    assert budget.over()
+    assert not common.Budget(None).over()
+    with pytest.raises(ValueError, match="unknown size"):
+        common.preset({"quick": 1}, "huge")
+
+
+# ----------------------------------------------------------------------------------------------- the dry run
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("results")
+    code = gpu_check.main(["--dry-run", "--out", str(out)])
+    return code, out / common.machine_tag()
+
+
+def test_gpu_check_dry_run_runs_every_experiment(dry_run):
+    code, folder = dry_run
+    check = json.loads((folder / "gpu_check.json").read_text())
+    failed = [row for row in check["table"] if row["status"] != "ok"]
+    assert code == 0 and not failed, failed
+    assert check["dry_run"] is True and check["check"]["backend"] == jax.default_backend()
+    for name in EXPERIMENTS:
+        record = json.loads((folder / f"{name}.json").read_text())
+        assert record["name"] == name and record["size"] == "tiny"
+        assert record["machine"]["tag"] == folder.name and record["machine"]["jax_version"] == jax.__version__
+        assert (folder / f"{name}.png").stat().st_size > 1000
+
+
+def test_dry_run_figures_are_measured(dry_run):
+    _, folder = dry_run
+    load = lambda name: json.loads((folder / f"{name}.json").read_text())  # noqa: E731
+    mm = load("exp_matmul")
+    assert {r["dtype"] for r in mm["rows"]} == {"f32", "bf16"}
+    for r in mm["rows"]:
+        assert r["min"] <= r["median"] <= r["max"] and r["gflops"] == pytest.approx(2 * r["n"] ** 3 / r["median"] / 1e9)
+    prec = {(r["op"], r["mode"]): r for r in load("exp_precision")["rows"]}
+    assert prec[("matmul", "fp32")]["rel_error"] < 1e-5            # exact fp32 against float64
+    assert 1e-4 < prec[("matmul", "bf16")]["rel_error"] < 2e-2      # bf16 operands: 8-bit mantissa
+    assert prec[("matmul", "fp32")]["speedup_vs_fp32"] == 1.0
+    seq = load("exp_sequential")
+    assert {r["case"] for r in seq["rows"]} == {"chain", "chain_parallel", "rnn", "rnn_parallel"}
+    pipe = load("exp_pipeline")
+    assert {r["arrangement"] for r in pipe["rows"]} == {"sync", "overlapped", "device"}
+    assert all(0.0 <= r["device_idle"] <= 1.0 for r in pipe["rows"])
+    inf = load("exp_inference")
+    assert all(r["p50_ms"] <= r["p99_ms"] for r in inf["rows"]) and {r["model"] for r in inf["rows"]} == {"cnn", "gpt"}
+    par = load("exp_parallel")
+    losses = [r["first_loss"] for r in par["rows"]]
+    assert {r["form"] for r in par["rows"]} == {"jit", "shard_map", "pmap"}
+    assert max(losses) - min(losses) < 1e-4  # the three forms compute the same step on the same batch
+    train = load("exp_train")
+    assert {(r["model"], r["precision"]) for r in train["rows"]} == {("cnn", "fp32"), ("cnn", "bf16"), ("gpt", "fp16")}
+    assert all(r["finite"] for r in train["rows"])
+
+
+def test_report_on_the_dry_run_has_every_claim(dry_run, tmp_path):
+    _, folder = dry_run
+    text = report.build(folder.parent, tmp_path / "REPORT.md")
+    for n in range(1, 8):
+        assert f"## Claim {n}:" in text
+    assert "GPU (not measured)" in text and f"CPU `{folder.name}`" in text
+    assert "12x" in text and "about 8x" in text and "about 15x" in text
+
+
+# ----------------------------------------------------------------------------------------------- the report
+
+def _machine(tag, backend, kind):
+    return {"tag": tag, "backend": backend, "device_kind": kind, "device_count": 1, "cpu_model": "x", "cpu_cores": 16,
+            "cpu_flags": [], "jax_version": "0.11.2", "python": "3.12"}
+
+
+def _write(root, tag, name, record):
+    path = root / tag / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"name": name, "date": "2026-11-30T00:00:00+00:00", "size": "gpu", **record}))
+
+
+def _mm_rows(backend, times):
+    return [{"backend": backend, "dtype": d, "n": n, "median": t * (0.5 if d == "bf16" else 1), "p25": t, "p75": t,
+             "min": t, "max": t, "gflops": 2 * n ** 3 / t / 1e9} for n, t in times.items() for d in ("f32", "bf16")]
+
+
+@pytest.fixture
+def gpu_fixture(tmp_path):
+    """A GPU machine's results (GPU and host-CPU rows) and no CPU-machine results: figures chosen so that each
+    verdict rule lands on a known side."""
+    tag, m = "gpu-h200", _machine("gpu-h200", "gpu", "NVIDIA H200")
+    _write(tmp_path, tag, "exp_matmul", {"machine": m, "rows": _mm_rows("gpu", {64: 2e-5, 4096: 1e-4})
+                                        + _mm_rows("cpu", {64: 5e-6, 4096: 0.1}),
+                                        "peaks": {"gpu": {"gflops": 700000.0}, "cpu": {"gflops": 900.0}}})
+    prec_rows = [{"op": "matmul", "mode": mode, "gflops": g, "speedup_vs_fp32": g / 50000, "rel_error": e,
+                  "kernels": [{"target": "__cublas$lt$matmul", "operand_dtypes": ["bf16", "bf16"]}]}
+                 for mode, g, e in (("fp32", 50000, 1e-7), ("bf16", 700000, 3e-3))]
+    _write(tmp_path, tag, "exp_precision", {"machine": m, "rows": prec_rows})
+    seq_rows = [{"backend": b, "case": c, "hidden": 16, "steps": 1000, "median": t, "us_per_step": t * 1e3}
+                for b, c, t in (("gpu", "chain", 0.01), ("gpu", "chain_parallel", 1e-5), ("cpu", "chain", 0.001),
+                                ("cpu", "chain_parallel", 1e-4), ("gpu", "rnn", 0.012), ("cpu", "rnn", 0.002))]
+    _write(tmp_path, tag, "exp_sequential", {"machine": m, "rows": seq_rows})
+    _write(tmp_path, tag, "gpu_check", {"machine": m, "dry_run": False,
+                                        "check": {"bf16_gemm": True, "cudnn_conv": True,
+                                                  "gemm_calls": [{"target": "__cublas$lt$matmul"}],
+                                                  "conv_calls": [{"target": "__cudnn$convForward"}]}})
+    pipe_rows = [{"arrangement": a, "cost": c, "samples_per_s": s, "device_idle": i}
+                 for c in (1, 16) for a, s, i in (("sync", 1000, 0.7), ("overlapped", 3000, 0.1), ("device", 5000, 0.0))]
+    _write(tmp_path, tag, "exp_pipeline", {"machine": m, "rows": pipe_rows})
+    inf_rows = [{"backend": b, "model": "cnn", "batch": n, "p50_ms": p, "p99_ms": 2 * p, "samples_per_s": s}
+                for b, n, p, s in (("gpu", 1, 0.3, 3000), ("gpu", 4096, 5.0, 800000), ("cpu", 1, 0.2, 5000),
+                                   ("cpu", 256, 40.0, 6000))]
+    _write(tmp_path, tag, "exp_inference", {"machine": m, "rows": inf_rows})
+    return tmp_path
+
+
+def test_report_fills_gpu_column_and_marks_missing_cpu_not_measured(gpu_fixture):
+    text = report.build(gpu_fixture, gpu_fixture / "REPORT.md")
+    assert "CPU (not measured)" in text and "GPU `gpu-h200`" in text
+    table_rows = [line for line in text.splitlines() if line.startswith("| accelerator / host CPU")]
+    assert table_rows == ["| accelerator / host CPU, largest fp32 | not measured | 1000.00x |"]
+    verdicts = dict(re.findall(r"\| \d\. ([^|]+) \| ([^|]+) \|", text))
+    verdicts = {k.strip(): v.strip() for k, v in verdicts.items()}
+    assert verdicts == {"Parallel matrix work": "confirmed", "Latency": "confirmed", "Tensor cores": "confirmed",
+                        "Libraries": "confirmed", "Split the work": "refuted",
+                        "Big data, big batches": "not measured", "Inference": "confirmed"}
+    # The numbers behind a verdict are the file's, not typed: 700000 / 50000 = 14x.
+    assert "14.00x exact fp32" in text
+
+
+def test_report_with_no_gpu_results_never_invents_gpu_figures(tmp_path):
+    m = _machine("cpu-2core-avx512", "cpu", "cpu")
+    _write(tmp_path, "cpu-2core-avx512", "exp_matmul", {"machine": m, "rows": _mm_rows("cpu", {64: 1e-5, 2048: 0.08}),
+                                                        "peaks": {"cpu": {"gflops": 200.0}}})
+    text = report.build(tmp_path, tmp_path / "REPORT.md")
+    gpu_cells = [line.rsplit("|", 2)[1].strip() for line in text.splitlines()
+                 if line.startswith("| ") and "figure" not in line and "claim" not in line and "tag" not in line
+                 and not line.startswith("| `")]
+    assert gpu_cells and set(gpu_cells) == {"not measured"}
+    assert "No GPU results yet" in text
+    assert re.search(r"\| 1\. Parallel matrix work \| not measured \|", text)
