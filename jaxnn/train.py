@@ -104,7 +104,7 @@ def train_step_fn(model: Layer, loss_fn: LossFn, tx: optax.GradientTransformatio
             model_state = keep_new(model_state, state.model_state)
             loss_scale = loss_scale.adjust(finite)
             metrics = {**metrics, "grads_finite": finite}
-        metrics = {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads), "loss_scale": loss_scale.scale}
+        metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads), "loss_scale": loss_scale.scale}
         return TrainState(params, model_state, opt_state, state.step + 1, state.key, loss_scale), metrics
 
     return step

@@ -30,21 +30,25 @@ class ResNetConfig:
     widths: tuple[int, ...] = (16, 32, 64)
     blocks_per_stage: int = 2
     num_classes: int = 10
+    # Inside shard_map/pmap, the device axis BatchNorm averages its statistics over (None: per device).
+    bn_axis_name: str | None = None
 
     def small(self) -> "ResNetConfig":
         return dataclasses.replace(self, widths=(8, 16), blocks_per_stage=1)
 
 
-def _basic_block(width: int):
-    return serial(residual(Conv(width, 3), BatchNorm(), Relu, Conv(width, 3), BatchNorm(), name="block"), Relu,
-                  name="basic")
+def _basic_block(width: int, bn):
+    return serial(residual(Conv(width, 3), bn(), Relu, Conv(width, 3), bn(), name="block"), Relu, name="basic")
 
 
 def ResNet(cfg: ResNetConfig = ResNetConfig()):
     """Stem conv, stages of residual basic blocks (a strided conv changes width between stages), global pooling."""
-    layers = [Conv(cfg.widths[0], 3, name="stem"), BatchNorm(), Relu]
+    def bn():
+        return BatchNorm(axis_name=cfg.bn_axis_name)
+
+    layers = [Conv(cfg.widths[0], 3, name="stem"), bn(), Relu]
     for i, width in enumerate(cfg.widths):
         if i > 0:
-            layers += [Conv(width, 3, strides=2, name="down"), BatchNorm(), Relu]
-        layers += [_basic_block(width) for _ in range(cfg.blocks_per_stage)]
+            layers += [Conv(width, 3, strides=2, name="down"), bn(), Relu]
+        layers += [_basic_block(width, bn) for _ in range(cfg.blocks_per_stage)]
     return serial(*layers, GlobalAvgPool(), Dense(cfg.num_classes, name="logits"), name="resnet")
