@@ -384,6 +384,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 break
         if pending is not None:
             absorb(pending)
+        if not eval_metrics and stop_signal is None:  # e.g. resumed a run that had already finished
+            eval_metrics = run_eval(step)
         ckpt.save(step, state, data_state=iterator_state(step, source), config=run_config, force=True)
         ckpt.close()
     bar.close()

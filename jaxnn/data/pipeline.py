@@ -44,7 +44,7 @@ class PipelineConfig:
     seq_len: int = 128
     backend: str = "grain"
     workers: int = 0
-    threads: int = 2
+    threads: int = 1
     buffer: int = 4
     augment_repeats: int = 1
 
