@@ -303,10 +303,13 @@ def library_calls(hlo_text: str) -> list[dict]:
         types[match["name"]] = match["type"]
         target = _TARGET.search(match["rest"]) or (_KIND.search(match["rest"]) if match["op"] == "fusion" else None)
         if target:
-            args = [a.strip().lstrip("%") for a in match["args"].split(",") if a.strip()]
-            dtypes = [re.match(r"\(?(\w+)\[", types.get(a, "")) for a in args]
-            calls.append({"target": target.group(1), "op": match["op"],
-                          "operand_dtypes": [d.group(1) if d else "?" for d in dtypes],
+            # Operands print as `%name`, or as `bf16[64,64]{1,0} %name` in some printers.
+            typed = dict((n, d) for d, n in re.findall(r"(\w+)\[[^\]]*\](?:\{[^}]*\})?\s+%([\w.\-]+)", match["args"]))
+            dtypes = []
+            for arg in re.findall(r"%([\w.\-]+)", match["args"]):
+                found = typed.get(arg) or (re.match(r"\(?(\w+)\[", types.get(arg, "")) or [None, None])[1]
+                dtypes.append(found or "?")
+            calls.append({"target": target.group(1), "op": match["op"], "operand_dtypes": dtypes,
                           "result": re.sub(r"\{[^}]*\}", "", match["type"])})
     return calls
 

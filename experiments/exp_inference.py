@@ -69,7 +69,8 @@ def run(size: str = "quick", budget: common.Budget | None = None) -> dict:
                                              calls=calls, max_seconds=per_call)
                 thr = time_fn(lambda: predict(params, model_state, x_dev), repeats=repeats)
                 rows.append({"backend": backend, "model": model_name, "batch": batch, "calls": len(lat),
-                             "p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3),
+                             "p50_ms": float(np.percentile(lat, 50) * 1e3),
+                             "p99_ms": float(np.percentile(lat, 99) * 1e3),
                              "min_ms": float(lat.min() * 1e3), **thr.as_dict(),
                              "samples_per_s": batch / thr.median})
     configs = {name: vars(cfg) for name, cfg in common.preset(MODELS, size).items()}
@@ -102,7 +103,8 @@ def plot(record: dict, path) -> None:
             if rows:
                 b = [r["batch"] for r in rows]
                 line, = axes[0].plot(b, [r["p50_ms"] for r in rows], style, label=f"{backend} {model} p50")
-                axes[0].plot(b, [r["p99_ms"] for r in rows], ":", color=line.get_color(), label=f"{backend} {model} p99")
+                axes[0].plot(b, [r["p99_ms"] for r in rows], ":", color=line.get_color(),
+                             label=f"{backend} {model} p99")
                 axes[1].plot(b, [r["samples_per_s"] for r in rows], style, label=f"{backend} {model}")
     axes[0].set(xscale="log", yscale="log", xlabel="batch size", ylabel="latency per request (ms)",
                 title=f"End-to-end latency — {record['machine']['tag']}")

@@ -118,7 +118,8 @@ def summarize(record: dict) -> list[str]:
     lines = [f"best {k}: {v[0]:.1f} GFLOP/s at n={v[1]}" for k, v in s["best_gflops"].items()]
     lines += [f"{b} bf16 peak: {g:.1f} GFLOP/s" for b, g in s["peak_gflops"].items()]
     if "overtake_n" in s:
-        lines.append(f"{s['accelerator']} overtakes the CPU from n={s['overtake_n']}; CPU faster at {s['cpu_faster_sizes']}")
+        lines.append(f"{s['accelerator']} overtakes the CPU from n={s['overtake_n']}; "
+                     f"CPU faster at {s['cpu_faster_sizes']}")
     return lines
 
 

@@ -86,7 +86,8 @@ def summary(record: dict) -> dict:
             out["per_step_us"].setdefault(backend, {}).setdefault(case, {})[hidden] = r["us_per_step"]
             twin = by.get((backend, case + "_parallel", hidden))
             if twin:
-                out["sequential_penalty"].setdefault(backend, {}).setdefault(case, {})[hidden] = r["median"] / twin["median"]
+                penalty = out["sequential_penalty"].setdefault(backend, {}).setdefault(case, {})
+                penalty[hidden] = r["median"] / twin["median"]
     backends = sorted({r["backend"] for r in record["rows"]})
     accel = [b for b in backends if b != "cpu"]
     if accel and "cpu" in backends:
@@ -128,7 +129,8 @@ def summarize(record: dict) -> list[str]:
         for case, per_h in cases.items():
             pen = s["sequential_penalty"].get(backend, {}).get(case, {})
             lines.append(f"{backend} {case}: " + ", ".join(
-                f"H={h}: {us:.2f} µs/step ({pen.get(h, float('nan')):.0f}x its parallel twin)" for h, us in per_h.items()))
+                f"H={h}: {us:.2f} µs/step ({pen.get(h, float('nan')):.1f}x its parallel twin)"
+                for h, us in per_h.items()))
     for case, per_h in s["winner"].items():
         lines.append(f"{case} winner: " + ", ".join(f"H={h}: {v['winner']}" for h, v in per_h.items()))
     return lines

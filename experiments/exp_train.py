@@ -34,7 +34,7 @@ CONFIG = {
                  gpt=GPTConfig(), gpt_batch=32, gpt_steps=400, precisions=["fp32", "bf16", "fp16"],
                  text_bytes=8 << 20),
     "gpu": dict(cnn=CNNConfig(widths=(64, 128, 256)), cnn_batch=256, cnn_steps=300,
-                gpt=GPTConfig(seq_len=256, d_model=512, num_layers=6, num_heads=8), gpt_batch=64, gpt_steps=300,
+                gpt=GPTConfig(seq_len=256, d_model=512, num_layers=6, num_heads=8), gpt_batch=64, gpt_steps=200,
                 precisions=["fp32", "tf32", "bf16", "fp16"], text_bytes=8 << 20),
 }
 LR = {"cnn": 3e-3, "gpt": 1e-3}
@@ -87,7 +87,7 @@ def run(size: str = "quick", budget: common.Budget | None = None) -> dict:
     cfg = common.preset(CONFIG, size)
     repeats = 3 if size == "tiny" else 5
     datasets = {"cnn": load_digits(), "gpt": load_text(max_bytes=cfg["text_bytes"])}
-    rows = []
+    rows, failures = [], []
     for model_name in ("cnn", "gpt"):
         model_cfg = cfg[model_name]
         model = CNN(model_cfg) if model_name == "cnn" else GPT(model_cfg)
@@ -95,9 +95,13 @@ def run(size: str = "quick", budget: common.Budget | None = None) -> dict:
             if budget.over(0.85 if model_name == "gpt" else 0.45):  # leave the GPT its half
                 budget.skip(f"{model_name} {precision}")
                 continue
-            rows.append(_train_one(model_name, model, datasets[model_name], model_cfg, precision,
-                                   cfg[f"{model_name}_steps"], cfg[f"{model_name}_batch"], repeats))
-    return {"rows": rows, "configs": {m: vars(cfg[m]) for m in ("cnn", "gpt")},
+            try:
+                rows.append(_train_one(model_name, model, datasets[model_name], model_cfg, precision,
+                                       cfg[f"{model_name}_steps"], cfg[f"{model_name}_batch"], repeats))
+            except Exception as err:  # a precision the backend cannot compile or run is a finding, not a crash
+                failures.append({"model": model_name, "precision": precision,
+                                 "error": f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"})
+    return {"rows": rows, "failures": failures, "configs": {m: vars(cfg[m]) for m in ("cnn", "gpt")},
             "data": {"cnn": datasets["cnn"].name, "gpt": f"{datasets['gpt'].name} ({len(datasets['gpt'].train)} bytes)"}}
 
 
@@ -130,7 +134,7 @@ def plot(record: dict, path) -> None:
 
 
 def summarize(record: dict) -> list[str]:
-    lines = []
+    lines = [f"{f['model']} {f['precision']:5s} FAILED: {f['error']}" for f in record.get("failures", [])]
     for r in record["rows"]:
         quality = (f"test acc {r['test_accuracy']:.3f}" if "test_accuracy" in r
                    else f"test {r['test_bits_per_byte']:.3f} bits/byte")

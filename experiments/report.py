@@ -157,7 +157,8 @@ def verdict_latency(seq: dict | None, mm: dict | None) -> tuple[str, str]:
         if per:
             h = min(per, key=float)
             return NOT_MEASURED, (f"CPU only: a dependent step costs {per[h]:.2f} µs at hidden {h}, "
-                                  f"{pen.get(h, float('nan')):.1f}x the time of the equal-FLOP parallel product; the CPU-vs-GPU "
+                                  f"{pen.get(h, float('nan')):.1f}x the time of the equal-FLOP parallel product; "
+                                  "the CPU-vs-GPU "
                                   "comparison needs a GPU run")
         return NOT_MEASURED, "no CPU rows"
     small = {case: per[min(per, key=float)] for case, per in s["winner"].items()}
@@ -183,7 +184,8 @@ def verdict_tensor_cores(prec: dict | None) -> tuple[str, str]:
     if bf16 is None:
         return NOT_MEASURED, "no bf16 matmul"
     err = s["bf16"]["rel_error"]
-    extra = ", ".join(f"{m} {v['speedup']:.2f}x" for m, v in s.items() if m not in ("fp32", "bf16") and v.get("speedup"))
+    extra = ", ".join(f"{m} {v['speedup']:.2f}x" for m, v in s.items()
+                      if m not in ("fp32", "bf16") and v.get("speedup"))
     numbers = f"bf16 x bf16 -> fp32 product {bf16:.2f}x exact fp32 (relative error {err:.1e} vs float64); {extra}"
     if prec["machine"]["backend"] == "cpu":
         # The claim is about GPU tensor cores; a CPU run only says what this CPU's own matrix units give.
@@ -220,7 +222,8 @@ def verdict_pipeline(pipe: dict | None) -> tuple[str, str]:
     verdict = ("confirmed" if kinds == {"overlapped"} else "refuted" if kinds == {"device"} else "depends")
     top = max(s, key=float)
     sync_idle = s[top].get("sync", {}).get("device_idle")
-    idle = f"; in-line (sync) preprocessing leaves the device idle {sync_idle:.0%} of the time" if sync_idle is not None else ""
+    idle = ("" if sync_idle is None else
+            f"; in-line (sync) preprocessing leaves the device idle {sync_idle:.0%} of the time")
     return verdict, ("fastest per augmentation cost: " + ", ".join(f"{c}: {w}" for c, w in sorted(winners.items()))
                      + f"; at cost {top} the best is {s[top].get('best_over_sync', float('nan')):.2f}x sync" + idle)
 
@@ -286,7 +289,8 @@ def section_matmul(m: Machines) -> tuple[str, dict]:
         ("best bf16 -> fp32", lambda t: _best(get(t), f"{accel(t) or 'cpu'}/bf16")),
         ("measured bf16 peak", lambda t: _fmt(get(t)["peaks"][accel(t) or "cpu"]["gflops"], " GFLOP/s")),
         ("host CPU best fp32 (same machine)", lambda t: _best(get(t), "cpu/f32") if accel(t) else None),
-        ("accelerator / host CPU, largest fp32", lambda t: _ratio(exp_matmul.summary(get(t)).get("speedup_at_largest"))),
+        ("accelerator / host CPU, largest fp32",
+         lambda t: _ratio(exp_matmul.summary(get(t)).get("speedup_at_largest"))),
         ("accelerator overtakes the CPU from n =", lambda t: _fmt(exp_matmul.summary(get(t)).get("overtake_n"))),
     ]
     verdicts = {t: verdict_matmul(get(t)) for t in m.cpu + m.gpu}
@@ -342,11 +346,20 @@ def section_precision(m: Machines) -> tuple[str, dict]:
         return f"{g['f32']:,.0f} / {g['bf16']:,.0f} GFLOP/s ({g['bf16'] / g['f32']:.2f}x, n={n})"
 
     rows.append(("exp_matmul, largest n: fp32 / bf16->fp32", mm_pair))
+    def trained(t, model, p):
+        rec = m.get(t, "exp_train")
+        if rec is None:
+            return None
+        failed = [f for f in rec.get("failures", []) if (f["model"], f["precision"]) == (model, p)]
+        if failed:
+            return f"failed: {failed[0]['error'][:80]}"
+        s = train(t)[model]
+        return f"{s[p]['speedup']:.2f}x; {s[p]['quality']:.3f} ({s['fp32']['quality']:.3f})"
+
     for model in ("cnn", "gpt"):
         for p in ("bf16", "fp16", "tf32"):
             rows.append((f"train {model} {p}: step speedup, quality (fp32's)",
-                         lambda t, model=model, p=p: (lambda s: f"{s[p]['speedup']:.2f}x; {s[p]['quality']:.3f} "
-                                                      f"({s['fp32']['quality']:.3f})")(train(t)[model])))
+                         lambda t, model=model, p=p: trained(t, model, p)))
     verdicts = {t: verdict_tensor_cores(m.get(t, "exp_precision")) for t in m.cpu + m.gpu}
     return _table(m, rows), verdicts
 
@@ -354,10 +367,13 @@ def section_precision(m: Machines) -> tuple[str, dict]:
 def section_libraries(m: Machines) -> tuple[str, dict]:
     prec = lambda t: exp_precision.summary(m.get(t, "exp_precision"))  # noqa: E731
     chk = lambda t: m.get(t, "gpu_check")  # noqa: E731
+
+    def kernels(t, op, mode):
+        return ", ".join(f"`{k}`" for k in prec(t)[op][mode]["kernels"]) or "XLA's own code"
     rows = [
-        ("bf16 matmul kernels", lambda t: ", ".join(f"`{k}`" for k in prec(t)["matmul"]["bf16"]["kernels"]) or "XLA's own"),
-        ("fp32 matmul kernels", lambda t: ", ".join(f"`{k}`" for k in prec(t)["matmul"]["fp32"]["kernels"]) or "XLA's own"),
-        ("bf16 conv kernels", lambda t: ", ".join(f"`{k}`" for k in prec(t)["conv"]["bf16"]["kernels"]) or "XLA's own"),
+        ("bf16 matmul kernels", lambda t: kernels(t, "matmul", "bf16")),
+        ("fp32 matmul kernels", lambda t: kernels(t, "matmul", "fp32")),
+        ("bf16 conv kernels", lambda t: kernels(t, "conv", "bf16")),
         ("gpu-check: bf16 GEMM on bf16 operands",
          lambda t: None if chk(t)["dry_run"] else str(chk(t)["check"]["bf16_gemm"])),
         ("gpu-check: cuDNN convolution", lambda t: None if chk(t)["dry_run"] else str(chk(t)["check"]["cudnn_conv"])),
@@ -400,12 +416,10 @@ def section_inference(m: Machines) -> tuple[str, dict]:
     rows = []
     for backend in ("cpu", "gpu"):
         for model in ("cnn", "gpt"):
-            rows.append((f"{backend} {model}: batch-1 p50 / p99",
-                         lambda t, b=backend, mo=model: (lambda v: f"{v['batch1_p50_ms']:.2f} / {v['batch1_p99_ms']:.2f} ms")(
-                             inf(t)[b][mo])))
-            rows.append((f"{backend} {model}: best samples/s (batch)",
-                         lambda t, b=backend, mo=model: (lambda v: f"{v['best_samples_per_s']:,.0f} ({v['best_batch']})")(
-                             inf(t)[b][mo])))
+            rows.append((f"{backend} {model}: batch-1 p50 / p99", lambda t, b=backend, mo=model: (
+                lambda v: f"{v['batch1_p50_ms']:.2f} / {v['batch1_p99_ms']:.2f} ms")(inf(t)[b][mo])))
+            rows.append((f"{backend} {model}: best samples/s (batch)", lambda t, b=backend, mo=model: (
+                lambda v: f"{v['best_samples_per_s']:,.0f} ({v['best_batch']})")(inf(t)[b][mo])))
     verdicts = {t: verdict_inference(m.get(t, "exp_inference")) for t in m.cpu + m.gpu}
     return _table(m, rows), verdicts
 
@@ -459,7 +473,8 @@ def build(results_root: str | Path, report_path: str | Path) -> str:
         if number == 3:
             s = SPEC
             out += [CORRECTION.format(v100tc=s["V100 tensor fp16"], p100=s["P100 fp32"], v100=s["V100 fp32"],
-                                      r1=s["V100 tensor fp16"] / s["P100 fp32"], r2=s["V100 tensor fp16"] / s["V100 fp32"],
+                                      r1=s["V100 tensor fp16"] / s["P100 fp32"],
+                                      r2=s["V100 tensor fp16"] / s["V100 fp32"],
                                       h200bf=s["H200 bf16 dense"], h200fp=s["H200 fp32"],
                                       r3=s["H200 bf16 dense"] / s["H200 fp32"]), ""]
         out += [f"**Verdict: {verdict}.** {reason}", ""]

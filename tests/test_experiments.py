@@ -41,6 +41,7 @@ ENTRY %main (a.1: bf16[64,64], b.1: bf16[64,64]) -> f32[64,64] {
   %x.2 = f32[64,64]{1,0} parameter(2)
   %custom-call.1 = (f32[64,64]{1,0}, s8[4194304]{0}) custom-call(%a.1, %b.1), custom_call_target="__cublas$lt$matmul", backend_config={}
   %conv = (f32[8,32,32,64]{3,2,1,0}, u8[0]{0}) custom-call(%x.2, %x.2), window={size=3x3}, custom_call_target="__cudnn$convForward"
+  %typed = f32[64,64]{1,0} custom-call(bf16[64,64]{1,0} %a.1, bf16[64,64]{1,0} %b.1), custom_call_target="__cublas$gemm"
   ROOT %gemm_fusion_dot = f32[64,64]{1,0} fusion(%a.1, %b.1), kind=kCustom, calls=%c, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
 }
 """
@@ -49,7 +50,8 @@ ENTRY %main (a.1: bf16[64,64], b.1: bf16[64,64]) -> f32[64,64] {
 def test_library_calls_reads_targets_and_operand_types():
     calls = common.library_calls(GPU_HLO)
     by_target = {c["target"]: c for c in calls}
-    assert set(by_target) == {"__cublas$lt$matmul", "__cudnn$convForward", "__triton_gemm"}
+    assert set(by_target) == {"__cublas$lt$matmul", "__cublas$gemm", "__cudnn$convForward", "__triton_gemm"}
+    assert by_target["__cublas$gemm"]["operand_dtypes"] == ["bf16", "bf16"]
     assert by_target["__cublas$lt$matmul"]["operand_dtypes"] == ["bf16", "bf16"]
     assert by_target["__cudnn$convForward"]["operand_dtypes"] == ["f32", "f32"]
     assert by_target["__triton_gemm"]["result"] == "f32[64,64]"
@@ -89,6 +91,8 @@ def test_budget_skips_once_spent():
 
 # ----------------------------------------------------------------------------------------------- the dry run
 
+# Slow (about a minute on 2 cores, nearly all XLA compilation) but it is the one test of every experiment's code
+# path and of the script a GPU run depends on.
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("results")
@@ -96,6 +100,7 @@ def dry_run(tmp_path_factory):
     return code, out / common.machine_tag()
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run_runs_every_experiment(dry_run):
     code, folder = dry_run
     check = json.loads((folder / "gpu_check.json").read_text())
@@ -109,6 +114,7 @@ def test_gpu_check_dry_run_runs_every_experiment(dry_run):
         assert (folder / f"{name}.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_dry_run_figures_are_measured(dry_run):
     _, folder = dry_run
     load = lambda name: json.loads((folder / f"{name}.json").read_text())  # noqa: E731
@@ -136,6 +142,7 @@ def test_dry_run_figures_are_measured(dry_run):
     assert all(r["finite"] for r in train["rows"])
 
 
+@pytest.mark.slow
 def test_report_on_the_dry_run_has_every_claim(dry_run, tmp_path):
     _, folder = dry_run
     text = report.build(folder.parent, tmp_path / "REPORT.md")
@@ -184,12 +191,17 @@ def gpu_fixture(tmp_path):
                                                   "gemm_calls": [{"target": "__cublas$lt$matmul"}],
                                                   "conv_calls": [{"target": "__cudnn$convForward"}]}})
     pipe_rows = [{"arrangement": a, "cost": c, "samples_per_s": s, "device_idle": i}
-                 for c in (1, 16) for a, s, i in (("sync", 1000, 0.7), ("overlapped", 3000, 0.1), ("device", 5000, 0.0))]
+                 for c in (1, 16)
+                 for a, s, i in (("sync", 1000, 0.7), ("overlapped", 3000, 0.1), ("device", 5000, 0.0))]
     _write(tmp_path, tag, "exp_pipeline", {"machine": m, "rows": pipe_rows})
     inf_rows = [{"backend": b, "model": "cnn", "batch": n, "p50_ms": p, "p99_ms": 2 * p, "samples_per_s": s}
                 for b, n, p, s in (("gpu", 1, 0.3, 3000), ("gpu", 4096, 5.0, 800000), ("cpu", 1, 0.2, 5000),
                                    ("cpu", 256, 40.0, 6000))]
     _write(tmp_path, tag, "exp_inference", {"machine": m, "rows": inf_rows})
+    train_rows = [{"model": "cnn", "precision": p, "step_ms": ms, "finite": True, "test_accuracy": acc}
+                  for p, ms, acc in (("fp32", 4.0, 0.97), ("bf16", 2.0, 0.96))]
+    _write(tmp_path, tag, "exp_train", {"machine": m, "rows": train_rows, "failures": [
+        {"model": "gpt", "precision": "bf16", "error": "JaxRuntimeError: UNIMPLEMENTED"}]})
     return tmp_path
 
 
@@ -203,6 +215,8 @@ def test_report_fills_gpu_column_and_marks_missing_cpu_not_measured(gpu_fixture)
     assert verdicts == {"Parallel matrix work": "confirmed", "Latency": "confirmed", "Tensor cores": "confirmed",
                         "Libraries": "confirmed", "Split the work": "refuted",
                         "Big data, big batches": "not measured", "Inference": "confirmed"}
+    assert "| train cnn bf16: step speedup, quality (fp32's) | not measured | 2.00x; 0.960 (0.970) |" in text
+    assert "| train gpt bf16: step speedup, quality (fp32's) | not measured | failed: JaxRuntimeError" in text
     # The numbers behind a verdict are the file's, not typed: 700000 / 50000 = 14x.
     assert "14.00x exact fp32" in text
 
