@@ -76,6 +76,7 @@ class Checkpointer:
         self._ocp = ocp
         self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, cleanup_tmp_directories=True))
+        self._bad: set[int] = set()  # steps a restore found damaged: a later save at that step replaces them
 
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
@@ -88,7 +89,12 @@ class Checkpointer:
 
     def save(self, step: int, state, *, data_state: dict, config: dict, force: bool = False) -> bool:
         """Saves at `step` when it is a multiple of `save_every` or `force`d; returns whether it saved."""
-        if not (force or self.should_save(step)) or step in self._manager.all_steps():
+        if not (force or self.should_save(step)):
+            return False
+        if step in self._bad:
+            self._manager.delete(step)
+            self._bad.discard(step)
+        elif step in self._manager.all_steps():
             return False
         ocp = self._ocp
         meta = {"step": int(step), "config": config, "data": data_state, "digest": state_digest(state)}
@@ -131,6 +137,7 @@ class Checkpointer:
             try:
                 meta = self.read_meta(step)
             except Exception as err:  # noqa: BLE001 - orbax raises many types for damaged files
+                self._bad.add(step)
                 problems.append(f"step {step}: unreadable metadata ({type(err).__name__}: {str(err)[:200]})")
                 log.warning("checkpoint %s is unreadable (%s); trying the previous one", where, problems[-1])
                 continue
@@ -139,10 +146,12 @@ class Checkpointer:
                 restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
                 state = from_saveable(restored["state"], like_state)
             except Exception as err:  # noqa: BLE001
+                self._bad.add(step)
                 problems.append(f"step {step}: unreadable state ({type(err).__name__}: {str(err)[:200]})")
                 log.warning("checkpoint %s is unreadable (%s); trying the previous one", where, problems[-1])
                 continue
             if state_digest(state) != meta.get("digest"):
+                self._bad.add(step)
                 problems.append(f"step {step}: state bytes do not match the saved digest (corrupted)")
                 log.warning("checkpoint %s is corrupted (its state does not match its digest); "
                             "trying the previous one", where)

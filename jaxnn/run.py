@@ -313,6 +313,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             if data_state.get("next_step") != start:
                 raise ConfigError(f"checkpoint {ckpt_dir / str(start)}: data iterator at "
                                   f"{data_state.get('next_step')} but train state at step {start}")
+    source = TrainBatches(data, pcfg, start, cfg.steps)
+    if start:
+        from jaxnn.checkpoint import config_differences
+
+        # Same config, different files (e.g. a data directory whose contents changed) would shift every batch.
+        diffs = config_differences(data_state, iterator_state(start, source))
+        if diffs:
+            raise ConfigError(f"checkpoint {ckpt_dir / str(start)}: its data iterator does not fit this data "
+                              f"({'; '.join(diffs)})")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(cfg.trajectory(), indent=1, sort_keys=True))
     metrics_path = run_dir / "metrics.jsonl"
@@ -322,7 +331,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     eval_step = make_eval_step(model, loss_fn, cfg.precision)
     in_sharding = batch_sharding(mesh)
     eval_data = eval_batches(data, cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
-    source = TrainBatches(data, pcfg, start, cfg.steps)
     batches = DevicePrefetch(host_iterator(source, pcfg), in_sharding, cfg.prefetch)
     eval_every = cfg.eval_every or max(cfg.steps // 5, 1)
 

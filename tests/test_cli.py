@@ -47,7 +47,8 @@ def test_bad_data_dir_refused(capsys, tmp_path):
     (idx / "t10k-images-idx3-ubyte").write_bytes(b"\x00\x00\x08\x03" + dims + bytes(100))  # truncated
     refused(capsys, ["--dataset", "cifar10", "--data", str(idx), "--run-dir", str(tmp_path / "r")],
             "holds mnist files, not the cifar10 format")
-    refused(capsys, ["--data", str(idx), "--run-dir", str(tmp_path / "r")], "t10k-images-idx3-ubyte: 100 bytes of data, expected 3920")
+    refused(capsys, ["--data", str(idx), "--run-dir", str(tmp_path / "r")],
+            "t10k-images-idx3-ubyte: 100 bytes of data, expected 3920")
     empty = tmp_path / "empty"
     empty.mkdir()
     refused(capsys, ["--data", str(empty), "--run-dir", str(tmp_path / "r")], "holds no MNIST")
@@ -97,3 +98,33 @@ def test_config_small_and_validation():
     assert "run_dir" not in cfg.trajectory() and cfg.trajectory()["lr"] == cfg.lr
     parser = cli.build_parser()
     assert all(a.help for a in parser._subparsers._group_actions[0].choices["train"]._actions)
+
+
+def write_idx(root, n, seed):
+    rng = np.random.default_rng(seed)
+    for split in ("train", "t10k"):
+        for kind, arr in (("images", rng.integers(0, 256, (n, 28, 28))), ("labels", rng.integers(0, 10, n))):
+            header = bytes([0, 0, 8, arr.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in arr.shape)
+            (root / f"{split}-{kind}-idx{arr.ndim}-ubyte.gz").write_bytes(gzip.compress(header + arr.astype(
+                np.uint8).tobytes()))
+
+
+def test_resume_past_a_damaged_checkpoint_and_refuse_changed_data(capsys, caplog, tmp_path):
+    data, run = tmp_path / "idx", tmp_path / "run"
+    data.mkdir()
+    write_idx(data, 48, 0)
+    argv = ["train", "--model", "mlp", *QUICK, "--no-plots", "--data", str(data), "--run-dir", str(run),
+            "--ckpt-every", "8", "--keep", "3"]
+    assert cli.main(argv) == 0
+    assert "mlp on mnist: step 24/24" in capsys.readouterr().out
+    files = [p for p in (run / "ckpt" / "24" / "state").rglob("*") if p.is_file()]
+    newest = max(files, key=lambda p: p.stat().st_size)
+    newest.write_bytes(newest.read_bytes()[:10])  # truncated
+    assert cli.main([*argv, "--resume"]) == 0
+    assert f"checkpoint {run / 'ckpt' / '24'} is unreadable" in caplog.text
+    assert json.loads((run / "summary.json").read_text())["resumed_from"] == 16
+    capsys.readouterr()
+    caplog.clear()
+    write_idx(data, 40, 1)  # same folder, other contents
+    refused(capsys, [*argv[1:], "--resume"], "its data iterator does not fit this data (num_train: checkpoint 48, now 40)")
+    assert "unreadable" not in caplog.text  # the resumed run replaced the damaged step-24 checkpoint
