@@ -126,5 +126,6 @@ def test_resume_past_a_damaged_checkpoint_and_refuse_changed_data(capsys, caplog
     capsys.readouterr()
     caplog.clear()
     write_idx(data, 40, 1)  # same folder, other contents
-    refused(capsys, [*argv[1:], "--resume"], "its data iterator does not fit this data (num_train: checkpoint 48, now 40)")
+    refused(capsys, [*argv[1:], "--resume"],
+            "its data iterator does not fit this data (num_train: checkpoint 48, now 40)")
     assert "unreadable" not in caplog.text  # the resumed run replaced the damaged step-24 checkpoint
