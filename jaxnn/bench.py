@@ -67,6 +67,34 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 7, number:
     return Timing(statistics.median(per_call), float(q[0]), float(q[1]), min(per_call), max(per_call), repeats, number)
 
 
+def time_interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int = 2, repeats: int = 7,
+                     min_window_s: float = 0.05) -> dict[str, Timing]:
+    """Times several functions side by side: each timing window runs every function in turn, so that load from
+    other processes falls on all of them alike. The honest way to compare variants on a shared machine."""
+    numbers = {}
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            jax.block_until_ready(fn())
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        numbers[name] = max(1, int(min_window_s / max(time.perf_counter() - t0, 1e-7)))
+    per_call: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            out = None
+            for _ in range(numbers[name]):
+                out = fn()
+            jax.block_until_ready(out)
+            per_call[name].append((time.perf_counter() - t0) / numbers[name])
+    result = {}
+    for name, times in per_call.items():
+        q = np.percentile(times, [25, 75])
+        result[name] = Timing(statistics.median(times), float(q[0]), float(q[1]), min(times), max(times), repeats,
+                              numbers[name])
+    return result
+
+
 def compiled_flops(jitted: Callable, *args) -> float | None:
     """FLOPs of one call of a jitted function, from XLA's cost analysis of the compiled program (None if absent)."""
     try:
@@ -191,7 +219,8 @@ def _peaks(quick: bool) -> dict:
     return {p: measure_matmul_peak(size, jnp.float32 if p == "fp32" else jnp.bfloat16) for p in PRECISIONS}
 
 
-def run_benchmarks(models=tuple(SPECS), precisions=PRECISIONS, *, quick: bool = False, scan: bool = True) -> dict:
+def run_benchmarks(models=tuple(SPECS), precisions=PRECISIONS, *, quick: bool = False, scan: bool = True,
+                   progress: Callable[[str], None] | None = None) -> dict:
     """Runs `make bench`: the matmul peaks first, then every (model, precision) row, each with GFLOP/s and the
     fraction of the peak of its own compute dtype (the f32 GEMM for fp32, bf16 x bf16 -> f32 for bf16)."""
     repeats = 3 if quick else 7
@@ -205,6 +234,9 @@ def run_benchmarks(models=tuple(SPECS), precisions=PRECISIONS, *, quick: bool = 
                 row["gflops"] = row["flops_per_step"] / (best_ms * 1e-3) / 1e9
                 row["fraction_of_peak"] = row["gflops"] / peaks[precision]["gflops"]
             rows.append(row)
+            if progress:
+                progress(f"{name} {precision}: {row['step_ms']:.4g} ms/step"
+                         + (f", scan {row['scan_step_ms']:.4g} ms/step" if "scan_step_ms" in row else ""))
     return {"device": str(jax.devices()[0]), "platform": jax.default_backend(), "jax": jax.__version__,
             "cpu_count": os.cpu_count(), "peaks": peaks, "rows": rows}
 
@@ -326,7 +358,8 @@ def _main(argv=None) -> int:
         for note in res["notes"]:
             print("note:", note)
         return 0 if mfu is not None else 1
-    result = run_benchmarks(args.models, args.precisions, quick=args.quick, scan=not args.no_scan)
+    result = run_benchmarks(args.models, args.precisions, quick=args.quick, scan=not args.no_scan,
+                            progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(format_report(result))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

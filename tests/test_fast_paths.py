@@ -1,0 +1,81 @@
+"""Every fast path gives the numbers of the simple path it replaces, on fresh random inputs (values and gradients),
+and keeps the bf16 x bf16 -> f32 product form in the lowered HLO."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxnn.layers import Conv
+from jaxnn.precision import BF16
+
+CONV_CASES = [
+    # kernel, strides, padding, dilation, input shape
+    ((3, 3), 1, "SAME", 1, (2, 9, 8, 3)),
+    ((3, 3), 2, "SAME", 1, (2, 9, 8, 4)),
+    ((3, 2), (2, 1), "VALID", (1, 2), (1, 10, 9, 3)),
+    ((5, 5), 1, [(1, 2), (0, 3)], 1, (2, 7, 7, 2)),
+    ((1, 1), 1, "SAME", 1, (3, 4, 4, 5)),
+    ((3,), 1, "CAUSAL", 2, (2, 11, 3)),
+    ((4,), 3, "SAME", 1, (2, 13, 2)),
+]
+
+
+def _pair(case, key, features=6):
+    kernel, strides, padding, dilation, shape = case
+    kwargs = dict(strides=strides, padding=padding, dilation=dilation)
+    ref, fast = Conv(features, kernel, lowering="xla", **kwargs), Conv(features, kernel, lowering="im2col", **kwargs)
+    k_init, k_x, k_b = jax.random.split(key, 3)
+    out_shape, params = ref.init(k_init, shape)
+    assert fast.init(k_init, shape)[0] == out_shape
+    params = {**params, "b": jax.random.normal(k_b, params["b"].shape)}
+    x = jax.random.normal(k_x, shape)
+    return ref, fast, params, x
+
+
+@pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: f"k{c[0]}-s{c[1]}-{c[2]}-d{c[3]}")
+def test_conv_im2col_matches_xla(case, key):
+    ref, fast, params, x = _pair(case, jax.random.fold_in(key, hash(str(case)) % 1000))
+    y_ref = ref.apply(params, x)
+    y_fast = jax.jit(fast.apply)(params, x)
+    assert y_fast.shape == y_ref.shape
+    np.testing.assert_allclose(y_fast, y_ref, rtol=1e-5, atol=1e-5)
+
+    def loss(layer):
+        return lambda p, x: jnp.sum(jnp.sin(layer.apply(p, x)))
+
+    g_ref = jax.grad(loss(ref), argnums=(0, 1))(params, x)
+    g_fast = jax.jit(jax.grad(loss(fast), argnums=(0, 1)))(params, x)
+    for a, b in zip(jax.tree.leaves(g_fast), jax.tree.leaves(g_ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_conv_im2col_bf16_matches_xla(key):
+    ref, fast, params, x = _pair(CONV_CASES[0], key)
+    xb = x.astype(jnp.bfloat16)
+    pb = BF16.cast_to_compute(params)
+    y_ref = ref.apply(pb, xb, policy=BF16).astype(jnp.float32)
+    y_fast = fast.apply(pb, xb, policy=BF16).astype(jnp.float32)
+    # Both accumulate exact bf16 products in float32; only the summation order and the final rounding differ.
+    np.testing.assert_allclose(y_fast, y_ref, rtol=2e-2, atol=2e-2)
+
+
+def test_conv_im2col_bf16_hlo_has_bf16_operands_f32_result(key):
+    _, fast, params, x = _pair(CONV_CASES[0], key)
+    text = jax.jit(lambda p, x: fast.apply(p, x, policy=BF16)).lower(
+        BF16.cast_to_compute(params), x.astype(jnp.bfloat16)).as_text()
+    dots = re.findall(r"stablehlo\.dot_general.*", text)
+    assert dots, "the im2col lowering must contract with a dot_general"
+    assert all(re.search(r"\(tensor<[^>]*bf16>, tensor<[^>]*bf16>\) -> tensor<[^>]*f32>", d) for d in dots), dots
+
+
+def test_conv_im2col_refuses_feature_groups():
+    with pytest.raises(ValueError, match="feature groups"):
+        Conv(4, 3, feature_group_count=2, lowering="im2col")
+
+
+def test_conv_unknown_lowering():
+    with pytest.raises(ValueError, match="unknown lowering"):
+        Conv(4, 3, lowering="fft")
