@@ -112,14 +112,15 @@ def test_digest_sees_every_byte():
     assert state_digest(a) == state_digest(make_state(1))
 
 
-def test_stop_signal_sets_flag_and_restores_handler():
-    before = signal.getsignal(signal.SIGTERM)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_stop_signal_sets_flag_and_restores_handler(sig):
+    before = signal.getsignal(sig)
     with StopSignal() as stop:
         assert not stop
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), sig)
         time.sleep(0.01)
-        assert stop and stop.received == signal.SIGTERM
-    assert signal.getsignal(signal.SIGTERM) == before
+        assert stop and stop.received == sig
+    assert signal.getsignal(sig) == before
 
 
 # --- real processes, killed and resumed ---------------------------------------------------------------------
