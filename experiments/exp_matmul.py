@@ -105,8 +105,8 @@ def plot(record: dict, path) -> None:
                 ax.fill_between([r["n"] for r in rows], [2 * r["n"] ** 3 / r["p75"] / 1e9 for r in rows],
                                 [2 * r["n"] ** 3 / r["p25"] / 1e9 for r in rows], color=line.get_color(), alpha=0.2)
         if backend in record.get("peaks", {}):
-            ax.axhline(record["peaks"][backend]["gflops"], ls=":", lw=1, color="gray")
-            ax.annotate(f"{backend} bf16 peak", (ax.get_xlim()[0], record["peaks"][backend]["gflops"]), fontsize=7)
+            peak = record["peaks"][backend]
+            ax.axhline(peak["gflops"], ls=":", lw=1, color="gray", label=f"{backend} bf16 peak (n={peak['size']})")
     ax.set(xscale="log", yscale="log", xlabel="n (n x n x n product)", ylabel="GFLOP/s",
            title=f"Matrix product throughput — {record['machine']['tag']}")
     ax.legend(fontsize=8)
