@@ -93,6 +93,8 @@ def machine_info() -> dict:
                                              "amx_int8", "fma"}),
         "jax_version": jax.__version__,
         "python": platform.python_version(),
+        # Shared machines are noisy: the 1-minute load average says how busy this one was when the run ended.
+        "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
 
 
