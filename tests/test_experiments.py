@@ -89,6 +89,15 @@ def test_budget_skips_once_spent():
         common.preset({"quick": 1}, "huge")
 
 
+def test_gpu_check_stops_with_a_clear_message_off_the_gpu(tmp_path, capsys):
+    if jax.default_backend() == "gpu":
+        pytest.skip("this machine has a GPU")
+    assert gpu_check.main(["--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "not a GPU" in err and len(err.strip().splitlines()) == 1
+    assert not list(tmp_path.iterdir())  # nothing measured, nothing written
+
+
 # ----------------------------------------------------------------------------------------------- the dry run
 
 # Slow (about a minute on 2 cores, nearly all XLA compilation) but it is the one test of every experiment's code
