@@ -105,6 +105,9 @@ def test_gpu_check_stops_with_a_clear_message_off_the_gpu(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("results")
+    # Start jax first, so the dry run's request for 2 simulated devices cannot change the 8 that conftest gave
+    # this worker's later test modules (it then runs on the devices that exist).
+    assert jax.device_count() >= 2
     code = gpu_check.main(["--dry-run", "--out", str(out)])
     return code, out / common.machine_tag()
 
