@@ -16,10 +16,6 @@ from jaxnn import precision
 _DIMENSION_NUMBERS = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC")}
 PADDING_MODES = ("SAME", "VALID", "CAUSAL")
 LOWERINGS = ("auto", "xla", "im2col")
-# "auto" takes im2col on the CPU only for inputs this narrow (an RGB stem): there XLA's CPU convolution, and above
-# all its weight gradient, is 2-3x slower than the im2col matmul; from 32 channels on it is XLA's convolution that
-# measures faster (docs/performance.md, "Convolution lowerings").
-IM2COL_MAX_CHANNELS = 4
 
 
 def _as_tuple(value, rank: int, arg: str, layer: str) -> tuple[int, ...]:
@@ -90,8 +86,9 @@ def Conv(features: int, kernel_size: int | Sequence[int], *, strides=1, padding=
 
     `w` has shape kernel_size + (in_channels // feature_group_count, features); products accumulate in float32.
     `lowering`: "xla" is XLA's convolution op; "im2col" computes it as one matmul over the concatenated kernel
-    taps (no feature groups); "auto" takes im2col on the CPU for inputs of at most IM2COL_MAX_CHANNELS channels,
-    where it measures faster (docs/performance.md), and XLA's convolution everywhere else.
+    taps (no feature groups); "auto" takes im2col on the CPU (no feature groups), where it measures as fast or
+    faster and avoids a slow path of XLA's convolution gradients inside `lax.scan`, and XLA's convolution on
+    accelerators, whose convolution kernels are the fast path there.
     """
     check_positive("Conv", features=features, feature_group_count=feature_group_count)
     if lowering not in LOWERINGS:
@@ -110,16 +107,17 @@ def Conv(features: int, kernel_size: int | Sequence[int], *, strides=1, padding=
         raise ValueError(f"Conv: features {features} is not divisible by feature_group_count {feature_group_count}")
     dimension_numbers = _DIMENSION_NUMBERS[rank]
 
-    def use_im2col(x):
+    def use_im2col():
         if lowering == "auto":
-            # Half precision: im2col's dots keep every backward product bf16 x bf16 -> f32 (precision.einsum),
-            # which XLA's convolution transposes cannot express.
-            narrow_or_half = x.shape[-1] <= IM2COL_MAX_CHANNELS or jnp.dtype(x.dtype).itemsize == 2
-            return feature_group_count == 1 and narrow_or_half and jax.default_backend() == "cpu"
+            # On the CPU (measured, docs/performance.md "Convolution lowerings"): as fast as XLA's convolution in a
+            # jitted step (2x faster for a 3-channel stem), 20x and more faster inside lax.scan (make_multi_step),
+            # where XLA's weight-gradient convolution falls off a cliff; and in half precision its dots keep every
+            # backward product bf16 x bf16 -> f32 (precision.einsum), which XLA's convolution transposes cannot.
+            return feature_group_count == 1 and jax.default_backend() == "cpu"
         return lowering == "im2col"
 
     def conv(x, w, policy=None):
-        if use_im2col(x):
+        if use_im2col():
             return conv_im2col(x, w, strides, pad, dilation, policy)
         return precision.conv(x, w, policy, window_strides=strides, padding=pad, rhs_dilation=dilation,
                               dimension_numbers=dimension_numbers, feature_group_count=feature_group_count)
