@@ -59,7 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
     a("--log-every", type=int, default=50, help="log metrics and input wait every N steps")
     a("--ckpt-every", type=int, default=0, help="checkpoint every N steps (0: only at the end and on a signal)")
     a("--keep", type=int, default=3, help="checkpoints to keep")
-    a("--devices", type=int, default=1, help="data-parallel devices (on a CPU, that many simulated devices)")
+    a("--devices", type=int, default=1, help="data-parallel devices of this process (on a CPU, that many "
+      "simulated devices)")
+    a("--coordinator", default=None, metavar="HOST:PORT", help="multi-process run: address of process 0's "
+      "coordination service (or JAXNN_COORDINATOR)")
+    a("--num-processes", type=int, default=None, help="multi-process run: number of processes "
+      "(or JAXNN_NUM_PROCESSES)")
+    a("--process-id", type=int, default=None, help="multi-process run: this process's index "
+      "(or JAXNN_PROCESS_ID)")
+    a("--cluster", action="store_true", help="multi-process run: let jax detect the processes (SLURM, Open MPI)")
     a("--prefetch", type=int, default=2, help="batches put on the device ahead of the step (0: none)")
     a("--backend", default="grain", choices=("grain", "inline"), help="host pipeline: Grain workers or inline")
     a("--workers", type=int, default=0, help="Grain worker processes (0: reader threads in this process)")
@@ -125,11 +133,27 @@ def format_summary(s: dict) -> str:
             f"{s['time_s']:.1f} s{stopped} -> {s['run_dir']}")
 
 
+def start_processes(args) -> None:
+    """Joins a multi-process run when flags, JAXNN_* variables or --cluster ask for one (before any jax work)."""
+    import os
+
+    from jaxnn import parallel
+
+    asked = (args.cluster or any(v is not None for v in (args.coordinator, args.num_processes, args.process_id))
+             or any(os.environ.get(v) for v in (parallel.ENV_COORDINATOR, parallel.ENV_NUM_PROCESSES)))
+    if not asked:
+        return
+    if args.run_dir is None:
+        raise ValueError("a multi-process run needs --run-dir (every process must write the same run)")
+    parallel.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+
+
 def train_main(args) -> int:
     set_cpu_devices(args.devices)
     from jaxnn.run import train
 
     try:
+        start_processes(args)
         cfg = config_from_args(args)
         summary = train(cfg)
     except ValueError as err:  # ConfigError, DataError, CheckpointError: refused before anything is written

@@ -155,6 +155,25 @@ def _half_einsum_fwd(spec, a, b):
     return _half_einsum(spec, a, b), (a, b)
 
 
+def _canonical_einsum(spec_x: str, spec_y: str, spec_out: str, x, y):
+    """`einsum(spec_x,spec_y->spec_out)` with both operands first transposed to the canonical matmul layout,
+    x as (batch, free, contracted) and y as (batch, contracted, free).
+
+    Why: XLA's CPU backend runs a bf16 x bf16 -> f32 dot only in that layout; given, say, a weight gradient that
+    contracts the leading axes, it folds the transpose into the dot and then fails at run time ("Unsupported
+    element type for DotThunk::Execute: BF16 x BF16 = F32", jax 0.10.2). The optimization barrier keeps the
+    transposes out of the dot; on GPUs they are cheap next to the products.
+    """
+    batch = [c for c in spec_x if c in spec_y and c in spec_out]
+    contracted = [c for c in spec_x if c in spec_y and c not in spec_out]
+    order_x = batch + [c for c in spec_x if c not in spec_y] + contracted
+    order_y = batch + contracted + [c for c in spec_y if c not in spec_x]
+    x = jnp.transpose(x, [spec_x.index(c) for c in order_x])
+    y = jnp.transpose(y, [spec_y.index(c) for c in order_y])
+    x, y = lax.optimization_barrier((x, y))
+    return jnp.einsum(f"{''.join(order_x)},{''.join(order_y)}->{spec_out}", x, y, preferred_element_type=jnp.float32)
+
+
 def _half_einsum_bwd(spec, residuals, g):
     # Each index of a two-operand einsum used here appears in exactly two of (a, b, out), so the transposes are
     # einsums with the roles swapped.
@@ -162,8 +181,8 @@ def _half_einsum_bwd(spec, residuals, g):
     inputs, out = spec.split("->")
     spec_a, spec_b = inputs.split(",")
     g = g.astype(a.dtype)
-    da = jnp.einsum(f"{out},{spec_b}->{spec_a}", g, b, preferred_element_type=jnp.float32)
-    db = jnp.einsum(f"{spec_a},{out}->{spec_b}", a, g, preferred_element_type=jnp.float32)
+    da = _canonical_einsum(out, spec_b, spec_a, g, b)
+    db = _canonical_einsum(spec_a, out, spec_b, a, g)
     return da.astype(a.dtype), db.astype(b.dtype)
 
 

@@ -202,13 +202,13 @@ def lm_loss(logits, batch):
     return loss, {**metrics, "count": jnp.asarray(batch["y"].shape[0], jnp.float32)}
 
 
-def evaluate(eval_fn, state, batches, sharding) -> dict:
+def evaluate(eval_fn, state, batches, place) -> dict:
     """Metrics over all `batches`, each batch weighted by its count of real examples."""
     import jax
 
     totals, total_count = {}, 0.0
     for host in batches:
-        m = jax.device_get(eval_fn(state, jax.device_put(host, sharding)))
+        m = jax.device_get(eval_fn(state, place(host)))
         count = float(m.pop("count"))
         total_count += count
         for k, v in m.items():
@@ -279,26 +279,36 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     from jaxnn.data import DevicePrefetch, PipelineConfig, TextCorpus, TrainBatches, eval_batches, host_iterator
     from jaxnn.data import iterator_state
     from jaxnn.models import get_model
-    from jaxnn.parallel import batch_sharding, check_batch_divisible, make_mesh, replicated
+    from jaxnn.parallel import batch_sharding, check_batch_divisible, make_mesh, process_slice, replicate, shard_batch
     from jaxnn.train import create_train_state, make_eval_step, make_optimizer, make_predict, make_train_step
 
     is_text = isinstance(data, TextCorpus)
     mcfg = model_config(cfg, data)
     model = get_model(cfg.model, mcfg)
-    if cfg.devices > jax.device_count():
-        raise ConfigError(f"--devices {cfg.devices}: only {jax.device_count()} {jax.default_backend()} devices here")
-    mesh = make_mesh(cfg.devices)
+    if cfg.devices > jax.local_device_count():
+        raise ConfigError(f"--devices {cfg.devices}: only {jax.local_device_count()} {jax.default_backend()} "
+                          "devices here")
+    # Several processes (jax.distributed): one mesh over every device of every process; each process loads and
+    # places only its own rows of each global batch, and only process 0 writes the run directory's files.
+    multi_process = jax.process_count() > 1
+    is_main = jax.process_index() == 0
+    mesh = make_mesh() if multi_process else make_mesh(cfg.devices)
     check_batch_divisible(cfg.batch_size, mesh)
+    if multi_process:
+        from jax.experimental import multihost_utils
+
+        # Every process has checked the run directory before any of them writes to it.
+        multihost_utils.sync_global_devices("jaxnn run dir checked")
     pcfg = PipelineConfig(batch_size=cfg.batch_size, seed=cfg.seed, crop_pad=cfg.crop_pad, flip=cfg.flip,
                           seq_len=cfg.seq_len, backend=cfg.backend, workers=cfg.workers)
     in_shape = (cfg.batch_size, cfg.seq_len) if is_text else (cfg.batch_size, *data.image_shape)
     tx = make_optimizer(cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup, weight_decay=cfg.weight_decay)
     state = create_train_state(model, tx, jax.random.key(cfg.seed), in_shape, cfg.precision)
-    state = jax.device_put(state, replicated(mesh))
+    state = replicate(state, mesh)
 
     run_dir = pathlib.Path(cfg.run_dir)
     ckpt_dir = pathlib.Path(cfg.ckpt_dir) if cfg.ckpt_dir else run_dir / "ckpt"
-    if cfg.overwrite:
+    if cfg.overwrite and is_main:
         for path in (ckpt_dir, run_dir / "metrics.jsonl"):
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
     run_config = json.loads(json.dumps({**cfg.trajectory(), "model_config": dataclasses.asdict(mcfg)}))
@@ -322,24 +332,35 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if diffs:
             raise ConfigError(f"checkpoint {ckpt_dir / str(start)}: its data iterator does not fit this data "
                               f"({'; '.join(diffs)})")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(cfg.trajectory(), indent=1, sort_keys=True))
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(cfg.trajectory(), indent=1, sort_keys=True))
     metrics_path = run_dir / "metrics.jsonl"
 
     loss_fn = lm_loss if is_text else masked_classification_loss
     train_step = make_train_step(model, loss_fn, tx, cfg.precision)
     eval_step = make_eval_step(model, loss_fn, cfg.precision)
     in_sharding = batch_sharding(mesh)
+    if multi_process:
+        rows = process_slice(cfg.batch_size, mesh)
+
+        def place(host):
+            return shard_batch(jax.tree.map(lambda x: x[rows], host), mesh)
+    else:
+        def place(host):
+            return jax.device_put(host, in_sharding)
     eval_data = eval_batches(data, cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
-    batches = DevicePrefetch(host_iterator(source, pcfg), in_sharding, cfg.prefetch)
+    batches = DevicePrefetch(host_iterator(source, pcfg), place=place, size=cfg.prefetch)
     eval_every = cfg.eval_every or max(cfg.steps // 5, 1)
 
     def log_row(row):
+        if not is_main:
+            return
         with metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
 
     def run_eval(step):
-        metrics = evaluate(eval_step, state, eval_data, in_sharding)
+        metrics = evaluate(eval_step, state, eval_data, place)
         log_row({"split": "eval", "step": step, **metrics})
         return metrics
 
@@ -413,7 +434,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         prompt = b"def "
         summary["sample"] = (prompt + generate(predict, state, prompt, cfg.sample_bytes, cfg.seq_len,
                                                seed=cfg.seed)).decode("utf-8", "replace")
-    if cfg.plots and metrics_path.exists():
+    if cfg.plots and is_main and metrics_path.exists():
         summary["plots"] = write_plots(metrics_path, run_dir)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    if is_main:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary

@@ -9,6 +9,9 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+# Start the backend now, so that no test (e.g. an in-process CLI call asking for its own device count) can change
+# the session's device count by being the first to touch jax.
+assert jax.device_count() == 8, jax.devices()
 
 
 @pytest.fixture

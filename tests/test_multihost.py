@@ -1,6 +1,9 @@
 """Two local processes on 127.0.0.1 training together (gloo), checkpoints across process counts, a dying peer."""
 
+import json
+import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -73,3 +76,26 @@ def test_configure_cpu_devices_in_fresh_process():
     lines = out.stdout.splitlines()
     assert lines[0] == "4"
     assert "configure_cpu_devices(2) called after jax started with 4 devices" in lines[1]
+
+
+def test_cli_trains_across_two_processes_like_one(tmp_path):
+    """`jaxnn train --coordinator ... --num-processes 2 --process-id i` on loopback: one run, the same result."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = [sys.executable, "-m", "jaxnn.cli", "train", "--model", "mlp", "--size", "small", "--steps", "12",
+              "--batch-size", "16", "--no-progress", "--no-plots", "--backend", "inline"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen(common + ["--run-dir", str(tmp_path / "two"), "--coordinator", f"127.0.0.1:{port}",
+                                        "--num-processes", "2", "--process-id", str(i)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    one = subprocess.run(common + ["--run-dir", str(tmp_path / "one")], env=env, capture_output=True, text=True,
+                         timeout=240)
+    assert one.returncode == 0, one.stderr
+    two, single = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("two", "one"))
+    assert two["step"] == single["step"] == 12
+    assert abs(two["eval_loss"] - single["eval_loss"]) < 1e-4
+    assert abs(two["eval_accuracy"] - single["eval_accuracy"]) < 1e-6

@@ -15,13 +15,17 @@ import jax
 
 
 class DevicePrefetch:
-    """Wraps a host iterator of numpy batch dicts; yields device batches, `size` of them put ahead (0: none)."""
+    """Wraps a host iterator of numpy batch dicts; yields device batches, `size` of them put ahead (0: none).
 
-    def __init__(self, host_iter: Iterator[dict], sharding=None, size: int = 2):
+    Batches go to `sharding` with `jax.device_put`, or through `place(batch)` when given (e.g. a multi-process
+    run's `parallel.shard_batch`, which builds each global array from every process's local rows).
+    """
+
+    def __init__(self, host_iter: Iterator[dict], sharding=None, size: int = 2, place=None):
         if size < 0:
             raise ValueError(f"DevicePrefetch: size must be >= 0, got {size}")
         self._host = iter(host_iter)
-        self._sharding = sharding
+        self._place = place or (lambda batch: jax.device_put(batch, sharding))
         self._size = size
         self._queue: collections.deque = collections.deque()
         self._done = False
@@ -38,8 +42,7 @@ class DevicePrefetch:
             except StopIteration:
                 self._done = True
                 return
-            self._queue.append(jax.device_put(batch, self._sharding) if self._sharding is not None
-                               else jax.device_put(batch))
+            self._queue.append(self._place(batch))
 
     def __next__(self):
         t0 = time.perf_counter()
