@@ -228,7 +228,15 @@ def run_benchmarks(models=tuple(SPECS), precisions=PRECISIONS, *, quick: bool = 
     rows = []
     for name in models:
         for precision in precisions:
-            row = bench_jaxnn(name, precision, scan=scan, repeats=repeats)
+            try:
+                row = bench_jaxnn(name, precision, scan=scan, repeats=repeats)
+            except Exception as err:  # one failing configuration must not hide the other rows' figures
+                row = {"library": "jaxnn", "model": name, "precision": precision, "step_ms": None,
+                       "flops_per_step": None, "error": f"{type(err).__name__}: {err}"[:300]}
+                rows.append(row)
+                if progress:
+                    progress(f"{name} {precision}: FAILED {row['error']}")
+                continue
             if row["flops_per_step"]:
                 best_ms = min(row["step_ms"], row.get("scan_step_ms", row["step_ms"]))
                 row["gflops"] = row["flops_per_step"] / (best_ms * 1e-3) / 1e9
@@ -255,6 +263,9 @@ def format_report(result: dict) -> str:
     for r in result["rows"]:
         scan_ms, flops, gflops, frac = (r.get("scan_step_ms"), r.get("flops_per_step"), r.get("gflops"),
                                         r.get("fraction_of_peak"))
+        if r.get("error"):
+            lines.append(f"{r['model']:6} {r['precision']:5} failed: {r['error']}")
+            continue
         lines.append(
             f"{r['model']:6} {r['precision']:5} {r['step_ms']:12.4g} {_fmt(scan_ms, '.4g'):>13} "
             f"{r.get('scan_k', '-'):>3} {_fmt(scan_ms and scan_ms / r['step_ms'], '.2f'):>8} "

@@ -1,6 +1,7 @@
 """Every fast path gives the numbers of the simple path it replaces, on fresh random inputs (values and gradients),
 and keeps the bf16 x bf16 -> f32 product form in the lowered HLO."""
 
+import dataclasses
 import re
 
 import jax
@@ -79,3 +80,35 @@ def test_conv_im2col_refuses_feature_groups():
 def test_conv_unknown_lowering():
     with pytest.raises(ValueError, match="unknown lowering"):
         Conv(4, 3, lowering="fft")
+
+
+def test_half_attention_products_match_float32_and_run(key):
+    """The bf16 attention products (attention._half_bmm) give float32 einsum's values and gradients, and a bf16
+    GPT train step compiles and runs on the CPU (its weight-side transposes once hit XLA's DotThunk, which has no
+    bf16 x bf16 -> f32)."""
+    import optax
+
+    from jaxnn import train
+    from jaxnn.layers.attention import _half_bmm
+    from jaxnn.models import GPT, GPTConfig
+
+    a = jax.random.normal(key, (2, 3, 5, 8)).astype(jnp.bfloat16)
+    b = jax.random.normal(jax.random.fold_in(key, 1), (2, 3, 8, 4)).astype(jnp.bfloat16)
+    loss = lambda f: lambda a, b: jnp.sum(jnp.sin(f(a, b)))
+    exact = lambda a, b: jnp.einsum("...mk,...kn->...mn", a.astype(jnp.float32), b.astype(jnp.float32))
+    np.testing.assert_allclose(jax.jit(_half_bmm)(a, b), exact(a, b), rtol=1e-5, atol=1e-5)
+    g_half = jax.jit(jax.grad(loss(_half_bmm), argnums=(0, 1)))(a, b)
+    g_exact = jax.grad(loss(exact), argnums=(0, 1))(a.astype(jnp.float32), b.astype(jnp.float32))
+    for half, ref in zip(g_half, g_exact):
+        assert half.dtype == jnp.bfloat16
+        np.testing.assert_allclose(half.astype(jnp.float32), ref, rtol=3e-2, atol=3e-2)
+
+    model, tx = GPT(GPTConfig().small()), optax.adam(1e-3)
+    batch = {"x": jnp.ones((2, 32), jnp.int32), "y": jnp.ones((2, 32), jnp.int32)}
+    losses = {}
+    for impl in ("f32acc", "xla"):
+        model = GPT(dataclasses.replace(GPTConfig().small(), attention_implementation=impl))
+        state = train.create_train_state(model, tx, key, (2, 32), "bf16")
+        _, metrics = train.make_train_step(model, train.language_model_loss, tx, "bf16")(state, batch)
+        losses[impl] = float(metrics["loss"])
+    np.testing.assert_allclose(losses["f32acc"], losses["xla"], rtol=1e-2)
