@@ -31,9 +31,10 @@ install: $(STAMP)
 train: $(STAMP)
 	$(PY) -m jaxnn.cli train --model $(MODEL) $(if $(DATA),--data $(DATA)) --devices $(DEVICES) $(ARGS)
 
-# -n 2: one pytest worker per core; each test module compiles its own XLA programs.
+# -n 2: one pytest worker per core. Tests are spread one by one (loadgroup), except modules that mark a group
+# to share an expensive module-scoped fixture on one worker; --durations shows where the time goes.
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadfile tests
+	$(PY) -m pytest -n 2 --dist loadgroup --durations=15 tests
 
 bench: $(STAMP)
 	$(PY) -m jaxnn.bench $(ARGS)

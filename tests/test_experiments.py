@@ -26,6 +26,9 @@ def test_cpu_tag_names_cores_and_units():
     assert ("avx512" in tag) == ("avx512f" in common.cpu_flags())
     assert ("amx" in tag) == bool(common.cpu_flags() & {"amx_tile", "amx_bf16"})
 
+# One worker runs the whole module: its dry run of every experiment (a session fixture) is the expensive part.
+pytestmark = pytest.mark.xdist_group("experiments")
+
 
 def test_device_tag_of_a_gpu():
     h200 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H200")
@@ -102,7 +105,8 @@ def test_gpu_check_stops_with_a_clear_message_off_the_gpu(tmp_path, capsys):
 
 # Slow (about a minute on 2 cores, nearly all XLA compilation) but it is the one test of every experiment's code
 # path and of the script a GPU run depends on.
-@pytest.fixture(scope="module")
+# Session scope: under xdist a module fixture would be set up again whenever other modules' tests interleave.
+@pytest.fixture(scope="session")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("results")
     # Start jax first, so the dry run's request for 2 simulated devices cannot change the 8 that conftest gave

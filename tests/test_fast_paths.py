@@ -82,28 +82,35 @@ def test_conv_unknown_lowering():
         Conv(4, 3, lowering="fft")
 
 
-def test_half_attention_products_match_float32_and_run(key):
-    """The bf16 attention products (attention._half_bmm) give float32 einsum's values and gradients, and a bf16
-    GPT train step compiles and runs on the CPU (its weight-side transposes once hit XLA's DotThunk, which has no
-    bf16 x bf16 -> f32)."""
-    import optax
+@pytest.mark.parametrize("spec, shape_a, shape_b", [
+    ("BTNH,BSNH->BNTS", (2, 5, 3, 8), (2, 6, 3, 8)),
+    ("BNTS,BSNH->BTNH", (2, 3, 5, 6), (2, 6, 3, 8)),
+])
+def test_half_attention_products_match_float32_and_run(spec, shape_a, shape_b, key):
+    """The bf16 attention products (precision.einsum) give float32 einsum's values and gradients; their
+    weight-side transposes once hit XLA's DotThunk on the CPU, which has no bf16 x bf16 -> f32."""
+    from jaxnn import precision
 
-    from jaxnn import train
-    from jaxnn.layers.attention import _half_bmm
-    from jaxnn.models import GPT, GPTConfig
-
-    a = jax.random.normal(key, (2, 3, 5, 8)).astype(jnp.bfloat16)
-    b = jax.random.normal(jax.random.fold_in(key, 1), (2, 3, 8, 4)).astype(jnp.bfloat16)
+    a = jax.random.normal(key, shape_a).astype(jnp.bfloat16)
+    b = jax.random.normal(jax.random.fold_in(key, 1), shape_b).astype(jnp.bfloat16)
+    half_product = lambda a, b: precision.einsum(spec, a, b)
     loss = lambda f: lambda a, b: jnp.sum(jnp.sin(f(a, b)))
-    exact = lambda a, b: jnp.einsum("...mk,...kn->...mn", a.astype(jnp.float32), b.astype(jnp.float32))
-    np.testing.assert_allclose(jax.jit(_half_bmm)(a, b), exact(a, b), rtol=1e-5, atol=1e-5)
-    g_half = jax.jit(jax.grad(loss(_half_bmm), argnums=(0, 1)))(a, b)
+    exact = lambda a, b: jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32))
+    np.testing.assert_allclose(jax.jit(half_product)(a, b), exact(a, b), rtol=1e-5, atol=1e-5)
+    g_half = jax.jit(jax.grad(loss(half_product), argnums=(0, 1)))(a, b)
     g_exact = jax.grad(loss(exact), argnums=(0, 1))(a.astype(jnp.float32), b.astype(jnp.float32))
     for half, ref in zip(g_half, g_exact):
         assert half.dtype == jnp.bfloat16
         np.testing.assert_allclose(half.astype(jnp.float32), ref, rtol=3e-2, atol=3e-2)
 
-    model, tx = GPT(GPTConfig().small()), optax.adam(1e-3)
+
+def test_bf16_gpt_step_runs_with_either_attention(key):
+    import optax
+
+    from jaxnn import train
+    from jaxnn.models import GPT, GPTConfig
+
+    tx = optax.adam(1e-3)
     batch = {"x": jnp.ones((2, 32), jnp.int32), "y": jnp.ones((2, 32), jnp.int32)}
     losses = {}
     for impl in ("f32acc", "xla"):

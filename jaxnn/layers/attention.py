@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.nn import initializers
 
 from jaxnn.layers.activation import Dropout, Gelu
@@ -19,46 +18,6 @@ from jaxnn import precision
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "f32acc")
 
 
-@jax.custom_vjp
-def _half_bmm(a_BMK, b_BKN):
-    """Batched a @ b over the two minor axes, bf16 x bf16 -> f32, with gradient products in the same form.
-
-    Why not `precision.einsum`: its weight-side transpose contracts a non-minor axis of both operands, a dot that
-    XLA's CPU matmul library does not take and whose fallback (DotThunk) refuses bf16 x bf16 -> f32 at run time
-    ("Unsupported element type for DotThunk::Execute"). Here every product contracts the lhs's minor axis.
-    """
-    return jnp.einsum("...mk,...kn->...mn", a_BMK, b_BKN, preferred_element_type=jnp.float32)
-
-
-def _half_bmm_fwd(a_BMK, b_BKN):
-    return _half_bmm(a_BMK, b_BKN), (a_BMK, b_BKN)
-
-
-def _half_bmm_bwd(residuals, g_BMN):
-    a_BMK, b_BKN = residuals
-    g_BMN = g_BMN.astype(a_BMK.dtype)
-    da = jnp.einsum("...mn,...kn->...mk", g_BMN, b_BKN, preferred_element_type=jnp.float32)
-    # The barrier keeps XLA from folding the transpose back into the dot's dimension numbers (see the docstring).
-    a_BKM = lax.optimization_barrier(jnp.swapaxes(a_BMK, -1, -2))
-    db = jnp.einsum("...km,...mn->...kn", a_BKM, g_BMN, preferred_element_type=jnp.float32)
-    return da.astype(a_BMK.dtype), db.astype(b_BKN.dtype)
-
-
-_half_bmm.defvjp(_half_bmm_fwd, _half_bmm_bwd)
-
-
-def _attention_products(q_BTNH, k_BSNH, v_BSNH, policy):
-    """(logits_BNTS in f32, a function probs_BNTS -> out_BTNH) for the f32acc path."""
-    half = jnp.dtype(q_BTNH.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    if not half or q_BTNH.dtype != k_BSNH.dtype or q_BTNH.dtype != v_BSNH.dtype:
-        logits = precision.einsum("BTNH,BSNH->BNTS", q_BTNH, k_BSNH, policy)
-        return logits, lambda p: precision.einsum("BNTS,BSNH->BTNH", p, v_BSNH, policy)
-    q_BNTH, k_BNHS, v_BNSH = (jnp.transpose(t, perm) for t, perm in
-                              ((q_BTNH, (0, 2, 1, 3)), (k_BSNH, (0, 2, 3, 1)), (v_BSNH, (0, 2, 1, 3))))
-    logits = _half_bmm(q_BNTH, k_BNHS)
-    return logits, lambda p: jnp.transpose(_half_bmm(p, v_BNSH), (0, 2, 1, 3))
-
-
 def _attention_f32acc(q_BTNH, k_BSNH, v_BSNH, mask_B11S, causal, policy):
     """Attention with both products accumulated in float32 and softmax in float32.
 
@@ -67,8 +26,7 @@ def _attention_f32acc(q_BTNH, k_BSNH, v_BSNH, mask_B11S, causal, policy):
     bf16 x bf16 -> f32.
     """
     scale = 1.0 / jnp.sqrt(q_BTNH.shape[-1])
-    logits_BNTS, apply_to_values = _attention_products(q_BTNH, k_BSNH, v_BSNH, policy)
-    logits_BNTS = logits_BNTS * scale
+    logits_BNTS = precision.einsum("BTNH,BSNH->BNTS", q_BTNH, k_BSNH, policy) * scale
     valid = jnp.ones((1, 1, q_BTNH.shape[1], k_BSNH.shape[1]), bool)
     if causal:
         valid = jnp.tril(valid)
@@ -76,7 +34,7 @@ def _attention_f32acc(q_BTNH, k_BSNH, v_BSNH, mask_B11S, causal, policy):
         valid = valid & mask_B11S
     logits_BNTS = jnp.where(valid, logits_BNTS, jnp.finfo(logits_BNTS.dtype).min)
     probs_BNTS = jax.nn.softmax(logits_BNTS, axis=-1).astype(v_BSNH.dtype)
-    return apply_to_values(probs_BNTS).astype(v_BSNH.dtype)
+    return precision.einsum("BNTS,BSNH->BTNH", probs_BNTS, v_BSNH, policy).astype(v_BSNH.dtype)
 
 
 def _choose_implementation(implementation: str, dtype) -> str:
