@@ -110,11 +110,6 @@ class LossScale(NamedTuple):
     def create(cls, initial_scale: float = 2.0 ** 15, period: int = 2000) -> "LossScale":
         return cls(jnp.asarray(initial_scale, jnp.float32), jnp.zeros((), jnp.int32), jnp.asarray(period, jnp.int32))
 
-    @classmethod
-    def disabled(cls) -> "LossScale":
-        """A scale of one that never changes (for fp32 and bf16, whose exponent range needs no scaling)."""
-        return cls(jnp.ones((), jnp.float32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
-
     def scale_loss(self, loss):
         return loss * self.scale.astype(loss.dtype)
 
@@ -122,12 +117,11 @@ class LossScale(NamedTuple):
         return jax.tree.map(lambda g: g.astype(jnp.float32) / self.scale, grads)
 
     def adjust(self, grads_finite: jax.Array) -> "LossScale":
-        """The next scale given whether this step's gradients were all finite (a no-op when disabled)."""
-        enabled = self.period > 0
+        """The next scale given whether this step's gradients were all finite."""
         grown = self.good_steps + 1 >= self.period
         scale = jnp.where(grads_finite, jnp.where(grown, self.scale * 2, self.scale), jnp.maximum(self.scale / 2, 1.0))
         good = jnp.where(grads_finite & ~grown, self.good_steps + 1, 0)
-        return LossScale(jnp.where(enabled, scale, self.scale), jnp.where(enabled, good, self.good_steps), self.period)
+        return LossScale(scale, good, self.period)
 
 
 def all_finite(tree) -> jax.Array:

@@ -27,7 +27,7 @@ class TrainState(NamedTuple):
     opt_state: optax.OptState
     step: jax.Array
     key: jax.Array
-    loss_scale: LossScale
+    loss_scale: LossScale | None  # fp16's dynamic loss scale; None for policies that need none
 
 
 def create_train_state(model: Layer, tx: optax.GradientTransformation, key, in_shape, policy="fp32") -> TrainState:
@@ -36,7 +36,8 @@ def create_train_state(model: Layer, tx: optax.GradientTransformation, key, in_s
     init_key, train_key = jax.random.split(key)
     _, params, model_state = init_model(model, init_key, in_shape)
     params = policy.cast_to_param(params)
-    loss_scale = LossScale.create() if policy.loss_scaling else LossScale.disabled()
+    # None (no leaves) unless the policy scales the loss: every leaf of the state costs dispatch time per step.
+    loss_scale = LossScale.create() if policy.loss_scaling else None
     return TrainState(params, model_state, tx.init(params), jnp.zeros((), jnp.int32), train_key, loss_scale)
 
 
@@ -88,10 +89,12 @@ def train_step_fn(model: Layer, loss_fn: LossFn, tx: optax.GradientTransformatio
         def scaled_loss(params):
             logits, model_state = _forward(model, policy, params, state.model_state, batch, key=key, train=True)
             loss, metrics = loss_fn(logits, batch)
-            return state.loss_scale.scale_loss(loss), (loss, metrics, model_state)
+            scaled = state.loss_scale.scale_loss(loss) if policy.loss_scaling else loss
+            return scaled, (loss, metrics, model_state)
 
         grads, (loss, metrics, model_state) = jax.grad(scaled_loss, has_aux=True)(state.params)
-        grads = state.loss_scale.unscale(grads)
+        if policy.loss_scaling:  # without it, skip the multiply and divide: small models pay for every op
+            grads = state.loss_scale.unscale(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         loss_scale = state.loss_scale
@@ -103,8 +106,8 @@ def train_step_fn(model: Layer, loss_fn: LossFn, tx: optax.GradientTransformatio
             opt_state = keep_new(opt_state, state.opt_state)
             model_state = keep_new(model_state, state.model_state)
             loss_scale = loss_scale.adjust(finite)
-            metrics = {**metrics, "grads_finite": finite}
-        metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads), "loss_scale": loss_scale.scale}
+            metrics = {**metrics, "grads_finite": finite, "loss_scale": loss_scale.scale}
+        metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
         return TrainState(params, model_state, opt_state, state.step + 1, state.key, loss_scale), metrics
 
     return step
