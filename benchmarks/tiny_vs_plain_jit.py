@@ -2,10 +2,10 @@
 
 Run: `.venv/bin/python benchmarks/tiny_vs_plain_jit.py`; interleaved windows, medians, one process.
 """
-import statistics, time
 import jax, jax.numpy as jnp, numpy as np, optax
 import flax.linen as nn
 from jaxnn import layers as L, train
+from jaxnn.bench import time_interleaved
 
 B, D, H, C = 32, 16, 32, 10
 x = jax.random.normal(jax.random.key(1), (B, D)); y = jax.random.randint(jax.random.key(2), (B,), 0, C)
@@ -29,20 +29,18 @@ def fstep(params, opt, x, y):
     u, opt = tx.update(g, opt, params)
     return optax.apply_updates(params, u), opt, l
 
-def run_jaxnn(n):
+def jaxnn_step():
     global state
-    for _ in range(n):
-        state, m = step(state, batch)
-    jax.block_until_ready(state)
-def run_flax(n):
+    state, _ = step(state, batch)
+    return state
+
+
+def flax_step():
     global fparams, fopt
-    for _ in range(n):
-        fparams, fopt, l = fstep(fparams, fopt, x, y)
-    jax.block_until_ready(fparams)
-for f in (run_jaxnn, run_flax): f(50)
-res = {"jaxnn": [], "flax": []}
-for _ in range(15):
-    for name, f in (("jaxnn", run_jaxnn), ("flax", run_flax)):
-        t = time.perf_counter(); f(300); res[name].append((time.perf_counter() - t) / 300 * 1e3)
-med = {k: statistics.median(v) for k, v in res.items()}
+    fparams, fopt, _ = fstep(fparams, fopt, x, y)
+    return fparams
+
+
+timings = time_interleaved({"jaxnn": jaxnn_step, "flax": flax_step}, warmup=50, repeats=15)
+med = {name: t.median * 1e3 for name, t in timings.items()}
 print({k: f"{v:.4f} ms" for k, v in med.items()}, f"jaxnn/flax = {med['jaxnn'] / med['flax']:.2f}")
