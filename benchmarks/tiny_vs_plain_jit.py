@@ -2,7 +2,7 @@
 
 Run: `.venv/bin/python benchmarks/tiny_vs_plain_jit.py`; interleaved windows, medians, one process.
 """
-import jax, jax.numpy as jnp, numpy as np, optax
+import jax, optax
 import flax.linen as nn
 from jaxnn import layers as L, train
 from jaxnn.bench import time_interleaved

@@ -7,7 +7,6 @@ of simulated CPU devices before jax initialises its backends. Bad input exits wi
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import logging
 import pathlib

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 
-import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx

@@ -29,7 +29,6 @@ import json
 import statistics
 import time
 
-import numpy as np
 
 
 class SleepyBatches:

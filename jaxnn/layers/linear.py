@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
-from jax import lax
 from jax.nn import initializers
 
 from jaxnn.layers.core import Layer, along_last_axis, check_positive, shape_error
