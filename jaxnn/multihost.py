@@ -67,18 +67,6 @@ def _model(name: str):
     return get_model(name, CONFIGS[name]().small())
 
 
-def _checkpointable(state):
-    import jax
-
-    return state._replace(key=jax.random.key_data(state.key))  # orbax stores plain arrays
-
-
-def _from_checkpointable(state):
-    import jax
-
-    return state._replace(key=jax.random.wrap_key_data(state.key))
-
-
 def checkpoint_manager(directory: str):
     import orbax.checkpoint as ocp
 
@@ -90,8 +78,7 @@ def save_state(directory: str, state) -> None:
     import orbax.checkpoint as ocp
 
     with checkpoint_manager(directory) as manager:
-        manager.save(int(np.asarray(state.step.addressable_data(0))),
-                     args=ocp.args.StandardSave(_checkpointable(state)))
+        manager.save(int(np.asarray(state.step.addressable_data(0))), args=ocp.args.StandardSave(state))
         manager.wait_until_finished()
 
 
@@ -104,9 +91,8 @@ def restore_state(directory: str, like):
         step = manager.latest_step()
         if step is None:
             raise FileNotFoundError(f"restore_state: no checkpoint in {directory}")
-        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                              _checkpointable(like))
-        return _from_checkpointable(manager.restore(step, args=ocp.args.StandardRestore(target)))
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like)
+        return manager.restore(step, args=ocp.args.StandardRestore(target))
 
 
 def local_value(x) -> np.ndarray:

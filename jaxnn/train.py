@@ -26,7 +26,7 @@ class TrainState(NamedTuple):
     model_state: Any  # e.g. BatchNorm running statistics; {} for stateless models
     opt_state: optax.OptState
     step: jax.Array
-    key: jax.Array
+    key: jax.Array  # raw uint32 key data (`jax.random.key_data`), not a typed key: see create_train_state
     loss_scale: LossScale | None  # fp16's dynamic loss scale; None for policies that need none
 
 
@@ -38,6 +38,10 @@ def create_train_state(model: Layer, tx: optax.GradientTransformation, key, in_s
     params = policy.cast_to_param(params)
     # None (no leaves) unless the policy scales the loss: every leaf of the state costs dispatch time per step.
     loss_scale = LossScale.create() if policy.loss_scaling else None
+    # Stored as raw key data: a typed key array in the arguments takes jit's slower dispatch path, which cost a
+    # tiny model's step 8-13% (docs/performance.md); jax.random accepts the raw form everywhere.
+    if jax.dtypes.issubdtype(train_key.dtype, jax.dtypes.prng_key):
+        train_key = jax.random.key_data(train_key)
     return TrainState(params, model_state, tx.init(params), jnp.zeros((), jnp.int32), train_key, loss_scale)
 
 
