@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxnn.layers import Conv
+from jaxnn.layers import Conv, MaxPool
 from jaxnn.precision import BF16
 
 CONV_CASES = [
@@ -75,6 +75,55 @@ def test_conv_im2col_bf16_hlo_has_bf16_operands_f32_result(key):
 def test_conv_im2col_refuses_feature_groups():
     with pytest.raises(ValueError, match="feature groups"):
         Conv(4, 3, feature_group_count=2, lowering="im2col")
+
+
+POOL_CASES = [
+    # window, input shape (odd sizes: VALID pooling crops what no window covers, SAME pads)
+    (2, (3, 8, 8, 5)),
+    (2, (2, 7, 9, 3)),
+    (3, (2, 10, 11, 4)),
+    ((2, 3), (2, 8, 7, 3)),
+    ((2,), (3, 11, 4)),
+]
+
+
+@pytest.mark.parametrize("window,shape", POOL_CASES, ids=lambda c: str(c))
+@pytest.mark.parametrize("padding", ["VALID", "SAME"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_max_pool_reshape_matches_reduce_window(window, shape, padding, dtype, key):
+    ref = MaxPool(window, padding=padding, lowering="reduce_window")
+    fast = MaxPool(window, padding=padding, lowering="reshape")
+    assert fast.init(None, shape)[0] == ref.init(None, shape)[0]
+    seed = int(jax.random.key_data(jax.random.fold_in(key, len(shape) * 100 + shape[1])).ravel()[-1])
+    x = jnp.asarray(_distinct_values(np.random.default_rng(seed), shape), dtype)
+    y_ref = ref.apply({}, x)
+    y_fast = jax.jit(fast.apply)({}, x)
+    assert y_fast.dtype == dtype and y_fast.shape == y_ref.shape
+    np.testing.assert_array_equal(np.asarray(y_fast, np.float32), np.asarray(y_ref, np.float32))
+    cotangent = jax.random.normal(jax.random.key(seed), y_ref.shape, dtype=jnp.float32).astype(dtype)
+    grad = lambda layer: jax.grad(lambda x: jnp.vdot(layer.apply({}, x).astype(jnp.float32), cotangent))
+    np.testing.assert_array_equal(np.asarray(jax.jit(grad(fast))(x), np.float32),
+                                  np.asarray(grad(ref)(x), np.float32))
+
+
+def _distinct_values(rng, shape):
+    """Random values that bf16 represents exactly and that are all different: no window has a tied maximum, so
+    both lowerings' gradients are the same (unique) derivative."""
+    grid = np.linspace(-4, 4, 40001, dtype=np.float32).astype(jnp.bfloat16).astype(np.float32)
+    return rng.choice(np.unique(grid), size=shape, replace=False)
+
+
+def test_max_pool_ties_split_the_gradient():
+    x = jnp.zeros((1, 2, 2, 1))  # one window, four equal maxima: the reshape form shares the gradient evenly
+    g = jax.grad(lambda x: MaxPool(2, lowering="reshape").apply({}, x).sum())(x)
+    np.testing.assert_array_equal(g, np.full((1, 2, 2, 1), 0.25))
+
+
+def test_max_pool_reshape_is_refused_where_it_does_not_apply():
+    with pytest.raises(ValueError, match=r"MaxPool: the reshape lowering needs non-overlapping windows"):
+        MaxPool(3, strides=1, lowering="reshape")
+    with pytest.raises(ValueError, match=r"MaxPool: unknown lowering 'im2col'"):
+        MaxPool(2, lowering="im2col")
 
 
 def test_conv_unknown_lowering():
