@@ -83,8 +83,14 @@ def _forward(model, policy, params, model_state, batch, *, key, train):
     return policy.cast_to_output(logits), model_state
 
 
-def train_step_fn(model: Layer, loss_fn: LossFn, tx: optax.GradientTransformation, policy="fp32"):
-    """The un-jitted pure step `(state, batch) -> (state, metrics)`; jit it, scan it, or shard_map it."""
+def train_step_fn(model: Layer, loss_fn: LossFn, tx: optax.GradientTransformation, policy="fp32", *,
+                  grad_norm: bool = True):
+    """The un-jitted pure step `(state, batch) -> (state, metrics)`; jit it, scan it, or shard_map it.
+
+    Metrics: the loss, what `loss_fn` returns besides it, and (unless `grad_norm=False`) the global gradient
+    norm, which costs a reduction over every gradient and one more output: 5-10% of a small model's step
+    (docs/performance.md, "What the metrics cost").
+    """
     policy: Policy = get_policy(policy)
 
     def step(state: TrainState, batch) -> tuple[TrainState, dict]:
@@ -111,27 +117,29 @@ def train_step_fn(model: Layer, loss_fn: LossFn, tx: optax.GradientTransformatio
             model_state = keep_new(model_state, state.model_state)
             loss_scale = loss_scale.adjust(finite)
             metrics = {**metrics, "grads_finite": finite, "loss_scale": loss_scale.scale}
-        metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
+        metrics = {**metrics, "loss": loss}
+        if grad_norm:
+            metrics["grad_norm"] = optax.tree.norm(grads)
         return TrainState(params, model_state, opt_state, state.step + 1, state.key, loss_scale), metrics
 
     return step
 
 
 def make_train_step(model: Layer, loss_fn: LossFn, tx: optax.GradientTransformation, policy="fp32", *,
-                    donate: bool = True, **jit_kwargs):
+                    donate: bool = True, grad_norm: bool = True, **jit_kwargs):
     """The jitted train step; the incoming state's buffers are donated (reused for the new state)."""
-    step = train_step_fn(model, loss_fn, tx, policy)
+    step = train_step_fn(model, loss_fn, tx, policy, grad_norm=grad_norm)
     return jax.jit(step, donate_argnums=(0,) if donate else (), **jit_kwargs)
 
 
 def make_multi_step(model: Layer, loss_fn: LossFn, tx: optax.GradientTransformation, policy="fp32", *,
-                    donate: bool = True, **jit_kwargs):
+                    donate: bool = True, grad_norm: bool = True, **jit_kwargs):
     """K steps per call: `(state, batches) -> (state, metrics)` where every leaf of `batches` has a leading K axis.
 
     One dispatch runs K steps inside a `lax.scan`, which takes Python dispatch off the critical path for small
     models; the metrics come back stacked with a leading K axis.
     """
-    step = train_step_fn(model, loss_fn, tx, policy)
+    step = train_step_fn(model, loss_fn, tx, policy, grad_norm=grad_norm)
 
     def multi_step(state, batches):
         return jax.lax.scan(step, state, batches)

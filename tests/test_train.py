@@ -123,3 +123,24 @@ def test_cnn_learns_the_bundled_digits(key):
         state, _ = step(state, {"x": x_train[idx], "y": y_train[idx]})
     accuracy = train.make_eval_step(model, train.classification_loss)(state, {"x": x_test, "y": y_test})["accuracy"]
     assert float(accuracy) >= 0.95
+
+
+def test_grad_norm_metric_is_the_global_norm_and_can_be_left_out(key):
+    model = L.serial(L.Dense(8), L.Relu, L.Dense(3))
+    tx = optax.sgd(0.1)
+    k_x, k_y = jax.random.split(key)
+    batch = {"x": jax.random.normal(k_x, (6, 5)), "y": jax.random.randint(k_y, (6,), 0, 3)}
+    state = train.create_train_state(model, tx, key, (6, 5))
+    with_norm, metrics = train.make_train_step(model, train.classification_loss, tx, donate=False)(state, batch)
+    without, lean = train.make_train_step(model, train.classification_loss, tx, donate=False,
+                                          grad_norm=False)(state, batch)
+
+    def loss(params):
+        return train.classification_loss(L.run(model, params, batch["x"])[0], batch)[0]
+
+    grads = jax.grad(loss)(state.params)
+    expected = np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64))) for g in jax.tree.leaves(grads)))
+    np.testing.assert_allclose(metrics["grad_norm"], expected, rtol=1e-5)
+    assert set(metrics) - set(lean) == {"grad_norm"}
+    for a, b in zip(jax.tree.leaves(with_norm), jax.tree.leaves(without)):
+        np.testing.assert_array_equal(a, b)

@@ -1,4 +1,9 @@
-"""jaxnn itself, run through the peers' harness so that it is timed in a process of its own like every peer."""
+"""jaxnn itself, run through the peers' harness so that it is timed in a process of its own like every peer.
+
+The "jaxnn" row computes what every peer's step computes: the update and the loss, nothing else. The
+"jaxnn_metrics" row (`peer_jaxnn_metrics`) is jaxnn's default step, which also returns the accuracy (or bits per
+token) and the global gradient norm every step; the difference between the two is the cost of those metrics.
+"""
 
 from __future__ import annotations
 
@@ -13,12 +18,15 @@ from jaxnn import train
 from jaxnn.bench import LEARNING_RATE, jaxnn_model, synthetic_batch
 
 
-def build(name: str, precision: str):
+def build(name: str, precision: str, *, metrics: bool = False):
     model, loss_fn = jaxnn_model(name)
+    if not metrics:
+        full_loss = loss_fn
+        loss_fn = lambda logits, batch: (full_loss(logits, batch)[0], {})  # noqa: E731 (XLA drops the rest)
     tx = optax.adam(LEARNING_RATE)
     batch = jax.tree.map(jnp.asarray, synthetic_batch(name))
     state = train.create_train_state(model, tx, jax.random.key(0), batch["x"].shape, precision)
-    step = train.make_train_step(model, loss_fn, tx, precision)
+    step = train.make_train_step(model, loss_fn, tx, precision, grad_norm=metrics)
     holder = [state]
 
     def call():
