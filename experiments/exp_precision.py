@@ -15,7 +15,7 @@ import numpy as np
 from jax import lax
 
 from experiments import common
-from jaxnn.bench import time_fn
+from jaxnn.bench import time_interleaved
 
 NAME = "exp_precision"
 
@@ -79,14 +79,21 @@ def run(size: str = "quick", budget: common.Budget | None = None) -> dict:
     }
     results = []
     for op, (builder, inputs, flops, compare, shape) in problems.items():
+        built = {}
         for mode, (dtype, precision, preferred) in MODES.items():
             if budget.over(0.9):
                 budget.skip(f"{op} {mode}")
                 continue
             args = [jax.device_put(jnp.asarray(v, jnp.float32).astype(dtype), device) for v in inputs]
             fn = builder(precision, preferred)
-            out = np.asarray(fn(*args).astype(jnp.float32))
-            timing = time_fn(lambda: fn(*args), repeats=repeats)
+            built[mode] = (fn, args, np.asarray(fn(*args).astype(jnp.float32)))
+        # Side by side (every timing window runs every mode in turn): timed one after the other, a burst of load
+        # or the first mode's warm-up landed on one mode only (fp32 and tf32, the same op on a CPU, once measured
+        # 1.7x apart).
+        timings = time_interleaved({mode: (lambda fn=fn, args=args: fn(*args)) for mode, (fn, args, _) in built.items()},
+                                   repeats=repeats)
+        for mode, (fn, args, out) in built.items():
+            timing = timings[mode]
             results.append({"op": op, "mode": mode, **shape, **timing.as_dict(), "flops": flops,
                             "gflops": flops / timing.median / 1e9,
                             "rel_error": common.relative_error(*compare(out)),
