@@ -107,6 +107,32 @@ def headline(name: str, record: dict) -> str:
     return ""
 
 
+def lowering_ab(dry_run: bool) -> dict:
+    """Gradient time of each Conv and MaxPool lowering on this device, side by side: the data that decides what
+    `lowering="auto"` should pick on GPUs (measured so far on the CPU only; docs/performance.md)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxnn import layers as L
+    from jaxnn.bench import time_interleaved
+
+    batch, hw, channels = (4, 8, 8) if dry_run else (256, 32, 64)
+    x = jax.random.normal(jax.random.key(0), (batch, hw, hw, channels), jnp.bfloat16 if not dry_run else jnp.float32)
+    fns = {}
+    candidates = {"conv": {low: L.Conv(channels, 3, padding="SAME", lowering=low) for low in ("xla", "im2col")},
+                  "max_pool": {low: L.MaxPool(2, lowering=low) for low in ("reduce_window", "reshape")}}
+    for kind, layers in candidates.items():
+        for lowering, layer in layers.items():
+            _, params = layer.init(jax.random.key(1), x.shape)
+            params = jax.tree.map(lambda p: p.astype(x.dtype), params)
+            grad = jax.jit(jax.grad(lambda p, x, layer=layer: jnp.sum(layer.apply(p, x).astype(jnp.float32) ** 2),
+                                    argnums=(0, 1)))
+            fns[f"{kind} {lowering}"] = lambda grad=grad, params=params: grad(params, x)
+    timings = time_interleaved(fns, warmup=2, repeats=3 if dry_run else 7)
+    return {"shape": list(x.shape), "dtype": str(x.dtype),
+            "grad_ms": {name: t.median * 1e3 for name, t in timings.items()}}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.gpu_check", description=__doc__)
     parser.add_argument("--out", default="results", help="results folder (results/<gpu-tag>/ is written)")
@@ -136,6 +162,13 @@ def main(argv=None) -> int:
     print(f"gpu-check: {info['device_kind']} ({info['backend']}), jax {info['jax_version']}; bf16 GEMM: "
           f"{gemm or 'none'}; cuDNN convolution: {info['cudnn_conv']}")
     size = "tiny" if args.dry_run else "gpu"
+    try:
+        lowerings = lowering_ab(args.dry_run)
+        print("gpu-check: gradient ms by lowering: "
+              + ", ".join(f"{name} {ms:.2f}" for name, ms in lowerings["grad_ms"].items()), flush=True)
+    except Exception as err:  # a side measurement; it must not cost the experiments their GPU time
+        traceback.print_exc()
+        lowerings = {"error": f"{type(err).__name__}: {err}"[:300]}
     table = []
     for module in EXPERIMENTS:
         name = module.NAME
@@ -159,8 +192,8 @@ def main(argv=None) -> int:
         print(f"gpu-check: {name} {table[-1][1]} in {table[-1][2]:.0f} s", flush=True)
     total = time.perf_counter() - start
     record = {"name": "gpu_check", "machine": common.machine_info(), "size": size, "dry_run": args.dry_run,
-              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "check": info, "total_s": total,
-              "budgets_s": BUDGETS, "table": [dict(zip(("name", "status", "seconds", "headline"), row))
+              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "check": info, "lowerings": lowerings,
+              "total_s": total, "budgets_s": BUDGETS, "table": [dict(zip(("name", "status", "seconds", "headline"), row))
                                               for row in table]}
     (out_dir / "gpu_check.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"\n{'experiment':16s} {'status':16s} {'seconds':>7s}  headline")

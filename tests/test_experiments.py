@@ -123,6 +123,9 @@ def test_gpu_check_dry_run_runs_every_experiment(dry_run):
     failed = [row for row in check["table"] if row["status"] != "ok"]
     assert code == 0 and not failed, failed
     assert check["dry_run"] is True and check["check"]["backend"] == jax.default_backend()
+    assert set(check["lowerings"]["grad_ms"]) == {"conv xla", "conv im2col", "max_pool reduce_window",
+                                                  "max_pool reshape"}
+    assert all(ms > 0 for ms in check["lowerings"]["grad_ms"].values())
     for name in EXPERIMENTS:
         record = json.loads((folder / f"{name}.json").read_text())
         assert record["name"] == name and record["size"] == "tiny"

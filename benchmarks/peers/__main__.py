@@ -18,8 +18,8 @@ import time
 
 from jaxnn.bench import PRECISIONS, SPECS
 
-PEERS = {"jaxnn": "peer_jaxnn", "jaxnn_metrics": "peer_jaxnn_metrics", "flax_linen": "peer_linen", "flax_nnx": "peer_nnx", "equinox": "peer_equinox",
-         "haiku": "peer_haiku", "pytorch": "peer_torch"}
+PEERS = {"jaxnn": "peer_jaxnn", "jaxnn_metrics": "peer_jaxnn_metrics", "flax_linen": "peer_linen",
+         "flax_nnx": "peer_nnx", "equinox": "peer_equinox", "haiku": "peer_haiku", "pytorch": "peer_torch"}
 JAX_PEERS = ("flax_linen", "flax_nnx", "equinox", "haiku")
 
 

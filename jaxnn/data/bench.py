@@ -3,9 +3,10 @@
 The CPU stands in for an accelerator: XLA's threads are pinned to core 0 ("the device") and the host pipeline to
 the other cores, as a GPU machine's host CPU is free while the GPU computes. (`--xla_cpu_multi_thread_eigen=false`
 alone does not do it: XLA's step still used 1.7 cores here, so the host work slowed the step it was meant to
-overlap. Pinning is done with the Linux CPU affinity that XLA's thread pool inherits when it starts.) For each augmentation cost
-(crop + flip applied k times per batch) the bench measures the host's time per batch `h`, the step alone `S`
-(one batch reused, `jaxnn.bench.time_fn`), and the wall time per step `W` of a real loop:
+overlap. Pinning is done with the Linux CPU affinity that XLA's thread pool inherits when it starts.)
+
+For each augmentation cost (crop + flip applied k times per batch) the bench measures the host's time per batch
+`h`, the step alone `S` (one batch reused, `jaxnn.bench.time_fn`), and the wall time per step `W` of a real loop:
 
 - off: batches built inline, no device prefetch, each step waited for (the naive loop);
 - on:  Grain reader threads build batches in the background, DevicePrefetch keeps 2 batches on the device,

@@ -58,8 +58,8 @@ def MaxPool(window=2, strides=None, padding: str = "VALID", lowering: str = "aut
             name: str = "max_pool") -> Layer:
     """Maximum over windows (strides default to the window: non-overlapping).
 
-    `lowering`: "reduce_window" is XLA's windowed reduction, whose gradient is a select-and-scatter;
-    "reshape" (non-overlapping windows only: strides == window) tiles the input with a reshape and takes a plain max, whose
+    `lowering`: "reduce_window" is XLA's windowed reduction, whose gradient is a select-and-scatter; "reshape"
+    (non-overlapping windows only: strides == window) tiles the input with a reshape and takes a plain max, whose
     gradient is an elementwise mask: 3-5x faster gradients on the CPU (docs/performance.md). The two agree
     wherever a window has a single maximum; on ties the reshape form splits the gradient evenly between the tied
     elements, reduce_window gives it all to one (both are subgradients). "auto" is "reshape" on the CPU when it
