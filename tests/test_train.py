@@ -144,3 +144,18 @@ def test_grad_norm_metric_is_the_global_norm_and_can_be_left_out(key):
     assert set(metrics) - set(lean) == {"grad_norm"}
     for a, b in zip(jax.tree.leaves(with_norm), jax.tree.leaves(without)):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_train_state_key_drives_dropout_for_any_key_implementation(impl):
+    model = L.serial(L.Dense(16), L.Dropout(0.5), L.Dense(3))
+    tx = optax.sgd(0.1)
+    state = train.create_train_state(model, tx, jax.random.key(0, impl=impl), (4, 5))
+    # Default-implementation keys are kept as raw data (cheaper to dispatch); others stay typed.
+    assert jax.dtypes.issubdtype(state.key.dtype, jax.dtypes.prng_key) == (impl != "threefry2x32")
+    step = train.make_train_step(model, train.classification_loss, tx, donate=False)
+    batch = {"x": jax.random.normal(jax.random.key(1), (4, 5)), "y": jnp.array([0, 1, 2, 0])}
+    after_one, _ = step(state, batch)
+    _, loss_a = step(after_one, batch)
+    _, loss_b = step(after_one._replace(step=after_one.step + 1), batch)
+    assert float(loss_a["loss"]) != float(loss_b["loss"])  # a different step draws a different dropout mask
