@@ -123,6 +123,9 @@ def test_gpu_check_dry_run_runs_every_experiment(dry_run):
     failed = [row for row in check["table"] if row["status"] != "ok"]
     assert code == 0 and not failed, failed
     assert check["dry_run"] is True and check["check"]["backend"] == jax.default_backend()
+    mfu = json.loads((folder / "gpu_mfu.json").read_text())
+    assert mfu["dry_run"] is True and 0 < mfu["mfu"] and mfu["num_params"] > 0
+    assert check["table"][0]["name"] == "bench_gpu_mfu"
     assert set(check["lowerings"]["grad_ms"]) == {"conv xla", "conv im2col", "max_pool reduce_window",
                                                   "max_pool reshape"}
     assert all(ms > 0 for ms in check["lowerings"]["grad_ms"].values())
