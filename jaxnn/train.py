@@ -39,7 +39,7 @@ def create_train_state(model: Layer, tx: optax.GradientTransformation, key, in_s
     # None (no leaves) unless the policy scales the loss: every leaf of the state costs dispatch time per step.
     loss_scale = LossScale.create() if policy.loss_scaling else None
     # Stored as raw key data: a typed key array in the arguments takes jit's slower dispatch path, which cost a
-    # tiny model's step about 10% (docs/performance.md); jax.random reads raw data as the default implementation's
+    # tiny model's step 4-20% (benchmarks/ab_train_step.py); jax.random reads raw data as the default implementation's
     # key, so a key of another implementation (e.g. "rbg") stays typed.
     if (jax.dtypes.issubdtype(train_key.dtype, jax.dtypes.prng_key)
             and jax.random.key_impl(train_key) == jax.random.key_impl(jax.random.key(0))):
@@ -90,8 +90,8 @@ def train_step_fn(model: Layer, loss_fn: LossFn, tx: optax.GradientTransformatio
     """The un-jitted pure step `(state, batch) -> (state, metrics)`; jit it, scan it, or shard_map it.
 
     Metrics: the loss, what `loss_fn` returns besides it, and (unless `grad_norm=False`) the global gradient
-    norm, which costs a reduction over every gradient and one more output: with the accuracy, 8-10% of the
-    benchmark MLP's step and ~25% of a tiny model's (docs/performance.md, "What the metrics cost").
+    norm, which costs a reduction over every gradient and one more output: with the accuracy, ~11% of the
+    benchmark MLP's step and ~27% of a tiny model's (docs/performance.md, "What the metrics cost").
     """
     policy: Policy = get_policy(policy)
 

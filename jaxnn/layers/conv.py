@@ -61,7 +61,14 @@ def conv_im2col(x, w, strides, pad, dilation, policy=None):
     Why: XLA's CPU convolution (forward, and above all its input- and weight-gradient convolutions) runs well
     below its matmul rate; here the forward pass and both gradients are plain dots (see docs/performance.md).
     """
-    kernel = w.shape[:-2]
+    patches = im2col_patches(x, w.shape[:-2], strides, pad, dilation)
+    w_flat = w.reshape(-1, w.shape[-1])
+    y = precision.einsum("mk,kn->mn", patches.reshape(-1, w_flat.shape[0]), w_flat, policy)
+    return y.reshape(*patches.shape[:-1], w_flat.shape[1])
+
+
+def im2col_patches(x, kernel, strides, pad, dilation):
+    """The kernel taps of the padded input, concatenated along channels: (N, *out_spatial, taps * channels)."""
     spatial = x.shape[1:-1]
     pads = _explicit_pads(pad, spatial, kernel, strides, dilation)
     x = jnp.pad(x, [(0, 0), *pads, (0, 0)])
@@ -73,10 +80,7 @@ def conv_im2col(x, w, strides, pad, dilation, policy=None):
         limit = (x.shape[0], *(o * d + (n - 1) * s + 1 for o, d, n, s in zip(offsets, dilation, out, strides)),
                  x.shape[-1])
         taps.append(lax.slice(x, start, limit, (1, *strides, 1)))
-    patches = taps[0] if len(taps) == 1 else jnp.concatenate(taps, axis=-1)
-    w_flat = w.reshape(-1, w.shape[-1])
-    y = precision.einsum("mk,kn->mn", patches.reshape(-1, w_flat.shape[0]), w_flat, policy)
-    return y.reshape(*patches.shape[:-1], w_flat.shape[1])
+    return taps[0] if len(taps) == 1 else jnp.concatenate(taps, axis=-1)
 
 
 def Conv(features: int, kernel_size: int | Sequence[int], *, strides=1, padding="SAME", dilation=1,

@@ -1,0 +1,87 @@
+"""Side by side: what jaxnn's train step costs against plain `jax.jit` steps, and where the difference goes.
+
+Run: `.venv/bin/python benchmarks/ab_train_step.py [tiny|mlp] [--rounds N]`; every variant runs in each timing
+window (`jaxnn.bench.time_interleaved`), medians; ratios are to the plain-jit Flax Linen step without donation
+(the issue's "plain jax.jit"). Variants, all on the `make bench` model and batch:
+
+- jaxnn: the default step (`make_train_step`: donated state, accuracy and gradient norm returned);
+- jaxnn, typed key: the same step fed a state whose PRNG key is a typed key array instead of raw key data;
+- jaxnn, loss only: `grad_norm=False` and a loss function without the accuracy (what the peers compute);
+- jaxnn model, peers' step: jaxnn's layers inside the peers' own plain-jit Adam step (benchmarks/peers);
+- flax linen: plain `jax.jit`, no donation; flax linen, donated: the `make bench-peers` Linen step.
+
+Figures and what they decided: docs/performance.md ("Tiny-step dispatch", "What the metrics cost").
+"""
+import argparse
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from benchmarks.peers import peer_linen
+from benchmarks.peers.jax_common import adam_step, cross_entropy, device_batch
+from jaxnn import train
+from jaxnn.bench import LEARNING_RATE, jaxnn_model, time_interleaved
+from jaxnn.layers import run
+
+
+def variants(name: str) -> dict:
+    model, loss_fn = jaxnn_model(name)
+    tx = optax.adam(LEARNING_RATE)
+    batch = device_batch(name)
+    state = train.create_train_state(model, tx, jax.random.key(0), batch["x"].shape)
+    states = {"jaxnn": state, "jaxnn, typed key": state._replace(key=jax.random.wrap_key_data(state.key)),
+              "jaxnn, loss only": state}
+    states = {label: jax.tree.map(jnp.copy, s) for label, s in states.items()}  # each variant donates its own
+    default_step = train.make_train_step(model, loss_fn, tx)
+    steps = {"jaxnn": default_step, "jaxnn, typed key": default_step,
+             "jaxnn, loss only": train.make_train_step(model, lambda logits, b: (loss_fn(logits, b)[0], {}), tx,
+                                                       grad_norm=False)}
+
+    def jaxnn_runner(label):
+        def call():
+            states[label], _ = steps[label](states[label], batch)
+            return states[label]
+        return call
+
+    fns = {label: jaxnn_runner(label) for label in steps}
+
+    def plain_loss(params, b):
+        return loss_fn(run(model, params, b["x"], state=state.model_state)[0], b)[0]
+
+    fns["jaxnn model, peers' step"] = adam_step(plain_loss, jax.tree.map(jnp.copy, state.params), name)
+
+    module = peer_linen.make_module(name, jnp.float32)
+    flax_params = module.init(jax.random.key(0), batch["x"])
+    flax_holder = [flax_params, tx.init(flax_params)]
+
+    @jax.jit
+    def flax_step(params, opt_state, b):
+        loss, grads = jax.value_and_grad(lambda p: cross_entropy(module.apply(p, b["x"]), b["y"]))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    def flax_call():
+        flax_holder[0], flax_holder[1], _ = flax_step(flax_holder[0], flax_holder[1], batch)
+        return flax_holder[0]
+
+    fns["flax linen"] = flax_call
+    fns["flax linen, donated"] = peer_linen.build(name, "fp32")
+    return fns
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", nargs="?", default="tiny", choices=["tiny", "mlp"])
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    fns = variants(args.model)
+    for r in range(args.rounds):
+        timings = time_interleaved(fns, warmup=20, repeats=21)
+        ref = timings["flax linen"].median
+        print(f"{args.model}, round {r + 1}: " + "; ".join(
+            f"{label} {t.median * 1e3:.4g} ms ({t.median / ref:.2f})" for label, t in timings.items()))
+
+
+if __name__ == "__main__":
+    main()
