@@ -55,10 +55,31 @@ def classification_loss(logits, batch) -> tuple[jax.Array, dict]:
     return loss, {"accuracy": accuracy}
 
 
+def masked_classification_loss(logits, batch) -> tuple[jax.Array, dict]:
+    """Softmax cross-entropy and accuracy over the rows whose `batch["mask"]` is 1 (all rows without a mask).
+
+    Padding rows (mask 0, e.g. an epoch's or the test set's last partial batch) count for nothing; `count` in the
+    metrics is the number of real rows, so evaluation can weight batches by it.
+    """
+    labels = batch["y"]
+    per_example = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+    correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
+    mask = batch.get("mask")
+    mask = jnp.ones_like(per_example) if mask is None else mask.astype(jnp.float32)
+    count = jnp.maximum(mask.sum(), 1.0)
+    return (per_example * mask).sum() / count, {"accuracy": (correct * mask).sum() / count, "count": mask.sum()}
+
+
 def language_model_loss(logits_BTV, batch) -> tuple[jax.Array, dict]:
     """Next-token cross-entropy: `batch["y"]` holds the inputs shifted by one; reports bits per byte too."""
     loss = optax.softmax_cross_entropy_with_integer_labels(logits_BTV.astype(jnp.float32), batch["y"]).mean()
     return loss, {"bits_per_token": loss / jnp.log(2.0)}
+
+
+def lm_loss(logits_BTV, batch) -> tuple[jax.Array, dict]:
+    """`language_model_loss` with `count` (the sequences in the batch) for evaluation's weighting."""
+    loss, metrics = language_model_loss(logits_BTV, batch)
+    return loss, {**metrics, "count": jnp.asarray(batch["y"].shape[0], jnp.float32)}
 
 
 def weight_decay_mask(params):

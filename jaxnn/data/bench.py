@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     from jaxnn.bench import time_fn
     from jaxnn.data import PipelineConfig, TrainBatches, synthetic
     from jaxnn.models import CNN, CNNConfig
-    from jaxnn.run import masked_classification_loss
+    from jaxnn.train import masked_classification_loss
     from jaxnn.train import create_train_state, make_optimizer, make_train_step
 
     data = synthetic((32, 32, 3), n_train=4096, n_test=64)
