@@ -37,7 +37,7 @@ test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadgroup --durations=15 tests
 
 bench: $(STAMP)
-	$(PY) -m jaxnn.bench $(ARGS)
+	$(PY) -m benchmarks.train_steps $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxnn import layers as L, train
-from jaxnn.bench import time_interleaved
+from jaxnn.timing import time_interleaved
 
 LOWERINGS = ("reduce_window", "reshape")
 

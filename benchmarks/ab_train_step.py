@@ -1,8 +1,8 @@
 """Side by side: what jaxnn's train step costs against plain `jax.jit` steps, and where the difference goes.
 
-Run: `.venv/bin/python benchmarks/ab_train_step.py [tiny|mlp] [--rounds N]`; every variant runs in each timing
-window (`jaxnn.bench.time_interleaved`), medians; ratios are to the plain-jit Flax Linen step without donation
-(the issue's "plain jax.jit"). Variants, all on the `make bench` model and batch:
+Run: `PYTHONPATH=. .venv/bin/python benchmarks/ab_train_step.py [tiny|mlp] [--rounds N]`; every variant runs in
+each timing window (`jaxnn.timing.time_interleaved`), medians; ratios are to the plain-jit Flax Linen step without
+donation (the "plain jax.jit" baseline). Variants, all on the `make bench` model and batch:
 
 - jaxnn: the default step (`make_train_step`: donated state, accuracy and gradient norm returned);
 - jaxnn, typed key: the same step fed a state whose PRNG key is a typed key array instead of raw key data;
@@ -20,9 +20,10 @@ import optax
 
 from benchmarks.peers import peer_linen
 from benchmarks.peers.jax_common import adam_step, cross_entropy, device_batch
+from benchmarks.train_steps import LEARNING_RATE, jaxnn_model
 from jaxnn import train
-from jaxnn.bench import LEARNING_RATE, jaxnn_model, time_interleaved
 from jaxnn.layers import run
+from jaxnn.timing import stepper, time_interleaved
 
 
 def variants(name: str) -> dict:
@@ -37,14 +38,7 @@ def variants(name: str) -> dict:
     steps = {"jaxnn": default_step, "jaxnn, typed key": default_step,
              "jaxnn, loss only": train.make_train_step(model, lambda logits, b: (loss_fn(logits, b)[0], {}), tx,
                                                        grad_norm=False)}
-
-    def jaxnn_runner(label):
-        def call():
-            states[label], _ = steps[label](states[label], batch)
-            return states[label]
-        return call
-
-    fns = {label: jaxnn_runner(label) for label in steps}
+    fns = {label: stepper(steps[label], states[label], batch) for label in steps}
 
     def plain_loss(params, b):
         return loss_fn(run(model, params, b["x"], state=state.model_state)[0], b)[0]
@@ -53,19 +47,15 @@ def variants(name: str) -> dict:
 
     module = peer_linen.make_module(name, jnp.float32)
     flax_params = module.init(jax.random.key(0), batch["x"])
-    flax_holder = [flax_params, tx.init(flax_params)]
 
     @jax.jit
-    def flax_step(params, opt_state, b):
+    def flax_step(flax_state, b):
+        params, opt_state = flax_state
         loss, grads = jax.value_and_grad(lambda p: cross_entropy(module.apply(p, b["x"]), b["y"]))(params)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return (optax.apply_updates(params, updates), opt_state), loss
 
-    def flax_call():
-        flax_holder[0], flax_holder[1], _ = flax_step(flax_holder[0], flax_holder[1], batch)
-        return flax_holder[0]
-
-    fns["flax linen"] = flax_call
+    fns["flax linen"] = stepper(flax_step, (flax_params, tx.init(flax_params)), batch)
     fns["flax linen, donated"] = peer_linen.build(name, "fp32")
     return fns
 

@@ -13,9 +13,9 @@ import jax
 import numpy as np
 
 from experiments import common
-from jaxnn.bench import time_fn
 from jaxnn.models import CNN, MLP, CNNConfig, MLPConfig
 from jaxnn.parallel import FORMS, configure_cpu_devices, data_parallel_train_step, init_replicated_state, make_mesh
+from jaxnn.timing import time_fn
 from jaxnn.train import classification_loss, create_train_state, make_optimizer
 
 NAME = "exp_parallel"

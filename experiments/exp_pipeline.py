@@ -21,10 +21,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from experiments import common
-from jaxnn.bench import time_fn
 from jaxnn.data import DevicePrefetch, PipelineConfig, TrainBatches, host_iterator, synthetic
 from jaxnn.data.pipeline import _grain_available
 from jaxnn.models import CNN, CNNConfig
+from jaxnn.timing import time_fn
 from jaxnn.train import classification_loss, make_optimizer, train_step_fn
 
 NAME = "exp_pipeline"

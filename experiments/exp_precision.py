@@ -15,7 +15,7 @@ import numpy as np
 from jax import lax
 
 from experiments import common
-from jaxnn.bench import time_interleaved
+from jaxnn.timing import time_interleaved
 
 NAME = "exp_precision"
 

@@ -14,10 +14,10 @@ import jax
 import numpy as np
 
 from experiments import common
-from jaxnn.bench import time_fn
 from jaxnn.data import PipelineConfig, TrainBatches, eval_batches, load_digits, load_text
 from jaxnn.data.preprocess import normalise
 from jaxnn.models import CNN, GPT, CNNConfig, GPTConfig
+from jaxnn.timing import time_fn
 from jaxnn.train import (classification_loss, language_model_loss, make_eval_step,
                          make_optimizer, make_predict, make_train_step)
 

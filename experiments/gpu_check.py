@@ -22,7 +22,7 @@ from experiments.run_all import BUDGETS as RUN_BUDGETS
 # Seconds each experiment may take at GPU size (run_all.BUDGETS["gpu"]: one table for both entry points). Their sum
 # stays well under the 8 minutes because each budget is soft (a measurement that starts inside the budget is
 # finished) and jax's start, the tensor-core check and the plots come on top.
-BUDGETS = RUN_BUDGETS["gpu"]  # the MFU benchmark (jaxnn.bench.gpu_mfu) runs first, outside these
+BUDGETS = RUN_BUDGETS["gpu"]  # the MFU benchmark (benchmarks.train_steps.gpu_mfu) runs first, outside these
 TOTAL_LIMIT_S = 460  # 8 minutes less jax's start on the GPU and the final writing
 OVERRUN_MARGIN_S = 40
 EXPERIMENTS = [exp_matmul, exp_precision, exp_sequential, exp_pipeline, exp_inference, exp_parallel, exp_train]
@@ -114,7 +114,7 @@ def lowering_ab(dry_run: bool) -> dict:
     import jax.numpy as jnp
 
     from jaxnn import layers as L
-    from jaxnn.bench import time_interleaved
+    from jaxnn.timing import time_interleaved
 
     batch, hw, channels = (4, 8, 8) if dry_run else (256, 32, 64)
     x = jax.random.normal(jax.random.key(0), (batch, hw, hw, channels), jnp.bfloat16 if not dry_run else jnp.float32)
@@ -170,11 +170,11 @@ def main(argv=None) -> int:
         traceback.print_exc()
         lowerings = {"error": f"{type(err).__name__}: {err}"[:300]}
     table = []
-    # make bench-gpu (issue 6's MFU target) first: it is one measurement that cannot be cut short, so it runs while
+    # make bench-gpu (the MFU target) first: it is one measurement that cannot be cut short, so it runs while
     # the whole budget is there, and the experiments' soft budgets shrink to what it leaves.
     t0 = time.perf_counter()
     try:
-        from jaxnn.bench import gpu_mfu
+        from benchmarks.train_steps import gpu_mfu
 
         mfu = gpu_mfu(str(out_dir), dry_run=args.dry_run)
         status = "ok" if mfu.get("mfu") is not None else "FAILED"

@@ -1,4 +1,5 @@
-# Benchmarks against the peer libraries (issue 6). The peers live in the `bench` extra, never in the runtime deps.
+# Benchmarks against the peer libraries, and the GPU MFU check (benchmarks/). The peers live in the `bench` extra,
+# never in the runtime deps.
 .PHONY: bench-peers bench-gpu bench-gpu-dry install-bench
 
 BENCH_STAMP := $(VENV)/.installed-bench
@@ -14,7 +15,7 @@ bench-peers: $(STAMP) $(BENCH_STAMP) ## jaxnn vs Flax Linen/NNX, Equinox, Haiku,
 	$(PY) -m benchmarks.peers $(ARGS)
 
 bench-gpu: $(STAMP) ## GPT ~300M params, T=1024, bf16, fused attention: MFU vs the measured bf16 GEMM peak (GPU)
-	$(PY) -m jaxnn.bench --gpu --out-dir results/bench $(ARGS)
+	$(PY) -m benchmarks.train_steps --gpu --out-dir results/bench $(ARGS)
 
 bench-gpu-dry: $(STAMP) ## the bench-gpu code path at a tiny size, on the CPU
-	$(PY) -m jaxnn.bench --gpu --dry-run --out-dir results/bench $(ARGS)
+	$(PY) -m benchmarks.train_steps --gpu --dry-run --out-dir results/bench $(ARGS)

@@ -1,12 +1,13 @@
 # Data-parallel training: benchmark of the three forms, and two local processes training together.
-# PARALLEL_ARGS is passed to either script (see `python -m jaxnn.bench_parallel --help`, `python -m jaxnn.multihost --help`).
+# PARALLEL_ARGS is passed to either script (see `python -m benchmarks.data_parallel --help`,
+# `python -m jaxnn.multihost --help`).
 PARALLEL_ARGS ?=
 NUM_PROCESSES ?= 2
 
 .PHONY: bench-parallel train-multihost
 
 bench-parallel: $(STAMP) ## step time and throughput vs device count (1,2,4,8) for jit, shard_map and pmap
-	$(PY) -m jaxnn.bench_parallel $(PARALLEL_ARGS)
+	$(PY) -m benchmarks.data_parallel $(PARALLEL_ARGS)
 
 train-multihost: $(STAMP) ## two local processes (gloo on 127.0.0.1) train the MLP on digits together
 	$(PY) -m jaxnn.multihost --num-processes $(NUM_PROCESSES) $(PARALLEL_ARGS)

@@ -27,7 +27,7 @@ def run_module(module: str, *args: str, devices: int | None = None) -> str:
 
 def test_make_bench_quick_reports_both_variants_and_the_peaks(tmp_path):
     out = tmp_path / "bench.json"
-    text = run_module("jaxnn.bench", "--quick", "--models", "tiny", "--json", str(out))
+    text = run_module("benchmarks.train_steps", "--quick", "--models", "tiny", "--json", str(out))
     assert "tiny   fp32" in text and "tiny   bf16" in text
     record = json.loads(out.read_text())
     assert record["platform"] == "cpu" and all(peak["gflops"] > 0 for peak in record["peaks"].values())
@@ -49,7 +49,7 @@ def test_bench_peers_times_jaxnn_with_and_without_metrics(tmp_path):
 
 def test_bench_input_pins_the_device_core_and_reports_idle_fractions(tmp_path):
     out = tmp_path / "input.json"
-    run_module("jaxnn.data.bench", "--steps", "2", "--repeats", "1", "--batch-size", "8", "--out", str(out))
+    run_module("benchmarks.input_pipeline", "--steps", "2", "--repeats", "1", "--batch-size", "8", "--out", str(out))
     record = json.loads(out.read_text())
     if hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) >= 2:
         assert record["pinning"].startswith("XLA pinned to core")
@@ -63,7 +63,7 @@ def test_bench_input_pins_the_device_core_and_reports_idle_fractions(tmp_path):
 
 def test_bench_parallel_times_every_form_on_each_device_count(tmp_path):
     out = tmp_path / "parallel.jsonl"
-    run_module("jaxnn.bench_parallel", "--devices", "1", "2", "--repeats", "2", "--global-batch", "16",
+    run_module("benchmarks.data_parallel", "--devices", "1", "2", "--repeats", "2", "--global-batch", "16",
                "--json", str(out), devices=2)
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
     assert {(r["form"], r["devices"]) for r in rows} == {(f, n) for f in ("jit", "shard_map", "pmap") for n in (1, 2)}

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 
-from jaxnn.bench import PRECISIONS, SPECS
+from benchmarks.train_steps import PRECISIONS, SPECS
 
 PEERS = {"jaxnn": "peer_jaxnn", "jaxnn_metrics": "peer_jaxnn_metrics", "flax_linen": "peer_linen",
          "flax_nnx": "peer_nnx", "equinox": "peer_equinox", "haiku": "peer_haiku", "pytorch": "peer_torch"}

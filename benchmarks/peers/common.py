@@ -9,7 +9,8 @@ import time
 import traceback
 from typing import Callable
 
-from jaxnn.bench import PRECISIONS, SPECS, time_fn
+from benchmarks.train_steps import PRECISIONS, SPECS
+from jaxnn.timing import time_fn
 
 
 def main(library: str, build: Callable[[str, str], Callable[[], object]], argv=None) -> int:

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxnn.bench import LEARNING_RATE, SPECS, synthetic_batch
+from benchmarks.train_steps import LEARNING_RATE, SPECS, synthetic_batch
+from jaxnn.timing import stepper
 
 
 def cross_entropy(logits, labels):
@@ -18,24 +19,18 @@ def device_batch(name: str) -> dict:
 
 
 def adam_step(loss_fn, params, name: str):
-    """The idiomatic step `(params, opt_state, batch) -> (params, opt_state, loss)`, jitted with donation, and a
-    no-argument closure that advances it on the benchmark batch (what `time_fn` calls)."""
+    """The idiomatic step `((params, opt_state), batch) -> ((params, opt_state), loss)`, jitted with donation, and
+    a no-argument callable that advances it on the benchmark batch (what `time_fn` calls)."""
     tx = optax.adam(LEARNING_RATE)
     batch = device_batch(name)
 
-    def step(params, opt_state, batch):
+    def step(state, batch):
+        params, opt_state = state
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return (optax.apply_updates(params, updates), opt_state), loss
 
-    step = jax.jit(step, donate_argnums=(0, 1))
-    holder = [params, tx.init(params)]
-
-    def call():
-        holder[0], holder[1], loss = step(holder[0], holder[1], batch)
-        return holder[0]
-
-    return call
+    return stepper(jax.jit(step, donate_argnums=0), (params, tx.init(params)), batch)
 
 
 def spec(name: str) -> dict:

@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import optax
 
 from benchmarks.peers.common import main
+from benchmarks.train_steps import LEARNING_RATE, jaxnn_model, synthetic_batch
 from jaxnn import train
-from jaxnn.bench import LEARNING_RATE, jaxnn_model, synthetic_batch
+from jaxnn.timing import stepper
 
 
 def build(name: str, precision: str, *, metrics: bool = False):
@@ -27,13 +28,7 @@ def build(name: str, precision: str, *, metrics: bool = False):
     batch = jax.tree.map(jnp.asarray, synthetic_batch(name))
     state = train.create_train_state(model, tx, jax.random.key(0), batch["x"].shape, precision)
     step = train.make_train_step(model, loss_fn, tx, precision, grad_norm=metrics)
-    holder = [state]
-
-    def call():
-        holder[0], _ = step(holder[0], batch)
-        return holder[0]
-
-    return call
+    return stepper(step, state, batch)
 
 
 if __name__ == "__main__":

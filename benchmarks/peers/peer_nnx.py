@@ -10,7 +10,7 @@ from flax import nnx
 
 from benchmarks.peers.common import main
 from benchmarks.peers.jax_common import cross_entropy, device_batch, spec
-from jaxnn.bench import LEARNING_RATE
+from benchmarks.train_steps import LEARNING_RATE
 
 
 class MLP(nnx.Module):

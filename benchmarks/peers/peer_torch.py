@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.peers.common import main
-from jaxnn.bench import LEARNING_RATE, SPECS, synthetic_batch
+from benchmarks.train_steps import LEARNING_RATE, SPECS, synthetic_batch
 
 
 class Block(nn.Module):

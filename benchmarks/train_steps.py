@@ -1,136 +1,26 @@
-"""Timing that waits for the device, FLOP counts from the compiler, the measured matmul peak, and `make bench`.
+"""Training-step time of the benchmark models in fp32 and bf16 (`make bench`), and GPU MFU (`make bench-gpu`).
 
-Every timing warms up first (compilation and caches), calls `block_until_ready` on the result, repeats, and
-reports the median and the spread (min, max, and the interquartile range), because these machines are noisy.
-Rates are reported as fractions of the large-GEMM peak measured in the same run, never of a datasheet number.
-
-`python -m jaxnn.bench` times a training step (Adam) of the four benchmark models (SPECS) in fp32 and bf16, as a
-plain jitted step and as K steps per call (lax.scan); `--gpu` runs the GPU model-FLOP-utilisation check
-(`gpu_mfu`). The peers in benchmarks/peers build the same models from SPECS and time them with `time_fn`.
+The GPU check trains a ~300M-parameter GPT in bf16 against the bf16 GEMM peak measured in the same run.
 """
+
+# `python -m benchmarks.train_steps` times the four benchmark models (SPECS) as a plain jitted step and as K steps
+# per call (lax.scan); `--gpu` runs the GPU check (`gpu_mfu`). The peers in benchmarks/peers build the same models
+# from SPECS and time them with the same `jaxnn.timing.time_fn`, so every library is measured alike.
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-@dataclasses.dataclass(frozen=True)
-class Timing:
-    """Seconds per call: median over `repeats` windows of `number` calls each, with the spread."""
-
-    median: float
-    p25: float
-    p75: float
-    min: float
-    max: float
-    repeats: int
-    number: int
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-def time_fn(fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 7, number: int | None = None,
-            min_window_s: float = 0.05) -> Timing:
-    """Times `fn()` (which must return jax arrays or a pytree of them); `number` calls per window.
-
-    With `number=None`, picks enough calls per window to last about `min_window_s`, so that fast functions are
-    not dominated by the timer's own cost.
-    """
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    if number is None:
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        once = max(time.perf_counter() - t0, 1e-7)
-        number = max(1, int(min_window_s / once))
-    per_call = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(number):
-            out = fn()
-        jax.block_until_ready(out)
-        per_call.append((time.perf_counter() - t0) / number)
-    q = np.percentile(per_call, [25, 75])
-    return Timing(statistics.median(per_call), float(q[0]), float(q[1]), min(per_call), max(per_call), repeats, number)
-
-
-def time_interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int = 2, repeats: int = 7,
-                     min_window_s: float = 0.05) -> dict[str, Timing]:
-    """Times several functions side by side: each timing window runs every function in turn, so that load from
-    other processes falls on all of them alike. The honest way to compare variants on a shared machine."""
-    numbers = {}
-    for name, fn in fns.items():
-        for _ in range(warmup):
-            jax.block_until_ready(fn())
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        numbers[name] = max(1, int(min_window_s / max(time.perf_counter() - t0, 1e-7)))
-    per_call: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            out = None
-            for _ in range(numbers[name]):
-                out = fn()
-            jax.block_until_ready(out)
-            per_call[name].append((time.perf_counter() - t0) / numbers[name])
-    result = {}
-    for name, times in per_call.items():
-        q = np.percentile(times, [25, 75])
-        result[name] = Timing(statistics.median(times), float(q[0]), float(q[1]), min(times), max(times), repeats,
-                              numbers[name])
-    return result
-
-
-def compiled_flops(jitted: Callable, *args) -> float | None:
-    """FLOPs of one call of a jitted function, from XLA's cost analysis of the compiled program (None if absent)."""
-    try:
-        compiled = jitted.lower(*args).compile()
-    except Exception:  # some backends do not implement cost analysis
-        return None
-    return flops_of(compiled)
-
-
-def flops_of(compiled) -> float | None:
-    """FLOPs of one call of an already compiled (`jit(f).lower(...).compile()`) program, or None."""
-    try:
-        cost = compiled.cost_analysis()
-    except Exception:  # some backends do not implement cost analysis
-        return None
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else None
-    flops = (cost or {}).get("flops")
-    return float(flops) if flops and flops > 0 else None
-
-
-def matmul_flops(m: int, k: int, n: int) -> float:
-    return 2.0 * m * k * n
-
-
-def measure_matmul_peak(size: int = 2048, dtype=jnp.bfloat16, device=None, repeats: int = 5) -> dict:
-    """The achieved GFLOP/s of one large square matmul accumulated in float32 (the rate models are compared with)."""
-    device = device or jax.devices()[0]
-    key_a, key_b = jax.random.split(jax.random.key(0))
-    a = jax.device_put(jax.random.normal(key_a, (size, size), jnp.float32).astype(dtype), device)
-    b = jax.device_put(jax.random.normal(key_b, (size, size), jnp.float32).astype(dtype), device)
-    matmul = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
-    timing = time_fn(lambda: matmul(a, b), repeats=repeats)
-    return {"size": size, "dtype": jnp.dtype(dtype).name, "gflops": matmul_flops(size, size, size) / timing.median / 1e9,
-            "timing": timing.as_dict()}
-
+from jaxnn.timing import flops_of, measure_matmul_peak, stepper, time_fn
 
 # The benchmark models, shared with the peers in benchmarks/peers so that every library builds the same network.
 # `scan_k` is how many steps one call of the scan variant runs: enough to amortise dispatch for the small models,
@@ -172,17 +62,6 @@ def jaxnn_model(name: str):
     return models.GPT(cfg), train.language_model_loss
 
 
-def time_train_step(step: Callable, state, batch, **time_kwargs) -> Timing:
-    """Times `state, _ = step(state, batch)` over and over; `step` may donate `state`, so it is threaded through."""
-    holder = [state]
-
-    def call():
-        holder[0], _ = step(holder[0], batch)
-        return holder[0]
-
-    return time_fn(call, **time_kwargs)
-
-
 def bench_jaxnn(name: str, precision: str, *, scan: bool = True, repeats: int = 7) -> dict:
     """One benchmark row: jaxnn's plain jitted step and K-steps scan step for model `name` at `precision`.
 
@@ -200,7 +79,7 @@ def bench_jaxnn(name: str, precision: str, *, scan: bool = True, repeats: int = 
     step = train.make_train_step(model, loss_fn, tx, precision)
     compiled = step.lower(state, batch).compile()
     flops = flops_of(compiled)
-    timing = time_train_step(compiled, state, batch, repeats=repeats)
+    timing = time_fn(stepper(compiled, state, batch), repeats=repeats)
     row = {"library": "jaxnn", "model": name, "precision": precision, "step_ms": timing.median * 1e3,
            "timing": timing.as_dict(), "flops_per_step": flops}
     if scan:
@@ -209,7 +88,7 @@ def bench_jaxnn(name: str, precision: str, *, scan: bool = True, repeats: int = 
         multi = train.make_multi_step(model, loss_fn, tx, precision)
         state = train.create_train_state(model, tx, jax.random.key(0), in_shape, precision)
         multi = multi.lower(state, batches).compile()
-        scan_timing = time_train_step(multi, state, batches, repeats=repeats)
+        scan_timing = time_fn(stepper(multi, state, batches), repeats=repeats)
         row.update(scan_k=k, scan_step_ms=scan_timing.median / k * 1e3, scan_timing=scan_timing.as_dict())
     return row
 
@@ -326,7 +205,7 @@ def gpu_mfu(out_dir, dry_run: bool = False, *, steps: int = 3, repeats: int = 5)
         except Exception as err:  # e.g. no cuDNN attention for this GPU/jax build: record it, try the next one
             result["notes"].append(f"attention {impl!r} failed to compile: {type(err).__name__}: {err}"[:500])
             continue
-        timing = time_train_step(compiled, state, batch, warmup=2, repeats=repeats, number=steps)
+        timing = time_fn(stepper(compiled, state, batch), warmup=2, repeats=repeats, number=steps)
         model_flops = gpt_model_flops(cfg)
         compiled_fl = flops_of(compiled)
         result.update(
@@ -343,8 +222,8 @@ def gpu_mfu(out_dir, dry_run: bool = False, *, steps: int = 3, repeats: int = 5)
     return result
 
 
-def _main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxnn.bench", description=__doc__.splitlines()[0])
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.train_steps", description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=list(SPECS), default=list(SPECS))
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
     parser.add_argument("--quick", action="store_true", help="fewer timing windows and a smaller peak GEMM")
@@ -381,4 +260,4 @@ def _main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(main())

@@ -1,26 +1,32 @@
 """`make bench-input`: step time and device-idle fraction, prefetch on and off, as host augmentation gets dearer.
 
-The CPU stands in for an accelerator: XLA's threads are pinned to core 0 ("the device") and the host pipeline to
-the other cores, as a GPU machine's host CPU is free while the GPU computes. (`--xla_cpu_multi_thread_eigen=false`
-alone does not do it: XLA's step still used 1.7 cores here, so the host work slowed the step it was meant to
-overlap. Pinning is done with the Linux CPU affinity that XLA's thread pool inherits when it starts.)
-
-For each augmentation cost (crop + flip applied k times per batch) the bench measures the host's time per batch
-`h`, the step alone `S` (one batch reused, `jaxnn.bench.time_fn`), and the wall time per step `W` of a real loop:
-
-- off: batches built inline, no device prefetch, each step waited for (the naive loop);
-- on:  Grain reader threads build batches in the background, DevicePrefetch keeps 2 batches on the device,
-       metrics are read one step late.
-
-device idle = max(W - S, 0) / W (the part of each step's wall time the device had no work); the pipeline's own
-report, the loop's input wait / W, is printed too. Also compares the host backends at one cost (Grain threads,
-Grain worker processes, inline) to back the choice in docs/data.md.
+Also compares the host backends (Grain threads, Grain worker processes, inline) at one cost.
 """
+
+# The CPU stands in for an accelerator: XLA's threads are pinned to core 0 ("the device") and the host pipeline to
+# the other cores, as a GPU machine's host CPU is free while the GPU computes. (`--xla_cpu_multi_thread_eigen=false`
+# alone does not do it: XLA's step still used 1.7 cores here, so the host work slowed the step it was meant to
+# overlap. Pinning is done with the Linux CPU affinity that XLA's thread pool inherits when it starts.)
+#
+# For each augmentation cost (crop + flip applied k times per batch) the bench measures the host's time per batch
+# `h`, the step alone `S` (one batch reused, `jaxnn.timing.time_fn`), and the wall time per step `W` of a real loop:
+#
+# - off: batches built inline, no device prefetch, each step waited for (the naive loop);
+# - on:  Grain reader threads build batches in the background, DevicePrefetch keeps 2 batches on the device,
+#        metrics are read one step late.
+#
+# device idle = max(W - S, 0) / W (the part of each step's wall time the device had no work); the pipeline's own
+# report, the loop's input wait / W, is printed too. The host-backend comparison backs the choice in docs/data.md.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
 import os
+import statistics
 import sys
+import time
 
 HOST_CORES: set[int] = set()  # the cores left to the host pipeline once XLA has core 0 (empty: not pinned)
 
@@ -45,13 +51,6 @@ def _start_device_then_free_host_cores() -> str:
     device_core = sorted(os.sched_getaffinity(0))[0]
     os.sched_setaffinity(0, HOST_CORES)
     return f"XLA pinned to core {device_core}, host on cores {sorted(HOST_CORES)}"
-
-import argparse
-import dataclasses
-import json
-import statistics
-import time
-
 
 
 class SleepyBatches:
@@ -111,7 +110,8 @@ def run_loop(step_fn, state, source, cfg, *, prefetch: bool, n: int):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.input_pipeline",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="timed steps per measurement")
     parser.add_argument("--repeats", type=int, default=2, help="measurements per setting (median reported)")
     parser.add_argument("--batch-size", type=int, default=64, help="batch size")
@@ -121,11 +121,10 @@ def main(argv=None) -> int:
     pinning = _start_device_then_free_host_cores()
     import jax
 
-    from jaxnn.bench import time_fn
     from jaxnn.data import PipelineConfig, TrainBatches, synthetic
     from jaxnn.models import CNN, CNNConfig
-    from jaxnn.train import masked_classification_loss
-    from jaxnn.train import create_train_state, make_optimizer, make_train_step
+    from jaxnn.timing import stepper, time_fn
+    from jaxnn.train import create_train_state, make_optimizer, make_train_step, masked_classification_loss
 
     data = synthetic((32, 32, 3), n_train=4096, n_test=64)
     model = CNN(CNNConfig(widths=(8, 16, 32)))
@@ -135,14 +134,9 @@ def main(argv=None) -> int:
     base = PipelineConfig(batch_size=args.batch_size, crop_pad=4, flip=True, threads=1, buffer=4)
 
     fixed = jax.device_put(TrainBatches(data, base)[0])
-    holder = {"state": state}
-
-    def one_step():
-        holder["state"], m = step_fn(holder["state"], fixed)
-        return m
-
+    one_step = stepper(step_fn, state, fixed)
     step_s = time_fn(one_step, warmup=3, repeats=7, number=5).median
-    state = holder["state"]
+    state = one_step.state
     unit = host_time(TrainBatches(data, base), range(1000, 1020))
     print(f"step alone: {1e3 * step_s:.1f} ms; host crop+flip x1: {1e3 * unit:.2f} ms per batch of "
           f"{args.batch_size} 32x32x3 images; {pinning}")
@@ -159,9 +153,9 @@ def main(argv=None) -> int:
             res, steps_alone = {}, []
             for rep in range(args.repeats):
                 # The step alone, re-timed next to each loop: other users' load on this machine drifts by 2x.
-                holder["state"] = state
+                one_step.state = state
                 steps_alone.append(time_fn(one_step, warmup=1, repeats=3, number=3).median)
-                state = holder["state"]
+                state = one_step.state
                 for prefetch in (False, True):  # interleaved, so machine load drifts hit both alike
                     start += args.steps + 8
                     source = make_source(data, base, start, start + args.steps + 8, kind, k, unit)

@@ -1,11 +1,11 @@
 """Step time and throughput of the three data-parallel forms against device count (`make bench-parallel`).
 
-    python -m jaxnn.bench_parallel [--devices 1 2 4 8] [--global-batch 256] [--scaling strong|weak]
-
-All device counts are measured in one process (meshes over the first n devices), so their ratios are comparable
-on a noisy machine. On the CPU the devices are simulated and share the host's cores: the numbers then measure
-the overhead of each form, not scaling.
+    python -m benchmarks.data_parallel [--devices 1 2 4 8] [--global-batch 256] [--scaling strong|weak]
 """
+
+# All device counts are measured in one process (meshes over the first n devices), so their ratios are comparable
+# on a noisy machine. On the CPU the devices are simulated and share the host's cores: the numbers then measure
+# the overhead of each form, not scaling.
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ def bench(forms, device_counts, *, global_batch: int, scaling: str, model_name: 
     import numpy as np
 
     from jaxnn import parallel
-    from jaxnn.bench import time_fn
     from jaxnn.models import CONFIGS, get_model
+    from jaxnn.timing import stepper, time_fn
     from jaxnn.train import classification_loss, create_train_state, make_optimizer
 
     model = get_model(model_name, CONFIGS[model_name]())
@@ -31,9 +31,12 @@ def bench(forms, device_counts, *, global_batch: int, scaling: str, model_name: 
         batch_size = global_batch if scaling == "strong" else global_batch * n
         batch = {"x": rng.normal(size=(batch_size, 8, 8, 1)).astype(np.float32),
                  "y": rng.integers(0, 10, size=(batch_size,)).astype(np.int32)}
-        steps = {form: _step_closure(parallel.data_parallel_train_step(
-            model, classification_loss, tx, mesh=parallel.make_mesh(n), form=form),
-            create_train_state(model, tx, jax.random.key(0), batch["x"].shape), batch) for form in forms}
+        steps = {}
+        for form in forms:
+            dp = parallel.data_parallel_train_step(model, classification_loss, tx, mesh=parallel.make_mesh(n),
+                                                   form=form)
+            state = create_train_state(model, tx, jax.random.key(0), batch["x"].shape)
+            steps[form] = stepper(dp.step, dp.place_state(state), dp.place_batch(batch))
         # Rounds that alternate between the forms: load from other users of the machine then lands on every form
         # alike, so the forms compare fairly even when absolute times drift.
         number = {form: time_fn(fn, repeats=1).number for form, fn in steps.items()}
@@ -51,19 +54,8 @@ def bench(forms, device_counts, *, global_batch: int, scaling: str, model_name: 
     return rows
 
 
-def _step_closure(dp, state, batch):
-    box = [dp.place_state(state)]
-    placed = dp.place_batch(batch)
-
-    def one_step():
-        box[0], metrics = dp.step(box[0], placed)
-        return metrics["loss"]
-
-    return one_step
-
-
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jaxnn.bench_parallel", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.data_parallel", description=__doc__.splitlines()[0])
     p.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--forms", nargs="+", default=["jit", "shard_map", "pmap"])
     p.add_argument("--model", default="mlp", choices=("mlp", "cnn"))

@@ -1,0 +1,142 @@
+"""Timing that waits for the device, FLOP counts from the compiler, and the measured matmul peak.
+
+Runnable benchmarks built on these live in the top-level `benchmarks/` folder, never in the library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Every timing warms up first (compilation and caches), waits for the result with `block_until_ready`, repeats,
+# and reports the median and the spread, because the machines these run on are shared and noisy. Rates are meant
+# to be compared with a peak measured in the same run (`measure_matmul_peak`), never with a datasheet number.
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Seconds per call: median over `repeats` windows of `number` calls each, with the spread."""
+
+    median: float
+    p25: float
+    p75: float
+    min: float
+    max: float
+    repeats: int
+    number: int
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _timing(per_call: list[float], repeats: int, number: int) -> Timing:
+    q = np.percentile(per_call, [25, 75])
+    return Timing(statistics.median(per_call), float(q[0]), float(q[1]), min(per_call), max(per_call), repeats, number)
+
+
+def time_fn(fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 7, number: int | None = None,
+            min_window_s: float = 0.05) -> Timing:
+    """Times `fn()` (which must return jax arrays or a pytree of them); `number` calls per window.
+
+    With `number=None`, picks enough calls per window to last about `min_window_s`, so that fast functions are
+    not dominated by the timer's own cost.
+    """
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    if number is None:
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        once = max(time.perf_counter() - t0, 1e-7)
+        number = max(1, int(min_window_s / once))
+    per_call = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(number):
+            out = fn()
+        jax.block_until_ready(out)
+        per_call.append((time.perf_counter() - t0) / number)
+    return _timing(per_call, repeats, number)
+
+
+def time_interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int = 2, repeats: int = 7,
+                     min_window_s: float = 0.05) -> dict[str, Timing]:
+    """Times several functions side by side: each timing window runs every function in turn, so that load from
+    other processes falls on all of them alike. The honest way to compare variants on a shared machine."""
+    numbers = {}
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            jax.block_until_ready(fn())
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        numbers[name] = max(1, int(min_window_s / max(time.perf_counter() - t0, 1e-7)))
+    per_call: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            out = None
+            for _ in range(numbers[name]):
+                out = fn()
+            jax.block_until_ready(out)
+            per_call[name].append((time.perf_counter() - t0) / numbers[name])
+    return {name: _timing(times, repeats, numbers[name]) for name, times in per_call.items()}
+
+
+class stepper:  # noqa: N801 (used like a function: `time_fn(stepper(step, state, batch))`)
+    """`stepper(step_fn, state, batch)()` runs `state, _ = step_fn(state, batch)` and returns the new state.
+
+    A step that donates its state deletes the buffers it was given, so each call must feed the previous call's
+    output; `.state` is the latest state, and may be set to restart from another one.
+    """
+
+    __slots__ = ("step_fn", "state", "batch")
+
+    def __init__(self, step_fn: Callable[[Any, Any], tuple[Any, Any]], state, batch):
+        self.step_fn, self.state, self.batch = step_fn, state, batch
+
+    def __call__(self):
+        self.state, _ = self.step_fn(self.state, self.batch)
+        return self.state
+
+
+def compiled_flops(jitted: Callable, *args) -> float | None:
+    """FLOPs of one call of a jitted function, from XLA's cost analysis of the compiled program (None if absent)."""
+    try:
+        compiled = jitted.lower(*args).compile()
+    except Exception:  # some backends do not implement cost analysis
+        return None
+    return flops_of(compiled)
+
+
+def flops_of(compiled) -> float | None:
+    """FLOPs of one call of an already compiled (`jit(f).lower(...).compile()`) program, or None."""
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # some backends do not implement cost analysis
+        return None
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+    flops = (cost or {}).get("flops")
+    return float(flops) if flops and flops > 0 else None
+
+
+def matmul_flops(m: int, k: int, n: int) -> float:
+    return 2.0 * m * k * n
+
+
+def measure_matmul_peak(size: int = 2048, dtype=jnp.bfloat16, device=None, repeats: int = 5) -> dict:
+    """The achieved GFLOP/s of one large square matmul accumulated in float32 (the rate models are compared with)."""
+    device = device or jax.devices()[0]
+    key_a, key_b = jax.random.split(jax.random.key(0))
+    a = jax.device_put(jax.random.normal(key_a, (size, size), jnp.float32).astype(dtype), device)
+    b = jax.device_put(jax.random.normal(key_b, (size, size), jnp.float32).astype(dtype), device)
+    matmul = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
+    timing = time_fn(lambda: matmul(a, b), repeats=repeats)
+    return {"size": size, "dtype": jnp.dtype(dtype).name, "gflops": matmul_flops(size, size, size) / timing.median / 1e9,
+            "timing": timing.as_dict()}
