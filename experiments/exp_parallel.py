@@ -14,7 +14,7 @@ import numpy as np
 
 from experiments import common
 from jaxnn.models import CNN, MLP, CNNConfig, MLPConfig
-from jaxnn.parallel import FORMS, configure_cpu_devices, data_parallel_train_step, init_replicated_state, make_mesh
+from jaxnn.parallel import FORMS, configure_cpu_devices, data_parallel_train_step, create_sharded_state, make_mesh
 from jaxnn.timing import time_fn
 from jaxnn.train import classification_loss, create_train_state, make_optimizer
 
@@ -38,7 +38,7 @@ def _measure(model, form: str, n_devices: int, global_batch: int, repeats: int) 
     mesh = make_mesh(n_devices)
     dp = data_parallel_train_step(model, classification_loss, tx, mesh=mesh, form=form, donate=False)
     # Initialised straight into replicated arrays: one compiled program, not one per initialiser op.
-    state = dp.place_state(init_replicated_state(
+    state = dp.place_state(create_sharded_state(
         lambda: create_train_state(model, tx, jax.random.key(0), (global_batch, *IMAGE)), mesh))
     rng = np.random.default_rng(0)
     batch = dp.place_batch({"x": rng.standard_normal((global_batch, *IMAGE)).astype(np.float32),

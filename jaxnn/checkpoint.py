@@ -9,15 +9,20 @@ a checkpoint written for a different config is refused with the differing fields
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import os
 import pathlib
+import shutil
 import signal
 import threading
 from typing import Any
 
 import jax
 import numpy as np
+
+from jaxnn.rundir import storage_error
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +56,11 @@ def state_digest(tree) -> str:
     return h.hexdigest()
 
 
-def config_differences(saved: dict, current: dict, ignore=()) -> list[str]:
+def config_differences(saved: dict, current: dict, ignore=(), *, saved_as: str = "checkpoint") -> list[str]:
     """Human-readable `field: checkpoint X, now Y` lines for the fields where two config dicts differ."""
     keys = sorted((set(saved) | set(current)) - set(ignore))
     missing = object()
-    return [f"{k}: checkpoint {saved.get(k, missing)!r}, now {current.get(k, missing)!r}".replace(repr(missing), "-")
+    return [f"{k}: {saved_as} {saved.get(k, missing)!r}, now {current.get(k, missing)!r}".replace(repr(missing), "-")
             for k in keys if saved.get(k, missing) != current.get(k, missing)]
 
 
@@ -76,6 +81,7 @@ class Checkpointer:
         self._ocp = ocp
         self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, cleanup_tmp_directories=True))
+        self._in_flight: int | None = None
         self._bad: set[int] = set()  # steps a restore found damaged: a later save at that step replaces them
 
     def all_steps(self) -> list[int]:
@@ -98,16 +104,36 @@ class Checkpointer:
             return False
         ocp = self._ocp
         meta = {"step": int(step), "config": config, "data": data_state, "digest": state_digest(state)}
-        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(to_saveable(state)),
-                                                        meta=ocp.args.JsonSave(meta)), force=True)
+        args = ocp.args.Composite(state=ocp.args.StandardSave(to_saveable(state)), meta=ocp.args.JsonSave(meta))
+        # orbax writes in the background: an error of this save may surface at the next call, so it is reported
+        # against the step in flight.
+        with self._storage_errors(step):
+            self._manager.save(step, args=args, force=True)
+        self._in_flight = step
         return True
 
+    @contextlib.contextmanager
+    def _storage_errors(self, step: int):
+        """OS errors (disk full, permissions) while saving become one StorageError line; no partial step is left."""
+        try:
+            yield
+        except Exception as err:  # noqa: BLE001 - orbax and tensorstore wrap OS errors in many types
+            failed = self._in_flight if self._in_flight is not None else step
+            self._in_flight = None
+            for tmp in self.directory.glob(f"{failed}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise storage_error(f"saving checkpoint step {failed} to", self.directory, err) from err
+
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        with self._storage_errors(-1):
+            self._manager.wait_until_finished()
+        self._in_flight = None
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
 
     def read_meta(self, step: int) -> dict:
         ocp = self._ocp
@@ -165,22 +191,29 @@ class Checkpointer:
 class StopSignal:
     """Turns SIGTERM and SIGINT into a flag the training loop polls, so it can checkpoint before exiting.
 
-    Use as a context manager; the previous handlers come back on exit. Outside the main thread (where Python
-    forbids signal handlers) it installs nothing and the flag stays False.
+    The first signal sets the flag; later ones never interrupt the checkpoint being written: each is counted
+    and acknowledged with one line on stderr (SIGKILL remains the way to stop at once). Use as a context
+    manager; the previous handlers come back on exit. Outside the main thread (where Python forbids signal
+    handlers) it installs nothing and the flag stays False.
     """
 
     def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
         self.signals = signals
         self.received: int | None = None
+        self.ignored = 0
         self._previous = {}
 
     def __bool__(self) -> bool:
         return self.received is not None
 
     def _handle(self, signum, frame):
-        if self.received is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C means now
-        self.received = signum
+        if self.received is None:
+            self.received = signum
+            return
+        self.ignored += 1
+        # os.write, not print: a handler may run in the middle of another write to stderr.
+        os.write(2, f"jaxnn: signal {signum} received while stopping; finishing the checkpoint first "
+                    "(kill -9 stops at once, losing the steps since the last checkpoint)\n".encode())
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():

@@ -1,7 +1,9 @@
-"""`jaxnn train ...` (also `python -m jaxnn.cli train ...`): typed flags -> a frozen TrainConfig -> jaxnn.run.train.
+"""`jaxnn train ...` (also `python -m jaxnn.cli train ...`): typed flags -> a frozen TrainConfig -> jaxnn.recipes.
 
-jax is imported only after the flags are parsed, because `--devices N` on a CPU-only machine must set the number
-of simulated CPU devices before jax initialises its backends. Bad input exits with one line and status 2.
+jax is imported only after the flags are parsed and the config is built, because `--devices N` on a CPU-only
+machine must set the number of simulated CPU devices before jax initialises its backends. Exit status: 0 done
+(also when a resumed run had already finished), 2 bad input (one line, nothing written), 1 a failure while
+training (one line: a non-finite loss, a full disk), 128+N stopped by signal N after a checkpoint.
 """
 
 from __future__ import annotations
@@ -12,18 +14,10 @@ import logging
 import pathlib
 import sys
 
-EXIT_USAGE = 2
+from jaxnn.config import MODEL_DEFAULTS, TrainConfig
 
-# Per-model defaults for `make train`: each finishes in about a minute (cnn, mlp) or a few minutes (gpt) on the
-# 2-core CPU. The gpt is cut from GPTConfig (width 256, 4 blocks, 128 bytes) to width 128, 2 blocks and
-# 64 bytes of context for that reason: about 16x fewer FLOPs per step.
-MODEL_DEFAULTS = {
-    "cnn": dict(steps=600, batch_size=64, lr=3e-3),
-    "mlp": dict(steps=1000, batch_size=64, lr=1e-3),
-    "resnet": dict(steps=600, batch_size=64, lr=3e-3),
-    "gpt": dict(steps=500, batch_size=32, lr=3e-3, warmup=30, seq_len=64,
-                model_overrides=(("d_model", 128), ("num_layers", 2))),
-}
+EXIT_FAILED = 1
+EXIT_USAGE = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,18 +61,26 @@ def build_parser() -> argparse.ArgumentParser:
     a("--process-id", type=int, default=None, help="multi-process run: this process's index "
       "(or JAXNN_PROCESS_ID)")
     a("--cluster", action="store_true", help="multi-process run: let jax detect the processes (SLURM, Open MPI)")
+    a("--heartbeat-timeout", type=int, default=30, help="multi-process run: seconds after which a silent process "
+      "counts as dead and the others stop")
+    a("--step-timeout", type=float, default=300, help="multi-process run: stop if no step finishes in this many "
+      "seconds (a peer died)")
+    a("--fail-at", type=int, nargs=2, metavar=("PROCESS", "STEP"), default=None, help=argparse.SUPPRESS)
     a("--prefetch", type=int, default=2, help="batches put on the device ahead of the step (0: none)")
     a("--backend", default="grain", choices=("grain", "inline"), help="host pipeline: Grain workers or inline")
     a("--workers", type=int, default=0, help="Grain worker processes (0: reader threads in this process)")
     a("--no-progress", action="store_true", help="no progress bar")
     a("--no-plots", action="store_true", help="no PNG plots at the end")
+    a("--metrics", nargs="+", default=[], choices=("csv", "tensorboard"), help="metric writers besides "
+      "metrics.jsonl: CSV files, TensorBoard event files (<run-dir>/tensorboard)")
+    a("--no-summary", action="store_true", help="do not print the model's per-layer table at the start")
     return parser
 
 
 def set_cpu_devices(n: int) -> None:
     """Asks for `n` CPU devices before jax initialises; later (e.g. in tests) whatever count exists is kept and
     the run checks that it has at least `n`."""
-    from jaxnn.parallel import configure_cpu_devices
+    from jaxnn.mesh import configure_cpu_devices
 
     try:
         configure_cpu_devices(n)
@@ -95,9 +97,7 @@ def default_run_dir(model: str, data: str | None, resume: bool) -> str:
     return str(base / datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
 
 
-def config_from_args(args) -> "TrainConfig":  # noqa: F821
-    from jaxnn.run import TrainConfig
-
+def config_from_args(args) -> TrainConfig:
     defaults = dict(MODEL_DEFAULTS.get(args.model, {}))
     overrides = dict(defaults.pop("model_overrides", ()))
     for flag, field in (("d_model", "d_model"), ("layers", "num_layers")):
@@ -116,10 +116,13 @@ def config_from_args(args) -> "TrainConfig":  # noqa: F821
         run_dir=args.run_dir or default_run_dir(args.model, args.data, args.resume), ckpt_dir=args.ckpt_dir,
         resume=args.resume, overwrite=args.overwrite, devices=args.devices, eval_every=args.eval_every,
         log_every=args.log_every, ckpt_every=args.ckpt_every, keep=args.keep, prefetch=args.prefetch,
-        backend=args.backend, workers=args.workers, progress=not args.no_progress, plots=not args.no_plots)
+        backend=args.backend, workers=args.workers, progress=not args.no_progress, plots=not args.no_plots,
+        metrics=tuple(args.metrics))
 
 
 def format_summary(s: dict) -> str:
+    if s.get("already_finished"):
+        return f"the run in {s['run_dir']} already finished at step {s['step']}; nothing to do"
     if "eval_accuracy" in s:
         quality = f"test accuracy {100 * s['eval_accuracy']:.2f}% (loss {s['eval_loss']:.4f})"
     elif "eval_bits_per_token" in s:
@@ -127,35 +130,54 @@ def format_summary(s: dict) -> str:
     else:
         quality = "no evaluation"
     stopped = f", stopped by signal {s['interrupted_by']}" if s.get("interrupted_by") else ""
+    stopped += f", {s['stopped_by']}" if s.get("stopped_by") else ""
+    skipped = f", {s['skipped_steps']} steps skipped (overflow)" if s.get("skipped_steps") else ""
     return (f"{s['model']} on {s['dataset']}: step {s['step']}/{s['steps']}, {quality}, "
-            f"{s['examples_per_s']:.0f} examples/s, input wait {100 * s['input_wait_frac']:.1f}%, "
+            f"{s['examples_per_s']:.0f} examples/s, input wait {100 * s['input_wait_frac']:.1f}%{skipped}, "
             f"{s['time_s']:.1f} s{stopped} -> {s['run_dir']}")
 
 
-def start_processes(args) -> None:
+def start_processes(args) -> bool:
     """Joins a multi-process run when flags, JAXNN_* variables or --cluster ask for one (before any jax work)."""
     import os
 
-    from jaxnn import parallel
+    from jaxnn import mesh
 
     asked = (args.cluster or any(v is not None for v in (args.coordinator, args.num_processes, args.process_id))
-             or any(os.environ.get(v) for v in (parallel.ENV_COORDINATOR, parallel.ENV_NUM_PROCESSES)))
+             or any(os.environ.get(v) for v in (mesh.ENV_COORDINATOR, mesh.ENV_NUM_PROCESSES)))
     if not asked:
-        return
+        return False
     if args.run_dir is None:
         raise ValueError("a multi-process run needs --run-dir (every process must write the same run)")
-    parallel.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    return mesh.initialize_distributed(args.coordinator, args.num_processes, args.process_id,
+                                       heartbeat_timeout_s=args.heartbeat_timeout)
+
+
+def callbacks_from_args(args, multi_process: bool) -> list:
+    from jaxnn.callbacks import ExitAt, StepWatchdog
+
+    callbacks = [StepWatchdog(args.step_timeout)] if multi_process else []
+    if args.fail_at:
+        callbacks.append(ExitAt(args.fail_at[1], process_index=args.fail_at[0]))
+    return callbacks
 
 
 def train_main(args) -> int:
-    set_cpu_devices(args.devices)
-    from jaxnn.run import train
+    from jaxnn.callbacks import NonFiniteError
+    from jaxnn.rundir import StorageError
 
     try:
-        start_processes(args)
-        cfg = config_from_args(args)
-        summary = train(cfg)
-    except ValueError as err:  # ConfigError, DataError, CheckpointError: refused before anything is written
+        cfg = config_from_args(args)  # validated here, before jax starts
+        set_cpu_devices(args.devices)
+        multi_process = start_processes(args)
+        from jaxnn.recipes import train
+
+        summary = train(cfg, callbacks=callbacks_from_args(args, multi_process),
+                        print_summary=None if args.no_summary else print)
+    except (NonFiniteError, StorageError) as err:
+        print(f"jaxnn: error: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    except ValueError as err:  # ConfigError, DataError, RunDirError, CheckpointError: refused before any write
         print(f"jaxnn: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     if "sample" in summary:
@@ -163,6 +185,11 @@ def train_main(args) -> int:
         print(summary["sample"])
         print("--------------")
     print(format_summary(summary))
+    if multi_process:
+        import jax
+
+        print(f"jaxnn: process {jax.process_index()} of {jax.process_count()} ({jax.device_count()} devices): "
+              f"step {summary['step']}, params {summary['param_digest'][:16]}")
     return 128 + summary["interrupted_by"] if summary.get("interrupted_by") else 0
 
 

@@ -87,15 +87,20 @@ def weight_decay_mask(params):
     return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], "key", None) == "w", params)
 
 
-def make_optimizer(learning_rate: float = 1e-3, *, total_steps: int = 1000, warmup_steps: int = 0,
-                   weight_decay: float = 0.0, clip_norm: float | None = 1.0) -> optax.GradientTransformation:
-    """AdamW with linear warm-up then cosine decay, global-norm clipping, and decay on kernels only (all optax)."""
-    if learning_rate <= 0:
+def make_schedule(learning_rate: float = 1e-3, *, total_steps: int = 1000, warmup_steps: int = 0):
+    """Linear warm-up from 0 to `learning_rate` over `warmup_steps`, then cosine decay to 0 at `total_steps`."""
+    if not learning_rate > 0:
         raise ValueError(f"learning_rate must be positive, got {learning_rate!r}")
     if total_steps <= 0:
         raise ValueError(f"total_steps must be positive, got {total_steps!r}")
-    schedule = optax.warmup_cosine_decay_schedule(0.0 if warmup_steps else learning_rate, learning_rate,
-                                                  warmup_steps, max(total_steps, warmup_steps + 1))
+    return optax.warmup_cosine_decay_schedule(0.0 if warmup_steps else learning_rate, learning_rate,
+                                              warmup_steps, max(total_steps, warmup_steps + 1))
+
+
+def make_optimizer(learning_rate: float = 1e-3, *, total_steps: int = 1000, warmup_steps: int = 0,
+                   weight_decay: float = 0.0, clip_norm: float | None = 1.0) -> optax.GradientTransformation:
+    """AdamW on `make_schedule`, global-norm clipping, and decay on kernels only (all optax)."""
+    schedule = make_schedule(learning_rate, total_steps=total_steps, warmup_steps=warmup_steps)
     adamw = optax.adamw(schedule, weight_decay=weight_decay, mask=weight_decay_mask)
     return optax.chain(optax.clip_by_global_norm(clip_norm), adamw) if clip_norm else adamw
 

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from jaxnn import cli
-from jaxnn.run import TrainConfig, validate
+from jaxnn.config import ConfigError, TrainConfig
 
-QUICK = ["--size", "small", "--steps", "24", "--batch-size", "16", "--log-every", "8", "--no-progress"]
+QUICK = ["--size", "small", "--steps", "24", "--batch-size", "16", "--log-every", "8", "--no-progress",
+         "--no-summary"]
 
 
 def refused(capsys, argv, match):
@@ -31,6 +32,9 @@ def refused(capsys, argv, match):
     (["--dataset", "imagenet"], "unknown data set 'imagenet'"),
     (["--model", "gpt", "--dataset", "digits"], "model 'gpt' cannot train on data set 'digits'"),
     (["--resume", "--overwrite"], "exclude each other"),
+    (["--devices", "0"], "devices must be a positive integer, got 0"),
+    (["--batch-size", "4096"], "batch size 4096 is larger than the 1438 training examples of digits"),
+    (["--metrics", "tensorboard", "--keep", "0"], "keep must be a positive integer, got 0"),
 ])
 def test_bad_flags_refused(capsys, tmp_path, argv, match):
     refused(capsys, [*argv, "--run-dir", str(tmp_path / "run")], match)
@@ -71,11 +75,15 @@ def test_train_writes_metrics_plots_summary_and_refuses_reuse(capsys, tmp_path):
     assert 0.0 < summary["eval_accuracy"] <= 1.0 and summary["step"] == 24
     assert train_rows[-1]["loss"] < train_rows[0]["loss"]  # learning, if only 24 small steps
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    refused(capsys, [*QUICK, "--lr", "0.5", "--run-dir", str(run)], "belongs to a different config (lr: ")
+    refused(capsys, [*QUICK, "--lr", "0.5", "--run-dir", str(run)], "belongs to a different config (lr: saved ")
     refused(capsys, [*QUICK, "--run-dir", str(run)], "already holds a run; pass --resume")
     refused(capsys, [*QUICK, "--steps", "20", "--resume", "--run-dir", str(run)],
-            "is from a different config: steps: checkpoint 24, now 20")
+            "belongs to a different config (steps: saved 24, now 20)")
+    refused(capsys, [*QUICK, "--run-dir", str(run / "config.json")], "config.json is a file, not a directory")
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before  # nothing overwritten
+    assert cli.main(["train", *QUICK, "--run-dir", str(run), "--resume"]) == 0  # finished already: says so
+    assert "already finished at step 24; nothing to do" in capsys.readouterr().out
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
     assert cli.main(["train", *QUICK, "--no-plots", "--run-dir", str(run), "--overwrite"]) == 0
     assert "test accuracy" in capsys.readouterr().out
 
@@ -93,9 +101,10 @@ def test_gpt_prints_a_sample(capsys, tmp_path):
 
 def test_config_small_and_validation():
     cfg = TrainConfig().small()
-    validate(cfg)
     assert cfg.size == "small" and cfg.steps < TrainConfig().steps
     assert "run_dir" not in cfg.trajectory() and cfg.trajectory()["lr"] == cfg.lr
+    with pytest.raises(ConfigError, match="warmup must be >= 0, got -1"):
+        TrainConfig(warmup=-1)  # refused at construction
     parser = cli.build_parser()
     assert all(a.help for a in parser._subparsers._group_actions[0].choices["train"]._actions)
 

@@ -151,7 +151,8 @@ def test_real_mnist_t10k_reads(mnist_t10k):
 @pytest.mark.slow
 def test_learns_real_mnist(mnist_t10k, tmp_path):
     """Trains on the first 8,000 t10k images and reaches >= 97% on the last 2,000 (the loader's t10k-only split)."""
-    from jaxnn.run import TrainConfig, train
+    from jaxnn.config import TrainConfig
+    from jaxnn.recipes import train
 
     cfg = TrainConfig(model="cnn", size="small", data_dir=str(mnist_t10k), steps=300, batch_size=64, lr=3e-3,
                       run_dir=str(tmp_path / "run"), progress=False, plots=False, log_every=100)

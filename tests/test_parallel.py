@@ -188,10 +188,10 @@ def test_initialize_distributed_arguments(monkeypatch):
         parallel.initialize_distributed("127.0.0.1:1", 2, 3)
 
 
-def test_init_replicated_state(key):
+def test_create_sharded_state(key):
     mesh = parallel.make_mesh()
     tx = _tx()
-    state = parallel.init_replicated_state(lambda: create_train_state(_mlp(), tx, key, (BATCH, FEATURES)), mesh)
+    state = parallel.create_sharded_state(lambda: create_train_state(_mlp(), tx, key, (BATCH, FEATURES)), mesh)
     ref = create_train_state(_mlp(), tx, key, (BATCH, FEATURES))
     assert state.params["0_dense"]["w"].sharding.is_fully_replicated
     assert len(state.params["0_dense"]["w"].addressable_shards) == 8

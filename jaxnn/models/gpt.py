@@ -35,3 +35,29 @@ def GPT(cfg: GPTConfig = GPTConfig()):
                                attention_implementation=cfg.attention_implementation) for _ in range(cfg.num_layers)]
     return serial(Embedding(cfg.vocab_size, cfg.d_model, init_scale=0.02), PositionEmbedding(cfg.seq_len), *blocks,
                   LayerNorm(name="ln_f"), Dense(cfg.vocab_size, name="logits"), name="gpt")
+
+
+def sample(predict, params, model_state, prompt: bytes, n: int, seq_len: int, *, seed: int = 0,
+           temperature: float = 0.8) -> bytes:
+    """Samples `n` bytes after `prompt` from a byte GPT, one compiled (1, seq_len) forward pass per byte.
+
+    `predict` is `jaxnn.train.make_predict(model, policy)`; the context is the last `seq_len` bytes.
+    """
+    import jax
+    import numpy as np
+
+    if temperature <= 0:
+        raise ValueError(f"sample: temperature must be positive, got {temperature!r}")
+    rng = np.random.default_rng(seed)
+    context = list(prompt[-seq_len:]) or [0]
+    out = []
+    for _ in range(n):
+        window = np.zeros((1, seq_len), np.int32)
+        window[0, :len(context)] = context
+        logits = np.asarray(jax.device_get(predict(params, model_state, window)))[0, len(context) - 1]
+        logits = logits.astype(np.float64) / temperature
+        p = np.exp(logits - logits.max())
+        token = int(rng.choice(len(p), p=p / p.sum()))
+        out.append(token)
+        context = (context + [token])[-seq_len:]
+    return bytes(out)

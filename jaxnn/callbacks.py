@@ -1,0 +1,192 @@
+"""Callbacks: code that runs at the training loop's events, and the ones users expect built in.
+
+A callback subclasses `Callback` and overrides any of its hooks. Each hook gets the `RunInfo` of the run (step,
+steps, run directory, the latest train state, `request_stop`) and, where there is one, the host-side metrics:
+
+    on_start(run)                 before the first step (after a restore)
+    on_step(run, step, metrics)   each step's metrics, read one step late so the device never waits
+    on_log(run, row)              a train row about to be written; a callback may add scalars to it
+    on_eval(run, step, metrics)   after each evaluation
+    on_checkpoint(run, step)      after a checkpoint is written
+    on_end(run, summary)          once, with the summary about to be written (may add to it)
+
+`run.request_stop(reason)` ends the run cleanly after the current step (with a checkpoint); raising an exception
+ends it at once, without one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced a NaN or Inf loss (or parameters); the message names the step."""
+
+
+@dataclasses.dataclass
+class RunInfo:
+    """What a callback may read about the run, and the one thing it may ask for: to stop."""
+
+    steps: int
+    run_dir: str | None
+    is_main: bool = True
+    step: int = 0
+    start_step: int = 0
+    state: Any = None
+    uses_loss_scaling: bool = False
+    stop_reason: str | None = None
+
+    def request_stop(self, reason: str) -> None:
+        if self.stop_reason is None:
+            self.stop_reason = reason
+
+
+class Callback:
+    """Base class: every hook does nothing."""
+
+    def on_start(self, run: RunInfo) -> None: ...
+
+    def on_step(self, run: RunInfo, step: int, metrics: dict) -> None: ...
+
+    def on_log(self, run: RunInfo, row: dict) -> None: ...
+
+    def on_eval(self, run: RunInfo, step: int, metrics: dict) -> None: ...
+
+    def on_checkpoint(self, run: RunInfo, step: int) -> None: ...
+
+    def on_end(self, run: RunInfo, summary: dict) -> None: ...
+
+
+class NonFiniteGuard(Callback):
+    """Stops at the first non-finite loss with one line naming the step (on by default in `jaxnn.fit`).
+
+    Under loss scaling (fp16) a non-finite step is skipped by the step itself (parameters unchanged, scale
+    halved), so it is not an error; `max_skipped_in_row` skipped steps in a row are reported as a warning, since
+    they mean the run is not learning.
+    """
+
+    def __init__(self, max_skipped_in_row: int = 25):
+        self.max_skipped_in_row = max_skipped_in_row
+        self.skipped_in_row = 0
+
+    def on_step(self, run: RunInfo, step: int, metrics: dict) -> None:
+        loss = float(metrics["loss"])
+        if "grads_finite" in metrics:
+            self.skipped_in_row = 0 if metrics["grads_finite"] else self.skipped_in_row + 1
+            if self.skipped_in_row and self.skipped_in_row % self.max_skipped_in_row == 0:
+                log.warning("%d steps in a row skipped for non-finite gradients (up to step %d, loss scale %g): "
+                            "the run is not learning; try bf16 or a lower learning rate", self.skipped_in_row,
+                            step, float(metrics.get("loss_scale", float("nan"))))
+            return
+        if not math.isfinite(loss):
+            raise NonFiniteError(f"the loss became {loss} at step {step}; stopped without saving non-finite "
+                                 "parameters (try a lower learning rate, gradient clipping, or bf16)")
+
+
+class EarlyStopping(Callback):
+    """Stops when an evaluation metric has not improved by `min_delta` for `patience` evaluations in a row."""
+
+    def __init__(self, metric: str = "loss", *, mode: str = "min", patience: int = 3, min_delta: float = 0.0):
+        if mode not in ("min", "max"):
+            raise ValueError(f"EarlyStopping: mode must be 'min' or 'max', got {mode!r}")
+        if patience < 1:
+            raise ValueError(f"EarlyStopping: patience must be >= 1, got {patience!r}")
+        self.metric, self.mode, self.patience, self.min_delta = metric, mode, patience, min_delta
+        self.best: float | None = None
+        self.best_step: int | None = None
+        self.bad_evals = 0
+
+    def on_eval(self, run: RunInfo, step: int, metrics: dict) -> None:
+        if self.metric not in metrics:
+            raise ValueError(f"EarlyStopping: the evaluation reports {sorted(metrics)}, not {self.metric!r}")
+        value = float(metrics[self.metric])
+        better = self.best is None or (value < self.best - self.min_delta if self.mode == "min"
+                                       else value > self.best + self.min_delta)
+        if better:
+            self.best, self.best_step, self.bad_evals = value, step, 0
+            return
+        self.bad_evals += 1
+        if self.bad_evals >= self.patience:
+            run.request_stop(f"early stopping: eval {self.metric} has not improved on {self.best:.6g} (step "
+                             f"{self.best_step}) for {self.patience} evaluations")
+
+
+class LearningRateLogger(Callback):
+    """Adds the learning rate (`lr`) to every train row, from an optax schedule `step -> lr`."""
+
+    def __init__(self, schedule: Callable[[int], Any]):
+        self.schedule = schedule
+
+    def on_log(self, run: RunInfo, row: dict) -> None:
+        row["lr"] = float(self.schedule(row["step"]))
+
+
+class MetricLogger(Callback):
+    """Logs each train row and each evaluation through `logging` (for runs without a progress bar)."""
+
+    def __init__(self, level: int = logging.INFO):
+        self.level = level
+
+    @staticmethod
+    def _fmt(metrics: dict) -> str:
+        return " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float))
+
+    def on_log(self, run: RunInfo, row: dict) -> None:
+        log.log(self.level, "step %d/%d %s", row["step"], run.steps, self._fmt(row))
+
+    def on_eval(self, run: RunInfo, step: int, metrics: dict) -> None:
+        log.log(self.level, "eval at step %d: %s", step, self._fmt(metrics))
+
+
+class StepWatchdog(Callback):
+    """Ends the process with a clear line if no step finishes for `timeout_s` (e.g. a peer process died).
+
+    jax's coordination service normally ends the survivors of a multi-process run first; this bounds the rest.
+    """
+
+    def __init__(self, timeout_s: float = 300.0):
+        self.timeout_s = timeout_s
+        self.last = time.monotonic()
+        self._started = False
+
+    def on_start(self, run: RunInfo) -> None:
+        self.last = time.monotonic()
+        if not self._started:
+            self._started = True
+            threading.Thread(target=self._watch, daemon=True).start()
+
+    def on_step(self, run: RunInfo, step: int, metrics: dict) -> None:
+        self.last = time.monotonic()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.timeout_s / 4))
+            if time.monotonic() - self.last > self.timeout_s:
+                sys.stderr.write(f"jaxnn: no training step finished in {self.timeout_s:.0f} s; another process "
+                                 "has probably died; stopping\n")
+                sys.stderr.flush()
+                os._exit(3)
+
+
+class ExitAt(Callback):
+    """Fault injection for tests: the process (or only `process_index`) exits with `code` at `step`."""
+
+    def __init__(self, step: int, *, process_index: int | None = None, code: int = 17):
+        self.step, self.process_index, self.code = step, process_index, code
+
+    def on_step(self, run: RunInfo, step: int, metrics: dict) -> None:
+        import jax
+
+        if step >= self.step and self.process_index in (None, jax.process_index()):
+            sys.stderr.write(f"jaxnn: process {jax.process_index()} exiting at step {step} (fault injection)\n")
+            sys.stderr.flush()
+            os._exit(self.code)

@@ -1,0 +1,174 @@
+"""What `jaxnn.fit` accepts as data, turned into one interface: training batch `i` and the iterator's state.
+
+- numpy (or jax) arrays: `(x, y)` or a dict of arrays sharing their first axis -> `ArrayBatches`: each epoch a
+  seeded permutation, batch `i` a pure function of (seed, i), so a resumed run sees exactly the same batches;
+- a jaxnn data set (`ImageDataset`, `TextCorpus`) -> `TrainBatches` (normalisation, augmentation, text windows);
+- any other iterable of batch dicts -> `IterableBatches`: used in order; a resumed run skips the batches already
+  consumed, which reproduces the run only if iterating again yields the same sequence.
+Evaluation data takes the same forms, as padded batches whose `mask` marks the real rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+from jaxnn.data.datasets import DataError, ImageDataset, TextCorpus
+from jaxnn.data.pipeline import PipelineConfig, TrainBatches, eval_batches, host_iterator, iterator_state
+
+
+def as_arrays(data, role: str = "data") -> dict[str, np.ndarray] | None:
+    """`(x, y)` or a dict of arrays as a dict of numpy arrays checked to share their first axis; None otherwise."""
+    if isinstance(data, tuple) and len(data) == 2 and all(hasattr(a, "shape") for a in data):
+        data = {"x": data[0], "y": data[1]}
+    if not (isinstance(data, dict) and data and all(hasattr(a, "shape") for a in data.values())):
+        return None
+    arrays = {k: np.asarray(v) for k, v in data.items()}
+    sizes = {k: (v.shape[0] if v.ndim else None) for k, v in arrays.items()}
+    if len(set(sizes.values())) != 1 or None in sizes.values():
+        raise DataError(f"{role}: arrays must share their first (example) axis, got sizes {sizes}")
+    if not next(iter(sizes.values())):
+        raise DataError(f"{role}: the arrays hold no examples")
+    return arrays
+
+
+class ArrayBatches:
+    """Training batches `start .. stop-1` drawn from in-memory arrays (random access, Grain's source protocol).
+
+    Each epoch is a permutation seeded by `(seed, epoch)`; an epoch's last partial batch is dropped.
+    """
+
+    def __init__(self, arrays: dict[str, np.ndarray], batch_size: int, seed: int = 0, start: int = 0,
+                 stop: int = 1 << 40):
+        self.arrays, self.batch_size, self.seed, self.start, self.stop = arrays, batch_size, seed, start, stop
+        self.num_examples = len(next(iter(arrays.values())))
+        if batch_size > self.num_examples:
+            raise DataError(f"batch size {batch_size} is larger than the {self.num_examples} training examples")
+        self.steps_per_epoch = self.num_examples // batch_size
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, i: int) -> dict:
+        return self.batch(self.start + int(i))
+
+    def __repr__(self) -> str:
+        return f"ArrayBatches({self.num_examples} examples, batch {self.batch_size}, start={self.start})"
+
+    @functools.lru_cache(maxsize=2)
+    def permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, 0, epoch]).permutation(self.num_examples)
+
+    def batch(self, step: int) -> dict:
+        epoch, j = divmod(step, self.steps_per_epoch)
+        idx = np.sort(self.permutation(epoch)[j * self.batch_size:(j + 1) * self.batch_size])
+        return {k: v[idx] for k, v in self.arrays.items()}
+
+    def state(self, next_step: int) -> dict:
+        return {"next_step": int(next_step), "kind": "arrays", "num_train": self.num_examples,
+                "batch_size": self.batch_size, "seed": self.seed}
+
+
+class IterableBatches:
+    """Batches from any iterable, in order; the state is the number of batches consumed."""
+
+    def __init__(self, iterable: Iterable[dict]):
+        self.iterable = iterable
+        self._first: dict | None = None
+
+    def example(self) -> dict:
+        if self._first is None:
+            if iter(self.iterable) is self.iterable:
+                raise DataError("data: a one-shot iterator cannot be inspected and then trained on; pass a list, "
+                                "a re-iterable object (with __iter__), arrays, or a jaxnn data set")
+            try:
+                self._first = next(iter(self.iterable))
+            except StopIteration:
+                raise DataError("data: the iterable yields no batches") from None
+        return self._first
+
+    def iterator(self, start: int, stop: int) -> Iterator[dict]:
+        return itertools.islice(iter(self.iterable), start, stop)
+
+    def state(self, next_step: int) -> dict:
+        return {"next_step": int(next_step), "kind": "iterable"}
+
+
+class DatasetBatches:
+    """A jaxnn data set through the host pipeline (`TrainBatches`, Grain workers or inline)."""
+
+    def __init__(self, data: ImageDataset | TextCorpus, pipeline: PipelineConfig):
+        self.data, self.pipeline = data, pipeline
+        self._source = TrainBatches(data, pipeline)
+        if not self._source.is_text and pipeline.batch_size > len(data.x_train):
+            raise DataError(f"batch size {pipeline.batch_size} is larger than the {len(data.x_train)} training "
+                            f"examples of {data.name}")
+
+    def example(self) -> dict:
+        return self._source.batch(0)
+
+    def iterator(self, start: int, stop: int) -> Iterator[dict]:
+        return host_iterator(TrainBatches(self.data, self.pipeline, start, stop), self.pipeline)
+
+    def state(self, next_step: int) -> dict:
+        return iterator_state(next_step, self._source)
+
+
+class ArraySource:
+    """`ArrayBatches` behind the same interface as the other sources."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], pipeline: PipelineConfig):
+        self.pipeline = pipeline
+        self._batches = ArrayBatches(arrays, pipeline.batch_size, pipeline.seed)
+
+    def example(self) -> dict:
+        return self._batches.batch(0)
+
+    def iterator(self, start: int, stop: int) -> Iterator[dict]:
+        b = self._batches
+        return host_iterator(ArrayBatches(b.arrays, b.batch_size, b.seed, start, stop), self.pipeline)
+
+    def state(self, next_step: int) -> dict:
+        return self._batches.state(next_step)
+
+
+def as_train_source(data, pipeline: PipelineConfig | None, batch_size: int | None, seed: int):
+    """The source for `data` (see the module docstring); bad data raises DataError before anything runs."""
+    if isinstance(data, (ImageDataset, TextCorpus)) or as_arrays(data, "data") is not None:
+        if pipeline is None:
+            if batch_size is None:
+                raise DataError("data: arrays and data sets need a batch_size")
+            pipeline = PipelineConfig(batch_size=batch_size, seed=seed, backend="inline")
+        if isinstance(data, (ImageDataset, TextCorpus)):
+            return DatasetBatches(data, pipeline)
+        return ArraySource(as_arrays(data, "data"), pipeline)
+    if isinstance(data, (str, bytes)) or not hasattr(data, "__iter__"):
+        raise DataError(f"data: expected (x, y) arrays, a dict of arrays, a jaxnn data set or an iterable of batch "
+                        f"dicts, got {type(data).__name__}")
+    return IterableBatches(data)
+
+
+def as_eval_batches(data, batch_size: int, *, seq_len: int = 128, seed: int = 0) -> list[dict] | None:
+    """Evaluation batches of `batch_size` rows: arrays padded with `mask` 0, data sets' test splits, or as given."""
+    if data is None:
+        return None
+    if isinstance(data, (ImageDataset, TextCorpus)):
+        return eval_batches(data, batch_size, seq_len=seq_len, seed=seed)
+    arrays = as_arrays(data, "eval_data")
+    if arrays is None:
+        if isinstance(data, (str, bytes)) or not hasattr(data, "__iter__"):
+            raise DataError(f"eval_data: expected arrays, a data set or an iterable of batches, got "
+                            f"{type(data).__name__}")
+        return list(data)
+    n = len(next(iter(arrays.values())))
+    batches = []
+    for lo in range(0, n, batch_size):
+        idx = np.arange(lo, lo + batch_size)
+        real = idx < n
+        batch: dict[str, Any] = {k: v[np.where(real, idx, 0)] for k, v in arrays.items()}
+        batch["mask"] = real.astype(np.float32)
+        batches.append(batch)
+    return batches

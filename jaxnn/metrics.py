@@ -1,0 +1,154 @@
+"""Metric writers for the training loop: JSON lines (always), CSV, and TensorBoard event files.
+
+A row is a flat dict with `split` ("train" or "eval"), `step`, and scalar metrics. Every writer has `write(row)`
+and `close()`; `make_writers(names, run_dir)` builds the ones a run asks for. TensorBoard files are written with
+tensorboardX: it needs only protobuf and numpy, where the tensorboard package brings its web server and its
+dependencies along; TensorBoard reads the files either way.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import math
+import pathlib
+from typing import Iterable, Protocol
+
+from jaxnn.rundir import append_line, repair_jsonl, storage_error
+
+log = logging.getLogger(__name__)
+
+WRITERS = ("jsonl", "csv", "tensorboard")
+
+
+class MetricWriter(Protocol):
+    def write(self, row: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _json_safe(value):
+    # JSON has no NaN/Inf; a diverged run's rows must still parse.
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class JsonlWriter:
+    """`metrics.jsonl`: one JSON object per line, appended whole; a line cut short by a crash is set aside."""
+
+    def __init__(self, path):
+        self.path = pathlib.Path(path)
+        repair_jsonl(self.path)
+
+    def write(self, row: dict) -> None:
+        append_line(self.path, json.dumps({k: _json_safe(v) for k, v in row.items()}))
+
+    def close(self) -> None:
+        pass
+
+
+def read_jsonl(path) -> list[dict]:
+    """The rows of a metrics file; lines that do not parse are skipped with a warning naming file and line."""
+    path = pathlib.Path(path)
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            log.warning("%s:%d is not a JSON line; skipped", path, number)
+    return rows
+
+
+class CsvWriter:
+    """`metrics-<split>.csv`, one per split, one column per metric; a metric first seen late rewrites the file
+    with the wider header (rows are few, and a spreadsheet wants one table per split)."""
+
+    def __init__(self, run_dir):
+        self.run_dir = pathlib.Path(run_dir)
+        self._columns: dict[str, list[str]] = {}
+
+    def _path(self, split: str) -> pathlib.Path:
+        return self.run_dir / f"metrics-{split}.csv"
+
+    def _known_columns(self, split: str) -> list[str]:
+        if split not in self._columns:
+            path = self._path(split)
+            header = path.read_text().splitlines()[:1] if path.is_file() else []
+            self._columns[split] = next(csv.reader(header), []) if header else []
+        return self._columns[split]
+
+    def write(self, row: dict) -> None:
+        split = str(row.get("split", "train"))
+        values = {k: v for k, v in row.items() if k != "split"}
+        columns = self._known_columns(split)
+        path = self._path(split)
+        try:
+            if not columns or set(values) - set(columns):
+                self._rewrite(split, columns + [k for k in values if k not in columns])
+            buf = io.StringIO()
+            csv.DictWriter(buf, self._columns[split], lineterminator="\n").writerow(values)
+            append_line(path, buf.getvalue())
+        except OSError as err:
+            raise storage_error("writing", path, err) from err
+
+    def _rewrite(self, split: str, columns: list[str]) -> None:
+        path = self._path(split)
+        old = list(csv.DictReader(path.open())) if path.is_file() else []
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, columns, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(old)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(buf.getvalue())
+        tmp.replace(path)
+        self._columns[split] = columns
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardWriter:
+    """Event files under `<run_dir>/tensorboard`, one scalar per metric tagged `<split>/<metric>`."""
+
+    def __init__(self, run_dir):
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            raise ValueError("metric writer 'tensorboard' needs tensorboardX: pip install tensorboardX") from None
+        self.logdir = pathlib.Path(run_dir) / "tensorboard"
+        self._writer = SummaryWriter(logdir=str(self.logdir))
+
+    def write(self, row: dict) -> None:
+        split, step = row.get("split", "train"), int(row["step"])
+        for name, value in row.items():
+            if name not in ("split", "step") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._writer.add_scalar(f"{split}/{name}", float(value), step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def check_writer_names(names: Iterable[str]) -> tuple[str, ...]:
+    names = tuple(names)
+    unknown = [n for n in names if n not in WRITERS]
+    if unknown:
+        raise ValueError(f"unknown metric writer(s) {unknown}; choose from {list(WRITERS)}")
+    return names
+
+
+def make_writers(names: Iterable[str], run_dir) -> list[MetricWriter]:
+    """The writers named in `names` (JSON lines is always included) for `run_dir`."""
+    names = check_writer_names(names)
+    run_dir = pathlib.Path(run_dir)
+    writers: list[MetricWriter] = [JsonlWriter(run_dir / "metrics.jsonl")]
+    if "csv" in names:
+        writers.append(CsvWriter(run_dir))
+    if "tensorboard" in names:
+        writers.append(TensorBoardWriter(run_dir))
+    return writers

@@ -1,0 +1,121 @@
+"""What `jaxnn train` runs: a `TrainConfig` -> data set, built-in model, loss and optimizer -> `jaxnn.fit`.
+
+Everything here is the choice of ingredients; the training itself is `jaxnn.loop.fit`, the same loop users call
+with their own models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+from typing import Iterable
+
+from jaxnn.config import ConfigError, TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+def resolve_dataset(cfg: TrainConfig) -> str:
+    """The data set name for `cfg` ("auto": text for gpt, the format found in `data_dir`, else digits)."""
+    from jaxnn.data import FORMATS, DataError, detect_format
+
+    if cfg.dataset not in FORMATS + ("auto",):
+        raise DataError(f"unknown data set {cfg.dataset!r}; choose one of {['auto', *FORMATS]}")
+    if cfg.dataset != "auto":
+        name = cfg.dataset
+    elif cfg.model == "gpt":
+        name = "text"
+    else:
+        name = detect_format(cfg.data_dir) if cfg.data_dir else "digits"
+    if (name == "text") != (cfg.model == "gpt"):
+        raise ConfigError(f"model {cfg.model!r} cannot train on data set {name!r}: "
+                          f"{'gpt needs text' if cfg.model == 'gpt' else 'text needs --model gpt'}")
+    if cfg.data_dir and name in ("digits", "synthetic"):
+        raise ConfigError(f"data set {name!r} is built in; drop --data {cfg.data_dir}")
+    return name
+
+
+def load_data(cfg: TrainConfig):
+    """The data set the config names, checked against the format (a DataError names the file otherwise)."""
+    from jaxnn.data import DataError, detect_format, load_dataset
+
+    name = resolve_dataset(cfg)
+    if cfg.data_dir and name in ("mnist", "fashion_mnist", "cifar10"):
+        found = detect_format(cfg.data_dir)
+        if found != ("cifar10" if name == "cifar10" else "mnist"):
+            raise DataError(f"{cfg.data_dir}: holds {found} files, not the {name} format")
+    return load_dataset(name, cfg.data_dir)
+
+
+def model_config(cfg: TrainConfig, data):
+    """The built-in model's config: its default (or small) one with `cfg.model_overrides` and the data's sizes."""
+    from jaxnn.data import TextCorpus
+    from jaxnn.models import CONFIGS
+
+    mcfg = CONFIGS[cfg.model]()
+    mcfg = mcfg.small() if cfg.size == "small" else mcfg
+    fields = {f.name for f in dataclasses.fields(mcfg)}
+    overrides = dict(cfg.model_overrides)
+    if cfg.model == "gpt":
+        overrides.setdefault("seq_len", cfg.seq_len)
+    elif not isinstance(data, TextCorpus):
+        overrides.setdefault("num_classes", data.num_classes)
+    unknown = set(overrides) - fields
+    if unknown:
+        raise ConfigError(f"model {cfg.model!r} has no config field(s) {sorted(unknown)}; it has {sorted(fields)}")
+    return dataclasses.replace(mcfg, **overrides)
+
+
+def train(cfg: TrainConfig, *, callbacks: Iterable = (), print_summary=None) -> dict:
+    """Trains the built-in model `cfg` names through `jaxnn.fit`; returns the run's summary dict.
+
+    `print_summary`, when given (e.g. `print`), receives the model's per-layer table before training.
+    """
+    import jax
+
+    from jaxnn.callbacks import LearningRateLogger
+    from jaxnn.data import PipelineConfig, TextCorpus
+    from jaxnn.layers import summary as model_summary
+    from jaxnn.loop import fit
+    from jaxnn.models import get_model
+    from jaxnn.train import lm_loss, make_optimizer, make_schedule, masked_classification_loss
+
+    data = load_data(cfg)
+    is_text = isinstance(data, TextCorpus)
+    mcfg = model_config(cfg, data)
+    model = get_model(cfg.model, mcfg)
+    pipeline = PipelineConfig(batch_size=cfg.batch_size, seed=cfg.seed, crop_pad=cfg.crop_pad, flip=cfg.flip,
+                              seq_len=cfg.seq_len, backend=cfg.backend, workers=cfg.workers)
+    schedule = make_schedule(cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup)
+    tx = make_optimizer(cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup, weight_decay=cfg.weight_decay)
+    if print_summary is not None and jax.process_index() == 0:
+        in_shape = (cfg.batch_size, cfg.seq_len) if is_text else (cfg.batch_size, *data.image_shape)
+        model_summary(model, in_shape, policy=cfg.precision, print_fn=print_summary)
+    result = fit(model, data, loss=lm_loss if is_text else masked_classification_loss, optimizer=tx,
+                 eval_data=data, pipeline=pipeline, callbacks=[LearningRateLogger(schedule), *callbacks],
+                 config={**cfg.trajectory(), "model_config": dataclasses.asdict(mcfg)},
+                 steps=cfg.steps, batch_size=cfg.batch_size, precision=cfg.precision, seed=cfg.seed,
+                 eval_every=cfg.eval_every, log_every=cfg.log_every, ckpt_every=cfg.ckpt_every, keep=cfg.keep,
+                 run_dir=cfg.run_dir, ckpt_dir=cfg.ckpt_dir, resume=cfg.resume, overwrite=cfg.overwrite,
+                 metrics=cfg.metrics, progress=cfg.progress, plots=cfg.plots, devices=cfg.devices,
+                 prefetch=cfg.prefetch, name=f"{cfg.model}/{data.name}")
+    summary = {"model": cfg.model, "dataset": data.name, **result.summary}
+    finished_now = not (summary.get("interrupted_by") or summary.get("already_finished"))
+    if is_text and cfg.sample_bytes and finished_now:
+        summary["sample"] = _sample(model, result.state, cfg)
+        if jax.process_index() == 0:
+            from jaxnn.rundir import write_json_atomic
+
+            write_json_atomic(pathlib.Path(cfg.run_dir) / "summary.json", summary)
+    return summary
+
+
+def _sample(model, state, cfg: TrainConfig) -> str:
+    from jaxnn.models.gpt import sample
+    from jaxnn.train import make_predict
+
+    prompt = b"def "
+    text = sample(make_predict(model, cfg.precision), state.params, state.model_state, prompt, cfg.sample_bytes,
+                  cfg.seq_len, seed=cfg.seed)
+    return (prompt + text).decode("utf-8", "replace")
