@@ -11,7 +11,8 @@ steps, run directory, the latest train state, `request_stop`) and, where there i
     on_end(run, summary)          once, with the summary about to be written (may add to it)
 
 `run.request_stop(reason)` ends the run cleanly after the current step (with a checkpoint); raising an exception
-ends it at once, without one.
+ends it at once, without one. Because `on_step(run, s, ...)` runs once step s + 1 is dispatched, a stop asked for
+there ends the run after step s + 1.
 """
 
 from __future__ import annotations
