@@ -21,6 +21,7 @@ How state and randomness travel (the one uniform rule of this module):
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -35,6 +36,7 @@ class Layer(NamedTuple):
     apply: Callable[..., Any]
     name: str
     init_state: Callable[[Shape], Any] | None = None
+    children: tuple = ()  # a combinator's child layers in order; their params keys are "<index>_<name>"
 
     @property
     def stateful(self) -> bool:
@@ -89,6 +91,16 @@ def _child_keys(layers: Sequence[Layer]) -> list[str]:
     return [f"{i}_{layer.name}" for i, layer in enumerate(layers)]
 
 
+# The init functions of the layers `parallel` built, held weakly: see `splits_input`.
+_PARALLEL_INITS: weakref.WeakSet = weakref.WeakSet()
+
+
+def splits_input(layer: Layer) -> bool:
+    """Whether `layer.children` read the elements of a tuple input (`parallel`) rather than each the output of the
+    child before it (`serial`, `residual`)."""
+    return bool(layer.children) and layer.init in _PARALLEL_INITS
+
+
 def _fold(key, i):
     return None if key is None else jax.random.fold_in(key, i)
 
@@ -138,7 +150,7 @@ def serial(*layers: Layer, name: str = "serial") -> Layer:
         return (x, new_state) if stateful else x
 
     stateful = any(layer.stateful for layer in layers)
-    return Layer(init, apply, name, init_state if stateful else None)
+    return Layer(init, apply, name, init_state if stateful else None, tuple(layers))
 
 
 def parallel(*layers: Layer, name: str = "parallel") -> Layer:
@@ -173,7 +185,8 @@ def parallel(*layers: Layer, name: str = "parallel") -> Layer:
         return (tuple(outs), new_state) if stateful else tuple(outs)
 
     stateful = any(layer.stateful for layer in layers)
-    return Layer(init, apply, name, init_state if stateful else None)
+    _PARALLEL_INITS.add(init)
+    return Layer(init, apply, name, init_state if stateful else None, tuple(layers))
 
 
 def residual(*layers: Layer, name: str = "residual") -> Layer:
@@ -192,4 +205,5 @@ def residual(*layers: Layer, name: str = "residual") -> Layer:
         out = x + y.astype(x.dtype)
         return (out, new_state) if body.stateful else out
 
-    return Layer(init, apply, name, body.init_state)
+    # residual returns the body's params unnested, so the body's children and their keys are its own.
+    return Layer(init, apply, name, body.init_state, body.children)
