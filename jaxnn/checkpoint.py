@@ -82,6 +82,7 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, cleanup_tmp_directories=True))
         self._in_flight: int | None = None
+        self._closed = False
         self._bad: set[int] = set()  # steps a restore found damaged: a later save at that step replaces them
 
     def all_steps(self) -> list[int]:
@@ -105,8 +106,9 @@ class Checkpointer:
         ocp = self._ocp
         meta = {"step": int(step), "config": config, "data": data_state, "digest": state_digest(state)}
         args = ocp.args.Composite(state=ocp.args.StandardSave(to_saveable(state)), meta=ocp.args.JsonSave(meta))
-        # orbax writes in the background: an error of this save may surface at the next call, so it is reported
-        # against the step in flight.
+        # orbax writes in the background: wait for the previous save first, so that its errors are reported
+        # against its own step (orbax's save would wait for it anyway).
+        self.wait()
         with self._storage_errors(step):
             self._manager.save(step, args=args, force=True)
         self._in_flight = step
@@ -118,18 +120,25 @@ class Checkpointer:
         try:
             yield
         except Exception as err:  # noqa: BLE001 - orbax and tensorstore wrap OS errors in many types
-            failed = self._in_flight if self._in_flight is not None else step
             self._in_flight = None
-            for tmp in self.directory.glob(f"{failed}.orbax-checkpoint-tmp*"):
+            for tmp in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise storage_error(f"saving checkpoint step {failed} to", self.directory, err) from err
+            raise storage_error(f"saving checkpoint step {step} to", self.directory, err) from err
 
     def wait(self) -> None:
-        with self._storage_errors(-1):
+        """Waits for the save in flight; its failure raises StorageError naming its step."""
+        if self._in_flight is None:
+            self._manager.wait_until_finished()
+            return
+        with self._storage_errors(self._in_flight):
             self._manager.wait_until_finished()
         self._in_flight = None
 
     def close(self) -> None:
+        """Waits for the save in flight and releases orbax's threads; closing twice is harmless."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self.wait()
         finally:

@@ -12,6 +12,7 @@ checkpoint; a resumed run continues bitwise as if never stopped.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any, Iterable, NamedTuple
@@ -100,7 +101,7 @@ def _train(model, loss, tx, cfg, source, evals, mesh, state, record, files, call
         c.on_start(run)
 
     step, eval_metrics, failure = start, {}, None
-    with StopSignal() as stop:
+    with StopSignal() as stop, _closing(ckpt):
         try:
             for step in range(start + 1, cfg.steps + 1):
                 state, metrics = dp.step(state, next(batches))
@@ -200,6 +201,19 @@ def _already_finished(ckpt, state, start, files) -> FitResult:
         ckpt.close()
     summary = {**files.previous_summary(), "already_finished": True, "step": start}
     return FitResult(state, [], summary)
+
+
+@contextlib.contextmanager
+def _closing(ckpt):
+    """On any way out, waits for the checkpoint in flight, so an error never leaves a save half-done."""
+    try:
+        yield
+    finally:
+        if ckpt is not None:
+            try:
+                ckpt.close()
+            except Exception as err:  # noqa: BLE001 - the error that got us here is the one to report
+                log.warning("while stopping: %s", err)
 
 
 def _save(ckpt, step, state, source, record, tracker, force=False) -> None:
