@@ -299,7 +299,8 @@ class _Tracker:
             c.on_log(self.run, row)
         self._write(row)
         self.bar.set_postfix(loss=f"{row['loss']:.4f}", ex_s=f"{row['examples_per_s']:.0f}",
-                             wait=f"{100 * row['input_wait_frac']:.1f}%")
+                             wait=f"{100 * row['input_wait_frac']:.1f}%",
+                             **({"skipped": self.skipped_total} if self.run.uses_loss_scaling else {}))
         self.sums, self.n, self.skipped = {}, 0, 0
         self.t_interval = time.perf_counter()
 

@@ -1,6 +1,6 @@
 # Data-parallel training: benchmark of the three forms, and two local processes training together.
 # PARALLEL_ARGS is passed to either script (see `python -m benchmarks.data_parallel --help`,
-# `python -m jaxnn.multihost --help`).
+# `python -m jaxnn.multihost --help`; arguments after `--` go to every `jaxnn train` worker).
 PARALLEL_ARGS ?=
 NUM_PROCESSES ?= 2
 
