@@ -154,6 +154,30 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {self.directory / str(step)} is from a different config: "
                                   + "; ".join(diffs))
 
+    def _check_layout(self, step: int, target) -> None:
+        """Refuses a target of another structure than the saved state, without calling the checkpoint damaged.
+
+        orbax reports such a mismatch as a read error; asked for the wrong thing (e.g. a state built with another
+        optimizer), a good checkpoint must stay good, and must never be deleted as damaged.
+        """
+        from etils import epath
+
+        try:
+            metadata = self._ocp.StandardCheckpointHandler().metadata(epath.Path(self.directory / str(step) / "state"))
+            saved_tree = getattr(metadata, "tree", metadata)
+        except Exception:  # noqa: BLE001 - unreadable metadata: the restore that follows reports the damage
+            return
+        is_array = lambda x: hasattr(x, "name") and hasattr(x, "shape")  # noqa: E731
+        saved = {x.name: tuple(x.shape) for x in jax.tree.leaves(saved_tree, is_leaf=is_array) if is_array(x)}
+        wanted = {_dotted(path): tuple(x.shape) for path, x in jax.tree_util.tree_flatten_with_path(target)[0]}
+        diffs = [f"{name}: saved {saved.get(name, '-')}, asked for {wanted.get(name, '-')}"
+                 for name in sorted(set(saved) | set(wanted)) if saved.get(name) != wanted.get(name)]
+        if saved and diffs:
+            raise CheckpointError(f"checkpoint {self.directory / str(step)} holds a state of another structure than "
+                                  f"the one to restore into ({len(diffs)} arrays differ: {'; '.join(diffs[:4])}"
+                                  f"{'; ...' if len(diffs) > 4 else ''}); build the state with the model and "
+                                  "optimizer it was saved with")
+
     def restore(self, like_state, config: dict) -> tuple[Any, dict, int] | None:
         """The newest good checkpoint as `(state, data_state, step)`, or None when the directory has none.
 
@@ -177,6 +201,7 @@ class Checkpointer:
                 log.warning("checkpoint %s is unreadable (%s); trying the previous one", where, problems[-1])
                 continue
             self.check_compatible(step, meta, config)
+            self._check_layout(step, target)
             try:
                 restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
                 state = from_saveable(restored["state"], like_state)
@@ -195,6 +220,11 @@ class Checkpointer:
                 log.warning("restored checkpoint %s after skipping: %s", where, "; ".join(problems))
             return state, meta.get("data", {}), step
         raise CheckpointError(f"{self.directory}: no readable checkpoint ({'; '.join(problems)})")
+
+
+def _dotted(path) -> str:
+    """A pytree path as orbax names the array it saves for it (`opt_state.1.0.mu.1_dense.w`)."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
 class StopSignal:

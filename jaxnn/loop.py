@@ -13,6 +13,7 @@ checkpoint; a resumed run continues bitwise as if never stopped.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import Any, Iterable, NamedTuple
@@ -65,6 +66,7 @@ def fit(model: Layer, data, *, loss: LossFn = masked_classification_loss, optimi
     source = as_train_source(data, pipeline, cfg.batch_size, cfg.seed)
     example = source.example()
     batch_size = _batch_size(example)
+    cfg = dataclasses.replace(cfg, batch_size=batch_size)  # an iterable's own batch size is what the run records
     evals = as_eval_batches(eval_data, batch_size, seq_len=getattr(pipeline, "seq_len", 128), seed=cfg.seed)
     tx = optimizer if optimizer is not None else make_optimizer(1e-3, total_steps=cfg.steps)
     mesh = mesh if mesh is not None else make_mesh(None if jax.process_count() > 1 else _devices(cfg.devices))

@@ -8,6 +8,7 @@ import time
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from jaxnn.checkpoint import CheckpointError, Checkpointer, StopSignal, config_differences, state_digest
@@ -118,3 +119,16 @@ def test_stop_signal_sets_flag_and_restores_handler(sig):
         time.sleep(0.01)
         assert stop and stop.received == sig
     assert signal.getsignal(sig) == before
+
+
+def test_a_state_of_another_structure_is_refused_and_the_checkpoint_stays_good(tmp_path):
+    ckpt, states = saved(tmp_path, steps=(1,))
+    before = {p: p.read_bytes() for p in (tmp_path / "ckpt").rglob("*") if p.is_file()}
+    model = MLP(MLPConfig().small())
+    other_optimizer = create_train_state(model, optax.sgd(0.1), jax.random.key(0), (4, 8, 8, 1))
+    with pytest.raises(CheckpointError, match=r"holds a state of another structure .* opt_state\.1\.0\.mu"):
+        Checkpointer(tmp_path / "ckpt").restore(other_optimizer, CONFIG)
+    again = Checkpointer(tmp_path / "ckpt", save_every=1)
+    assert again.restore(make_state(0), CONFIG)[2] == 1  # still good, and not marked damaged
+    assert not again.save(1, states[1], data_state={}, config=CONFIG, force=True)  # so never replaced
+    assert {p: p.read_bytes() for p in (tmp_path / "ckpt").rglob("*") if p.is_file()} == before
