@@ -9,6 +9,8 @@ forward, weight gradient (dw, as a first layer needs) and both gradients (dw+dx)
 and the scan cliff: two weight-gradient steps unrolled against the same inside `lax.scan`, for xla and im2col.
 Figures and what they decided: docs/performance.md ("Convolution lowerings", "Tried and dropped").
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -80,7 +82,7 @@ def scan_cliff():
             return lax.scan(lambda w, _: (dw(w, x) * 1e-3 + w, None), w, None, length=2)[0]
 
         for label, f in (("unrolled", unrolled), ("scan", scanned)):
-            fns[f"2 weight grads 16x16x32->64 {name} {label}"] = lambda f=jax.jit(f): f(w, x)
+            fns[f"2 weight grads 16x16x32->64 {name} {label}"] = functools.partial(jax.jit(f), w, x)
     return fns
 
 

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxnn import layers as L, train
+from jaxnn import layers as L
+from jaxnn import train
 from jaxnn.timing import time_interleaved
 
 LOWERINGS = ("reduce_window", "reshape")

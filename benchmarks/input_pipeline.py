@@ -151,7 +151,7 @@ def main(argv=None) -> int:
         for k in ks:
             h = host_time(make_source(data, base, 2000, 2010, kind, k, unit), range(10))
             res, steps_alone = {}, []
-            for rep in range(args.repeats):
+            for _ in range(args.repeats):
                 # The step alone, re-timed next to each loop: other users' load on this machine drifts by 2x.
                 one_step.state = state
                 steps_alone.append(time_fn(one_step, warmup=1, repeats=3, number=3).median)
@@ -176,9 +176,9 @@ def main(argv=None) -> int:
 
     # Host backends at the cost nearest 0.8x the step, all with device prefetch 2.
     k = ks[min(1, len(ks) - 1)]
-    backends = {"grain threads=1": dict(threads=1), "grain threads=2": dict(threads=2),
-                "grain 1 process": dict(workers=1), "grain 2 processes": dict(workers=2),
-                "inline (main thread)": dict(backend="inline")}
+    backends = {"grain threads=1": {"threads": 1}, "grain threads=2": {"threads": 2},
+                "grain 1 process": {"workers": 1}, "grain 2 processes": {"workers": 2},
+                "inline (main thread)": {"backend": "inline"}}
     print(f"host backends at numpy cost k={k} (wall ms per step, prefetch 2; median of {args.repeats}):")
     compare = {}
     for name, kw in backends.items():

@@ -14,7 +14,7 @@ import json
 import os
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -235,8 +235,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.gpu:
         if jax.default_backend() != "gpu" and not args.dry_run:
-            print("bench --gpu: no GPU here (backend is %r); use --dry-run to check it on the CPU"
-                  % jax.default_backend(), file=sys.stderr)
+            print(f"bench --gpu: no GPU here (backend is {jax.default_backend()!r}); use --dry-run to check it on the CPU", file=sys.stderr)
             return 2
         res = gpu_mfu(args.out_dir, dry_run=args.dry_run)
         mfu = res.get("mfu")

@@ -14,8 +14,8 @@ import platform
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import jax
 import numpy as np
@@ -203,7 +203,7 @@ def write_results(out: str | Path, name: str, size: str, figures: dict, budget: 
     record = {
         "schema": SCHEMA_VERSION,
         "name": name,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "size": size,
         "machine": machine_info(),
         "seconds": round(budget.elapsed(), 2) if budget else None,
@@ -306,7 +306,7 @@ def library_calls(hlo_text: str) -> list[dict]:
         target = _TARGET.search(match["rest"]) or (_KIND.search(match["rest"]) if match["op"] == "fusion" else None)
         if target:
             # Operands print as `%name`, or as `bf16[64,64]{1,0} %name` in some printers.
-            typed = dict((n, d) for d, n in re.findall(r"(\w+)\[[^\]]*\](?:\{[^}]*\})?\s+%([\w.\-]+)", match["args"]))
+            typed = {n: d for d, n in re.findall(r"(\w+)\[[^\]]*\](?:\{[^}]*\})?\s+%([\w.\-]+)", match["args"])}
             dtypes = []
             for arg in re.findall(r"%([\w.\-]+)", match["args"]):
                 found = typed.get(arg) or (re.match(r"\(?(\w+)\[", types.get(arg, "")) or [None, None])[1]

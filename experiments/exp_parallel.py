@@ -14,20 +14,20 @@ import numpy as np
 
 from experiments import common
 from jaxnn.models import CNN, MLP, CNNConfig, MLPConfig
-from jaxnn.parallel import FORMS, configure_cpu_devices, data_parallel_train_step, create_sharded_state, make_mesh
+from jaxnn.parallel import FORMS, configure_cpu_devices, create_sharded_state, data_parallel_train_step, make_mesh
 from jaxnn.timing import time_fn
 from jaxnn.train import classification_loss, create_train_state, make_optimizer
 
 NAME = "exp_parallel"
 
 CONFIG = {
-    "tiny": dict(model="mlp", cfg=MLPConfig(hidden=(32,)), counts=[2], per_device=8, sweep=[8, 16]),
-    "quick": dict(model="mlp", cfg=MLPConfig(hidden=(512, 512)), counts=[1, 8], per_device=64,
-                  sweep=[16, 64, 256, 1024]),
-    "full": dict(model="cnn", cfg=CNNConfig(widths=(16, 32)), counts=[1, 2, 4, 8], per_device=64,
-                 sweep=[16, 64, 256, 1024]),
-    "gpu": dict(model="cnn", cfg=CNNConfig(), counts=[1, 2, 4, 8], per_device=256,
-                sweep=[16, 64, 256, 1024, 4096]),
+    "tiny": {"model": "mlp", "cfg": MLPConfig(hidden=(32,)), "counts": [2], "per_device": 8, "sweep": [8, 16]},
+    "quick": {"model": "mlp", "cfg": MLPConfig(hidden=(512, 512)), "counts": [1, 8], "per_device": 64,
+                  "sweep": [16, 64, 256, 1024]},
+    "full": {"model": "cnn", "cfg": CNNConfig(widths=(16, 32)), "counts": [1, 2, 4, 8], "per_device": 64,
+                 "sweep": [16, 64, 256, 1024]},
+    "gpu": {"model": "cnn", "cfg": CNNConfig(), "counts": [1, 2, 4, 8], "per_device": 256,
+                "sweep": [16, 64, 256, 1024, 4096]},
 }
 IMAGE = (32, 32, 3)
 SIMULATED_CPU_DEVICES = 8

@@ -30,10 +30,10 @@ from jaxnn.train import classification_loss, make_optimizer, train_step_fn
 NAME = "exp_pipeline"
 
 CONFIG = {  # batch, steps per window, augmentation repeats, CNN widths, host reader threads
-    "tiny": dict(batch=8, steps=2, costs=[1], widths=(4,), threads=1),
-    "quick": dict(batch=64, steps=6, costs=[1, 8, 32], widths=(16, 32), threads=2),
-    "full": dict(batch=128, steps=10, costs=[1, 8, 32, 96], widths=(16, 32), threads=2),
-    "gpu": dict(batch=256, steps=10, costs=[1, 4, 16, 64], widths=(32, 64, 128), threads=8),
+    "tiny": {"batch": 8, "steps": 2, "costs": [1], "widths": (4,), "threads": 1},
+    "quick": {"batch": 64, "steps": 6, "costs": [1, 8, 32], "widths": (16, 32), "threads": 2},
+    "full": {"batch": 128, "steps": 10, "costs": [1, 8, 32, 96], "widths": (16, 32), "threads": 2},
+    "gpu": {"batch": 256, "steps": 10, "costs": [1, 4, 16, 64], "widths": (32, 64, 128), "threads": 8},
 }
 IMAGE = (32, 32, 3)
 PAD = 4
@@ -135,7 +135,7 @@ def summary(record: dict) -> dict:
     for r in record["rows"]:
         out.setdefault(r["cost"], {})[r["arrangement"]] = {"samples_per_s": r["samples_per_s"],
                                                            "device_idle": r["device_idle"]}
-    for cost, arr in out.items():
+    for arr in out.values():
         best = max(arr, key=lambda a: arr[a]["samples_per_s"])
         arr["best"] = best
         if "sync" in arr:

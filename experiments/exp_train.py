@@ -18,24 +18,30 @@ from jaxnn.data import PipelineConfig, TrainBatches, eval_batches, load_digits, 
 from jaxnn.data.preprocess import normalise
 from jaxnn.models import CNN, GPT, CNNConfig, GPTConfig
 from jaxnn.timing import time_fn
-from jaxnn.train import (classification_loss, language_model_loss, make_eval_step,
-                         make_optimizer, make_predict, make_train_step)
+from jaxnn.train import (
+    classification_loss,
+    language_model_loss,
+    make_eval_step,
+    make_optimizer,
+    make_predict,
+    make_train_step,
+)
 
 NAME = "exp_train"
 
 CONFIG = {
-    "tiny": dict(cnn=CNNConfig(widths=(4,)), cnn_batch=16, cnn_steps=3,
-                 gpt=GPTConfig(seq_len=16, d_model=32, num_layers=1, num_heads=2), gpt_batch=4, gpt_steps=3,
-                 precisions=["fp32", "bf16"], gpt_precisions=["fp16"], text_bytes=1 << 16),
-    "quick": dict(cnn=CNNConfig(widths=(16, 32)), cnn_batch=64, cnn_steps=100,
-                  gpt=GPTConfig(seq_len=64, d_model=128, num_layers=2, num_heads=4), gpt_batch=16, gpt_steps=60,
-                  precisions=["fp32", "bf16", "fp16"], text_bytes=2 << 20),
-    "full": dict(cnn=CNNConfig(), cnn_batch=128, cnn_steps=400,
-                 gpt=GPTConfig(), gpt_batch=32, gpt_steps=400, precisions=["fp32", "bf16", "fp16"],
-                 text_bytes=8 << 20),
-    "gpu": dict(cnn=CNNConfig(widths=(64, 128, 256)), cnn_batch=256, cnn_steps=300,
-                gpt=GPTConfig(seq_len=256, d_model=512, num_layers=6, num_heads=8), gpt_batch=64, gpt_steps=200,
-                precisions=["fp32", "tf32", "bf16", "fp16"], text_bytes=8 << 20),
+    "tiny": {"cnn": CNNConfig(widths=(4,)), "cnn_batch": 16, "cnn_steps": 3,
+                 "gpt": GPTConfig(seq_len=16, d_model=32, num_layers=1, num_heads=2), "gpt_batch": 4, "gpt_steps": 3,
+                 "precisions": ["fp32", "bf16"], "gpt_precisions": ["fp16"], "text_bytes": 1 << 16},
+    "quick": {"cnn": CNNConfig(widths=(16, 32)), "cnn_batch": 64, "cnn_steps": 100,
+                  "gpt": GPTConfig(seq_len=64, d_model=128, num_layers=2, num_heads=4), "gpt_batch": 16, "gpt_steps": 60,
+                  "precisions": ["fp32", "bf16", "fp16"], "text_bytes": 2 << 20},
+    "full": {"cnn": CNNConfig(), "cnn_batch": 128, "cnn_steps": 400,
+                 "gpt": GPTConfig(), "gpt_batch": 32, "gpt_steps": 400, "precisions": ["fp32", "bf16", "fp16"],
+                 "text_bytes": 8 << 20},
+    "gpu": {"cnn": CNNConfig(widths=(64, 128, 256)), "cnn_batch": 256, "cnn_steps": 300,
+                "gpt": GPTConfig(seq_len=256, d_model=512, num_layers=6, num_heads=8), "gpt_batch": 64, "gpt_steps": 200,
+                "precisions": ["fp32", "tf32", "bf16", "fp16"], "text_bytes": 8 << 20},
 }
 LR = {"cnn": 3e-3, "gpt": 1e-3}
 
@@ -57,7 +63,7 @@ def _train_one(model_name, model, data, cfg, precision, steps, batch, repeats):
                for i in range(steps)]
     losses = []
     t0 = time.perf_counter()
-    for i, b in enumerate(batches):
+    for b in batches:
         state, metrics = step(state, b)
         losses.append(metrics["loss"])  # device arrays: reading them every step would make the device wait
     losses = [float(x) for x in jax.device_get(losses)]

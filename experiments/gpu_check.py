@@ -9,14 +9,23 @@ on the CPU, skipping (and saying so) the GPU assertions, so the script is known 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
 import time
 import traceback
 
-from experiments import (common, exp_inference, exp_matmul, exp_parallel, exp_pipeline, exp_precision,
-                         exp_sequential, exp_train)
+from experiments import (
+    common,
+    exp_inference,
+    exp_matmul,
+    exp_parallel,
+    exp_pipeline,
+    exp_precision,
+    exp_sequential,
+    exp_train,
+)
 from experiments.run_all import BUDGETS as RUN_BUDGETS
 
 # Seconds each experiment may take at GPU size (run_all.BUDGETS["gpu"]: one table for both entry points). Their sum
@@ -145,10 +154,9 @@ def main(argv=None) -> int:
         # Two simulated CPU devices, so exp_parallel exercises the sharded path; must precede jax's start.
         from jaxnn.parallel import configure_cpu_devices
 
-        try:
+        # If jax already started (e.g. inside the test suite), use the devices it has.
+        with contextlib.suppress(RuntimeError):
             configure_cpu_devices(2)
-        except RuntimeError:  # jax already started (e.g. inside the test suite): use the devices it has
-            pass
         print("gpu-check: DRY RUN on the CPU at tiny sizes; the GPU and tensor-core assertions are skipped")
     try:
         info = check_gpu(args.dry_run)

@@ -9,6 +9,7 @@ training (one line: a non-finite loss, a full disk), 128+N stopped by signal N a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import logging
 import pathlib
@@ -82,10 +83,8 @@ def set_cpu_devices(n: int) -> None:
     the run checks that it has at least `n`."""
     from jaxnn.mesh import configure_cpu_devices
 
-    try:
+    with contextlib.suppress(RuntimeError):
         configure_cpu_devices(n)
-    except RuntimeError:
-        pass
 
 
 def default_run_dir(model: str, data: str | None, resume: bool) -> str:
@@ -105,8 +104,9 @@ def config_from_args(args) -> TrainConfig:
             overrides[field] = getattr(args, flag)
     if args.size == "small":  # the small config's own widths, unless asked otherwise
         overrides = {k: v for k, v in overrides.items() if getattr(args, {"num_layers": "layers"}.get(k, k), None)}
-    pick = lambda name, fallback: getattr(args, name) if getattr(args, name) is not None else defaults.get(
-        name, fallback)
+    def pick(name, fallback):
+        return getattr(args, name) if getattr(args, name) is not None else defaults.get(name, fallback)
+
     return TrainConfig(
         model=args.model, dataset=args.dataset, data_dir=args.data, size=args.size,
         model_overrides=tuple(sorted(overrides.items())), steps=pick("steps", 600),

@@ -105,7 +105,7 @@ class FitConfig:
             raise ConfigError(f"{owner}: resume and ckpt_dir need a run_dir")
 
     @classmethod
-    def from_settings(cls, settings: dict[str, Any]) -> "FitConfig":
+    def from_settings(cls, settings: dict[str, Any]) -> FitConfig:
         """A FitConfig from keyword arguments; a misspelt name is refused with the list of known ones."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(settings) - known)
@@ -125,11 +125,11 @@ class FitConfig:
 # CPU. The gpt is cut from GPTConfig (width 256, 4 blocks, 128 bytes) to width 128, 2 blocks and 64 bytes of
 # context for that reason: about 16x fewer FLOPs per step.
 MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
-    "cnn": dict(steps=600, batch_size=64, lr=3e-3),
-    "mlp": dict(steps=1000, batch_size=64, lr=1e-3),
-    "resnet": dict(steps=600, batch_size=64, lr=3e-3),
-    "gpt": dict(steps=500, batch_size=32, lr=3e-3, warmup=30, seq_len=64,
-                model_overrides=(("d_model", 128), ("num_layers", 2))),
+    "cnn": {"steps": 600, "batch_size": 64, "lr": 3e-3},
+    "mlp": {"steps": 1000, "batch_size": 64, "lr": 1e-3},
+    "resnet": {"steps": 600, "batch_size": 64, "lr": 3e-3},
+    "gpt": {"steps": 500, "batch_size": 32, "lr": 3e-3, "warmup": 30, "seq_len": 64,
+                "model_overrides": (("d_model", 128), ("num_layers", 2))},
 }
 
 # TrainConfig fields that do not change what a run computes: a checkpoint may be resumed with them changed.
@@ -180,7 +180,7 @@ class TrainConfig:
     def __post_init__(self):
         validate(self)
 
-    def small(self) -> "TrainConfig":
+    def small(self) -> TrainConfig:
         return dataclasses.replace(self, size="small", steps=30, batch_size=16, seq_len=32, log_every=10,
                                    plots=False, progress=False, sample_bytes=32)
 

@@ -16,7 +16,8 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import Any, Iterable, NamedTuple
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -31,8 +32,15 @@ from jaxnn.mesh import check_batch_divisible, create_sharded_state, make_mesh, p
 from jaxnn.parallel import data_parallel_train_step
 from jaxnn.precision import all_finite, get_policy
 from jaxnn.rundir import RunFiles
-from jaxnn.train import (LossFn, TrainState, create_train_state, make_eval_step, make_optimizer,
-                         masked_classification_loss, train_step_fn)
+from jaxnn.train import (
+    LossFn,
+    TrainState,
+    create_train_state,
+    make_eval_step,
+    make_optimizer,
+    masked_classification_loss,
+    train_step_fn,
+)
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,8 @@ import json
 import logging
 import math
 import pathlib
-from typing import Iterable, Protocol
+from collections.abc import Iterable
+from typing import Protocol
 
 from jaxnn.rundir import append_line, repair_jsonl, storage_error
 

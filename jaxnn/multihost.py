@@ -10,6 +10,7 @@ On a cluster, start one `jaxnn train` per host yourself with those flags (or JAX
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import re
@@ -50,36 +51,42 @@ def launch_local(num_processes: int, train_args: list[str], *, devices_per_proce
     coordinator = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("XLA_FLAGS", None)  # the device count comes from --devices-per-process
-    with tempfile.TemporaryDirectory(prefix="jaxnn-multihost-") as logs:
-        procs, files = [], []
+    with tempfile.TemporaryDirectory(prefix="jaxnn-multihost-") as logs, contextlib.ExitStack() as files:
+        procs, outputs = [], []
         for i in range(num_processes):
-            out, err = open(f"{logs}/{i}.out", "w+"), open(f"{logs}/{i}.err", "w+")
-            files.append((out, err))
+            out = files.enter_context(open(f"{logs}/{i}.out", "w+"))
+            err = files.enter_context(open(f"{logs}/{i}.err", "w+"))
+            outputs.append((out, err))
             cmd = [sys.executable, "-m", "jaxnn.cli", "train", *train_args, "--coordinator", coordinator,
                    "--num-processes", str(num_processes), "--process-id", str(i),
                    "--devices", str(devices_per_process)]
             procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=env))
-        deadline, failed_at = time.monotonic() + timeout_s, None
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
-                failed_at = now
-            if now > deadline or (failed_at is not None and now - failed_at > grace_s):
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-                        p.wait()
-                        p.returncode = None
-                break
-            time.sleep(0.2)
+        _wait_all(procs, timeout_s, grace_s)
         results = []
-        for i, (p, (out, err)) in enumerate(zip(procs, files)):
-            out.seek(0), err.seek(0)
+        for i, (p, (out, err)) in enumerate(zip(procs, outputs)):
+            out.seek(0)
+            err.seek(0)
             stdout, stderr = out.read(), err.read()
-            out.close(), err.close()
             reports = [m.groupdict() for m in map(RESULT_LINE.match, stdout.splitlines()) if m]
             results.append(WorkerResult(i, p.returncode, stdout, stderr, reports[-1] if reports else None))
     return results
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout_s: float, grace_s: float) -> None:
+    """Waits for every process; kills the rest `grace_s` after one failed, and all after `timeout_s`."""
+    deadline, failed_at = time.monotonic() + timeout_s, None
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+            failed_at = now
+        if now > deadline or (failed_at is not None and now - failed_at > grace_s):
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+                    p.returncode = None  # None: killed by the launcher
+            return
+        time.sleep(0.2)
 
 
 def failure_reason(stderr: str) -> str:

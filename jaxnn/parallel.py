@@ -15,18 +15,35 @@ one device, eight devices, or many processes. Meshes, placement and multi-proces
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxnn.layers.core import Layer
-from jaxnn.mesh import (DATA_AXIS, ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, _is_key, _leading_size,
-                        batch_sharding, check_batch_divisible, configure_cpu_devices, create_sharded_state,
-                        initialize_distributed, make_mesh, process_slice, replicate, replicated, shard_batch)
+from jaxnn.mesh import (
+    DATA_AXIS,
+    ENV_COORDINATOR,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+    _is_key,
+    _leading_size,
+    batch_sharding,
+    check_batch_divisible,
+    configure_cpu_devices,
+    create_sharded_state,
+    initialize_distributed,
+    make_mesh,
+    process_slice,
+    replicate,
+    replicated,
+    shard_batch,
+)
 from jaxnn.train import LossFn, TrainState, train_step_fn
 
 log = logging.getLogger(__name__)

@@ -72,7 +72,7 @@ FP16 = Policy(compute_dtype=jnp.float16, loss_scaling=True, name="fp16")
 PRESETS = {p.name: p for p in (FP32, TF32, BF16, FP16)}
 
 
-def get_policy(policy: "Policy | str | None") -> Policy:
+def get_policy(policy: Policy | str | None) -> Policy:
     """A Policy from a preset name ('fp32', 'tf32', 'bf16', 'fp16'), a Policy, or None (fp32)."""
     if policy is None:
         return FP32
@@ -107,7 +107,7 @@ class LossScale(NamedTuple):
     period: jax.Array
 
     @classmethod
-    def create(cls, initial_scale: float = 2.0 ** 15, period: int = 2000) -> "LossScale":
+    def create(cls, initial_scale: float = 2.0 ** 15, period: int = 2000) -> LossScale:
         return cls(jnp.asarray(initial_scale, jnp.float32), jnp.zeros((), jnp.int32), jnp.asarray(period, jnp.int32))
 
     def scale_loss(self, loss):
@@ -116,7 +116,7 @@ class LossScale(NamedTuple):
     def unscale(self, grads):
         return jax.tree.map(lambda g: g.astype(jnp.float32) / self.scale, grads)
 
-    def adjust(self, grads_finite: jax.Array) -> "LossScale":
+    def adjust(self, grads_finite: jax.Array) -> LossScale:
         """The next scale given whether this step's gradients were all finite."""
         grown = self.good_steps + 1 >= self.period
         scale = jnp.where(grads_finite, jnp.where(grown, self.scale * 2, self.scale), jnp.maximum(self.scale / 2, 1.0))
@@ -207,7 +207,7 @@ def conv(lhs, rhs, policy: Policy | None = None, **conv_kwargs):
 
     def bwd(residuals, g):
         lhs, rhs = residuals
-        _, transpose = jax.vjp(lambda l, r: lax.conv_general_dilated(l, r, **conv_kwargs), lhs, rhs)
+        _, transpose = jax.vjp(lambda x, w: lax.conv_general_dilated(x, w, **conv_kwargs), lhs, rhs)
         return transpose(g.astype(lhs.dtype))
 
     half_conv.defvjp(fwd, bwd)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pathlib
-from typing import Iterable
+from collections.abc import Iterable
 
 from jaxnn.config import ConfigError, TrainConfig
 

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -100,7 +101,7 @@ class RunLock:
         except (OSError, ValueError):
             return {}
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -141,7 +142,7 @@ class RunLock:
             os.close(self._fd)
             self._fd = None
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self.acquire()
 
     def __exit__(self, *exc) -> bool:
@@ -212,10 +213,8 @@ def append_line(path, line: str) -> None:
         try:
             _write_all(fd, (line.rstrip("\n") + "\n").encode())
         except OSError as err:
-            try:
+            with contextlib.suppress(OSError):  # the write's error is the one to report
                 os.ftruncate(fd, size)
-            except OSError:
-                pass
             raise storage_error("appending to", path, err) from err
     finally:
         os.close(fd)

@@ -7,7 +7,8 @@ same dropout masks as an uninterrupted one.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -139,7 +140,10 @@ def train_step_fn(model: Layer, loss_fn: LossFn, tx: optax.GradientTransformatio
         if policy.loss_scaling:
             # An overflowing fp16 step changes nothing but the scale (halved); the step counter still advances.
             finite = all_finite(grads)
-            keep_new = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+            def keep_new(new, old):
+                return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
             params = keep_new(params, state.params)
             opt_state = keep_new(opt_state, state.opt_state)
             model_state = keep_new(model_state, state.model_state)

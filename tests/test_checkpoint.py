@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxnn.checkpoint import CheckpointError, Checkpointer, StopSignal, config_differences, state_digest
+from jaxnn.checkpoint import Checkpointer, CheckpointError, StopSignal, config_differences, state_digest
 from jaxnn.models import MLP, MLPConfig
 from jaxnn.train import create_train_state, make_optimizer
 

@@ -6,8 +6,19 @@ import pathlib
 import numpy as np
 import pytest
 
-from jaxnn.data import (DataError, detect_format, load_cifar10, load_dataset, load_digits, load_mnist, load_text,
-                        read_cifar_batch, read_idx, read_idx_split, synthetic)
+from jaxnn.data import (
+    DataError,
+    detect_format,
+    load_cifar10,
+    load_dataset,
+    load_digits,
+    load_mnist,
+    load_text,
+    read_cifar_batch,
+    read_idx,
+    read_idx_split,
+    synthetic,
+)
 
 MNIST_T10K = pathlib.Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "mnist-t10k"
 

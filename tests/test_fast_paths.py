@@ -26,7 +26,7 @@ CONV_CASES = [
 
 def _pair(case, key, features=6):
     kernel, strides, padding, dilation, shape = case
-    kwargs = dict(strides=strides, padding=padding, dilation=dilation)
+    kwargs = {"strides": strides, "padding": padding, "dilation": dilation}
     ref, fast = Conv(features, kernel, lowering="xla", **kwargs), Conv(features, kernel, lowering="im2col", **kwargs)
     k_init, k_x, k_b = jax.random.split(key, 3)
     out_shape, params = ref.init(k_init, shape)
@@ -101,7 +101,9 @@ def test_max_pool_reshape_matches_reduce_window(window, shape, padding, dtype, k
     assert y_fast.dtype == dtype and y_fast.shape == y_ref.shape
     np.testing.assert_array_equal(np.asarray(y_fast, np.float32), np.asarray(y_ref, np.float32))
     cotangent = jax.random.normal(jax.random.key(seed), y_ref.shape, dtype=jnp.float32).astype(dtype)
-    grad = lambda layer: jax.grad(lambda x: jnp.vdot(layer.apply({}, x).astype(jnp.float32), cotangent))
+    def grad(layer):
+        return jax.grad(lambda x: jnp.vdot(layer.apply({}, x).astype(jnp.float32), cotangent))
+
     np.testing.assert_array_equal(np.asarray(jax.jit(grad(fast))(x), np.float32),
                                   np.asarray(grad(ref)(x), np.float32))
 
@@ -142,9 +144,15 @@ def test_half_attention_products_match_float32_and_run(spec, shape_a, shape_b, k
 
     a = jax.random.normal(key, shape_a).astype(jnp.bfloat16)
     b = jax.random.normal(jax.random.fold_in(key, 1), shape_b).astype(jnp.bfloat16)
-    half_product = lambda a, b: precision.einsum(spec, a, b)
-    loss = lambda f: lambda a, b: jnp.sum(jnp.sin(f(a, b)))
-    exact = lambda a, b: jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32))
+    def half_product(a, b):
+        return precision.einsum(spec, a, b)
+
+    def loss(f):
+        return lambda a, b: jnp.sum(jnp.sin(f(a, b)))
+
+    def exact(a, b):
+        return jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32))
+
     np.testing.assert_allclose(jax.jit(half_product)(a, b), exact(a, b), rtol=1e-5, atol=1e-5)
     g_half = jax.jit(jax.grad(loss(half_product), argnums=(0, 1)))(a, b)
     g_exact = jax.grad(loss(exact), argnums=(0, 1))(a.astype(jnp.float32), b.astype(jnp.float32))

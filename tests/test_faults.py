@@ -10,18 +10,19 @@ import signal
 import subprocess
 import sys
 
+import custom_model
 import numpy as np
 import pytest
 
-import custom_model
-from jaxnn import cli, fit, layers as L, rundir
+from jaxnn import cli, fit, rundir
+from jaxnn import layers as L
 from jaxnn.callbacks import Callback
 from jaxnn.checkpoint import Checkpointer
 from jaxnn.rundir import RunDirError, RunLock, StorageError
 
 pytestmark = pytest.mark.xdist_group("faults")  # one worker: the undisturbed reference run is computed once
 
-SETTINGS = dict(steps=40, batch_size=32, log_every=5, ckpt_every=10, keep=5, progress=False, plots=False)
+SETTINGS = {"steps": 40, "batch_size": 32, "log_every": 5, "ckpt_every": 10, "keep": 5, "progress": False, "plots": False}
 
 
 def model():
@@ -81,9 +82,8 @@ def test_second_run_is_refused_naming_the_holder_and_a_stale_lock_is_taken_over(
 
 
 def test_lock_on_the_same_directory_twice_in_one_process(tmp_path):
-    with RunLock(tmp_path):
-        with pytest.raises(RunDirError, match="is in use by process"):
-            RunLock(tmp_path).acquire()
+    with RunLock(tmp_path), pytest.raises(RunDirError, match="is in use by process"):
+        RunLock(tmp_path).acquire()
     with RunLock(tmp_path):  # released on exit: free again
         pass
 

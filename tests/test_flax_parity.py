@@ -8,7 +8,7 @@ import pytest
 
 from jaxnn import layers as L
 
-TOL = dict(rtol=2e-5, atol=2e-5)
+TOL = {"rtol": 2e-5, "atol": 2e-5}
 
 
 def random_like(tree, key):
@@ -26,11 +26,11 @@ def test_dense(key):
 
 
 @pytest.mark.parametrize("kwargs, shape", [
-    (dict(features=4, kernel_size=(3, 3), strides=(2, 2), padding="SAME"), (2, 9, 9, 3)),
-    (dict(features=4, kernel_size=(3, 3), kernel_dilation=(2, 2), padding="VALID", feature_group_count=2),
+    ({"features": 4, "kernel_size": (3, 3), "strides": (2, 2), "padding": "SAME"}, (2, 9, 9, 3)),
+    ({"features": 4, "kernel_size": (3, 3), "kernel_dilation": (2, 2), "padding": "VALID", "feature_group_count": 2},
      (2, 9, 9, 4)),
-    (dict(features=5, kernel_size=(3,), padding="CAUSAL"), (2, 11, 3)),
-    (dict(features=3, kernel_size=(2, 3), padding=((1, 0), (2, 1))), (2, 6, 7, 2)),
+    ({"features": 5, "kernel_size": (3,), "padding": "CAUSAL"}, (2, 11, 3)),
+    ({"features": 3, "kernel_size": (2, 3), "padding": ((1, 0), (2, 1))}, (2, 6, 7, 2)),
 ])
 def test_conv(kwargs, shape, key):
     ours = L.Conv(kwargs["features"], kwargs["kernel_size"], strides=kwargs.get("strides", 1),

@@ -11,20 +11,21 @@ import subprocess
 import sys
 import time
 
+import custom_model
 import jax
 import numpy as np
 import optax
 import pytest
 
-import custom_model
-from jaxnn import fit, layers as L
+from jaxnn import fit
+from jaxnn import layers as L
 from jaxnn.callbacks import Callback, EarlyStopping, LearningRateLogger, NonFiniteError
 from jaxnn.config import ConfigError
 from jaxnn.data import DataError, load_digits
 from jaxnn.train import make_schedule
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-TINY = dict(steps=12, batch_size=16, log_every=4, progress=False, plots=False)
+TINY = {"steps": 12, "batch_size": 16, "log_every": 4, "progress": False, "plots": False}
 
 
 def mlp():

@@ -10,7 +10,7 @@ from jaxnn.layers import BatchNorm, Dense, Layer, Relu, serial
 from jaxnn.train import classification_loss, create_train_state, make_optimizer, make_train_step
 
 BATCH, FEATURES, CLASSES, STEPS = 32, 6, 4, 4
-TOL = dict(rtol=2e-5, atol=2e-5)
+TOL = {"rtol": 2e-5, "atol": 2e-5}
 
 
 def _batches(seed=1):

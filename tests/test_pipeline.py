@@ -7,8 +7,15 @@ import jax
 import numpy as np
 import pytest
 
-from jaxnn.data import (DevicePrefetch, PipelineConfig, TrainBatches, eval_batches, host_iterator, iterator_state,
-                        steps_per_epoch)
+from jaxnn.data import (
+    DevicePrefetch,
+    PipelineConfig,
+    TrainBatches,
+    eval_batches,
+    host_iterator,
+    iterator_state,
+    steps_per_epoch,
+)
 from jaxnn.data.datasets import TextCorpus, make_image_dataset
 from jaxnn.data.preprocess import normalise, random_crop, random_flip, text_windows
 from jaxnn.parallel import batch_sharding, make_mesh

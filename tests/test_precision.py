@@ -11,7 +11,7 @@ import pytest
 
 from jaxnn import layers as L
 from jaxnn import precision, train
-from jaxnn.models import CNN, CNNConfig, GPT, GPTConfig
+from jaxnn.models import CNN, GPT, CNNConfig, GPTConfig
 
 PRODUCT = re.compile(r"stablehlo\.(dot_general|convolution).*: \(tensor<[^>]*x(\w+)>, tensor<[^>]*x(\w+)>\) "
                      r"-> tensor<[^>]*x(\w+)>")
@@ -68,7 +68,9 @@ def test_fp32_matmul_precision_is_explicit(key):
 def test_half_einsum_gradients_match_float32(key):
     a = jax.random.normal(key, (5, 7))
     b = jax.random.normal(jax.random.key(1), (7, 3))
-    loss = lambda a, b: jnp.sum(jnp.sin(precision.einsum("mk,kn->mn", a, b)))
+    def loss(a, b):
+        return jnp.sum(jnp.sin(precision.einsum("mk,kn->mn", a, b)))
+
     g32 = jax.grad(loss, argnums=(0, 1))(a, b)
     g16 = jax.grad(loss, argnums=(0, 1))(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16))
     for exact, half in zip(g32, g16):

@@ -51,7 +51,7 @@ def test_scan_of_k_steps_equals_k_single_steps(key):
     state = train.create_train_state(model, tx, key, (8, 8, 8, 1))
     losses = []
     for i in range(4):
-        state, metrics = single(state, jax.tree.map(lambda b: b[i], batches))
+        state, metrics = single(state, jax.tree.map(lambda b, i=i: b[i], batches))
         losses.append(metrics["loss"])
     multi = train.make_multi_step(model, train.classification_loss, tx)
     scanned, metrics = multi(train.create_train_state(model, tx, key, (8, 8, 8, 1)), batches)

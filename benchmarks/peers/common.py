@@ -7,7 +7,7 @@ import json
 import sys
 import time
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 from benchmarks.train_steps import PRECISIONS, SPECS
 from jaxnn.timing import time_fn

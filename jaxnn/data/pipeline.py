@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -58,7 +58,7 @@ class PipelineConfig:
         if self.workers < 0 or self.threads < 0 or self.buffer < 1:
             raise ValueError("PipelineConfig: workers and threads must be >= 0 and buffer >= 1")
 
-    def small(self) -> "PipelineConfig":
+    def small(self) -> PipelineConfig:
         return dataclasses.replace(self, batch_size=16, seq_len=32)
 
 
@@ -78,6 +78,9 @@ class TrainBatches:
     def __init__(self, data: ImageDataset | TextCorpus, cfg: PipelineConfig, start: int = 0, stop: int = 1 << 40):
         self.data, self.cfg, self.start, self.stop = data, cfg, start, stop
         self.is_text = isinstance(data, TextCorpus)
+        # Per instance (a cache on the method would keep every instance alive): an epoch's permutation is
+        # computed once, not once per batch.
+        self._permutation = functools.lru_cache(maxsize=2)(self._permutation_uncached)
         if self.is_text:
             self.steps_per_epoch = max(len(data.train) // (cfg.batch_size * cfg.seq_len), 1)
         else:
@@ -92,8 +95,10 @@ class TrainBatches:
     def __repr__(self) -> str:  # Grain logs its source; keep the arrays out of it
         return f"TrainBatches({self.data.name}, start={self.start}, stop={self.stop}, {self.cfg})"
 
-    @functools.lru_cache(maxsize=2)
     def permutation(self, epoch: int) -> np.ndarray:
+        return self._permutation(epoch)
+
+    def _permutation_uncached(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.cfg.seed, 0, epoch]).permutation(len(self.data.x_train))
 
     def batch(self, step: int) -> dict:

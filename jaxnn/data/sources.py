@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -48,6 +49,7 @@ class ArrayBatches:
         if batch_size > self.num_examples:
             raise DataError(f"batch size {batch_size} is larger than the {self.num_examples} training examples")
         self.steps_per_epoch = self.num_examples // batch_size
+        self._permutation = functools.lru_cache(maxsize=2)(self._permutation_uncached)  # per instance, not leaked
 
     def __len__(self) -> int:
         return self.stop - self.start
@@ -58,8 +60,10 @@ class ArrayBatches:
     def __repr__(self) -> str:
         return f"ArrayBatches({self.num_examples} examples, batch {self.batch_size}, start={self.start})"
 
-    @functools.lru_cache(maxsize=2)
     def permutation(self, epoch: int) -> np.ndarray:
+        return self._permutation(epoch)
+
+    def _permutation_uncached(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, 0, epoch]).permutation(self.num_examples)
 
     def batch(self, step: int) -> dict:

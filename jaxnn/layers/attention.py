@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 from jax.nn import initializers
 
+from jaxnn import precision
 from jaxnn.layers.activation import Dropout, Gelu
 from jaxnn.layers.core import Layer, check_positive, residual, serial, shape_error
 from jaxnn.layers.linear import Dense
 from jaxnn.layers.norm import LayerNorm
-from jaxnn import precision
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "f32acc")
 

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.nn import initializers
 
-from jaxnn.layers.core import Layer, along_last_axis, check_positive, shape_error
 from jaxnn import precision
+from jaxnn.layers.core import Layer, along_last_axis, check_positive, shape_error
 
 _DIMENSION_NUMBERS = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC")}
 PADDING_MODES = ("SAME", "VALID", "CAUSAL")

@@ -22,7 +22,8 @@ How state and randomness travel (the one uniform rule of this module):
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 

@@ -7,8 +7,8 @@ import math
 import jax.numpy as jnp
 from jax.nn import initializers
 
-from jaxnn.layers.core import Layer, along_last_axis, check_positive, shape_error
 from jaxnn import precision
+from jaxnn.layers.core import Layer, along_last_axis, check_positive, shape_error
 
 
 def Dense(features: int, *, use_bias: bool = True, w_init=initializers.lecun_normal(),

@@ -12,7 +12,7 @@ class CNNConfig:
     widths: tuple[int, ...] = (32, 64, 128)
     num_classes: int = 10
 
-    def small(self) -> "CNNConfig":
+    def small(self) -> CNNConfig:
         return dataclasses.replace(self, widths=(8, 16))
 
 
@@ -33,7 +33,7 @@ class ResNetConfig:
     # Inside shard_map/pmap, the device axis BatchNorm averages its statistics over (None: per device).
     bn_axis_name: str | None = None
 
-    def small(self) -> "ResNetConfig":
+    def small(self) -> ResNetConfig:
         return dataclasses.replace(self, widths=(8, 16), blocks_per_stage=1)
 
 

@@ -17,7 +17,7 @@ class GPTConfig:
     drop_prob: float = 0.0
     attention_implementation: str = "auto"
 
-    def small(self) -> "GPTConfig":
+    def small(self) -> GPTConfig:
         return dataclasses.replace(self, seq_len=32, d_model=64, num_layers=2, num_heads=2)
 
     def num_params(self) -> int:

@@ -12,7 +12,7 @@ class MLPConfig:
     hidden: tuple[int, ...] = (512, 512)
     num_classes: int = 10
 
-    def small(self) -> "MLPConfig":
+    def small(self) -> MLPConfig:
         return dataclasses.replace(self, hidden=(64,))
 
 
