@@ -9,6 +9,7 @@ forward, weight gradient (dw, as a first layer needs) and both gradients (dw+dx)
 and the scan cliff: two weight-gradient steps unrolled against the same inside `lax.scan`, for xla and im2col.
 Figures and what they decided: docs/performance.md ("Convolution lowerings", "Tried and dropped").
 """
+
 import functools
 
 import jax

@@ -3,6 +3,7 @@
 Run: `.venv/bin/python benchmarks/ab_max_pool.py [fp32|bf16]`; interleaved windows, medians, one process.
 Figures and what they decided: docs/performance.md, "Max pooling's gradient".
 """
+
 import sys
 
 import jax
@@ -35,8 +36,11 @@ def cnn_steps(precision):
     states, fns = {}, {}
     for lowering in LOWERINGS:
         # models/cnn.py's CNN with the pool lowering forced
-        stages = [layer for width in (32, 64, 128) for layer in
-                  (L.Conv(width, 3, padding="SAME"), L.Relu, L.MaxPool(2, padding="SAME", lowering=lowering))]
+        stages = [
+            layer
+            for width in (32, 64, 128)
+            for layer in (L.Conv(width, 3, padding="SAME"), L.Relu, L.MaxPool(2, padding="SAME", lowering=lowering))
+        ]
         model = L.serial(*stages, L.Flatten(), L.Dense(10))
         states[lowering] = train.create_train_state(model, tx, jax.random.key(0), x.shape, precision)
         step = train.make_train_step(model, train.classification_loss, tx, precision)

@@ -12,6 +12,7 @@ donation (the "plain jax.jit" baseline). Variants, all on the `make bench` model
 
 Figures and what they decided: docs/performance.md ("Tiny-step dispatch", "What the metrics cost").
 """
+
 import argparse
 
 import jax
@@ -31,13 +32,20 @@ def variants(name: str) -> dict:
     tx = optax.adam(LEARNING_RATE)
     batch = device_batch(name)
     state = train.create_train_state(model, tx, jax.random.key(0), batch["x"].shape)
-    states = {"jaxnn": state, "jaxnn, typed key": state._replace(key=jax.random.wrap_key_data(state.key)),
-              "jaxnn, loss only": state}
+    states = {
+        "jaxnn": state,
+        "jaxnn, typed key": state._replace(key=jax.random.wrap_key_data(state.key)),
+        "jaxnn, loss only": state,
+    }
     states = {label: jax.tree.map(jnp.copy, s) for label, s in states.items()}  # each variant donates its own
     default_step = train.make_train_step(model, loss_fn, tx)
-    steps = {"jaxnn": default_step, "jaxnn, typed key": default_step,
-             "jaxnn, loss only": train.make_train_step(model, lambda logits, b: (loss_fn(logits, b)[0], {}), tx,
-                                                       grad_norm=False)}
+    steps = {
+        "jaxnn": default_step,
+        "jaxnn, typed key": default_step,
+        "jaxnn, loss only": train.make_train_step(
+            model, lambda logits, b: (loss_fn(logits, b)[0], {}), tx, grad_norm=False
+        ),
+    }
     fns = {label: stepper(steps[label], states[label], batch) for label in steps}
 
     def plain_loss(params, b):
@@ -69,8 +77,10 @@ def main() -> None:
     for r in range(args.rounds):
         timings = time_interleaved(fns, warmup=20, repeats=21)
         ref = timings["flax linen"].median
-        print(f"{args.model}, round {r + 1}: " + "; ".join(
-            f"{label} {t.median * 1e3:.4g} ms ({t.median / ref:.2f})" for label, t in timings.items()))
+        print(
+            f"{args.model}, round {r + 1}: "
+            + "; ".join(f"{label} {t.median * 1e3:.4g} ms ({t.median / ref:.2f})" for label, t in timings.items())
+        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Step time and throughput of the three data-parallel forms against device count (`make bench-parallel`).
 
-    python -m benchmarks.data_parallel [--devices 1 2 4 8] [--global-batch 256] [--scaling strong|weak]
+python -m benchmarks.data_parallel [--devices 1 2 4 8] [--global-batch 256] [--scaling strong|weak]
 """
 
 # All device counts are measured in one process (meshes over the first n devices), so their ratios are comparable
@@ -29,12 +29,15 @@ def bench(forms, device_counts, *, global_batch: int, scaling: str, model_name: 
     rows, base = [], {}
     for n in device_counts:
         batch_size = global_batch if scaling == "strong" else global_batch * n
-        batch = {"x": rng.normal(size=(batch_size, 8, 8, 1)).astype(np.float32),
-                 "y": rng.integers(0, 10, size=(batch_size,)).astype(np.int32)}
+        batch = {
+            "x": rng.normal(size=(batch_size, 8, 8, 1)).astype(np.float32),
+            "y": rng.integers(0, 10, size=(batch_size,)).astype(np.int32),
+        }
         steps = {}
         for form in forms:
-            dp = parallel.data_parallel_train_step(model, classification_loss, tx, mesh=parallel.make_mesh(n),
-                                                   form=form)
+            dp = parallel.data_parallel_train_step(
+                model, classification_loss, tx, mesh=parallel.make_mesh(n), form=form
+            )
             state = create_train_state(model, tx, jax.random.key(0), batch["x"].shape)
             steps[form] = stepper(dp.step, dp.place_state(state), dp.place_batch(batch))
         # Rounds that alternate between the forms: load from other users of the machine then lands on every form
@@ -48,9 +51,17 @@ def bench(forms, device_counts, *, global_batch: int, scaling: str, model_name: 
             t = np.asarray(per_call[form])
             throughput = batch_size / float(np.median(t))
             base.setdefault(form, throughput)
-            rows.append({"form": form, "devices": n, "global_batch": batch_size, "step_ms": float(np.median(t)) * 1e3,
-                         "step_ms_iqr": [float(q) * 1e3 for q in np.percentile(t, [25, 75])],
-                         "examples_per_s": throughput, "efficiency": throughput / (base[form] * n / device_counts[0])})
+            rows.append(
+                {
+                    "form": form,
+                    "devices": n,
+                    "global_batch": batch_size,
+                    "step_ms": float(np.median(t)) * 1e3,
+                    "step_ms_iqr": [float(q) * 1e3 for q in np.percentile(t, [25, 75])],
+                    "examples_per_s": throughput,
+                    "efficiency": throughput / (base[form] * n / device_counts[0]),
+                }
+            )
     return rows
 
 
@@ -60,8 +71,12 @@ def main(argv=None) -> int:
     p.add_argument("--forms", nargs="+", default=["jit", "shard_map", "pmap"])
     p.add_argument("--model", default="mlp", choices=("mlp", "cnn"))
     p.add_argument("--global-batch", type=int, default=256, help="per step; per device with --scaling weak")
-    p.add_argument("--scaling", default="strong", choices=("strong", "weak"),
-                   help="strong: the same global batch for every device count; weak: the same batch per device")
+    p.add_argument(
+        "--scaling",
+        default="strong",
+        choices=("strong", "weak"),
+        help="strong: the same global batch for every device count; weak: the same batch per device",
+    )
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--json", help="also write the rows here as JSON lines")
     args = p.parse_args(argv)
@@ -74,21 +89,34 @@ def main(argv=None) -> int:
     counts = [n for n in args.devices if n <= jax.device_count()]
     skipped = sorted(set(args.devices) - set(counts))
     platform = jax.default_backend()
-    print(f"platform {platform}: {jax.device_count()} devices ({jax.devices()[0].device_kind}); model {args.model}, "
-          f"{args.scaling} scaling, batch {args.global_batch}{' per device' if args.scaling == 'weak' else ''}")
+    print(
+        f"platform {platform}: {jax.device_count()} devices ({jax.devices()[0].device_kind}); model {args.model}, "
+        f"{args.scaling} scaling, batch {args.global_batch}{' per device' if args.scaling == 'weak' else ''}"
+    )
     if platform == "cpu":
-        print("NOTE: simulated CPU devices share this host's cores, so these figures measure the overhead of each "
-              "form, not scaling; run on a multi-GPU machine for scaling efficiency.")
+        print(
+            "NOTE: simulated CPU devices share this host's cores, so these figures measure the overhead of each "
+            "form, not scaling; run on a multi-GPU machine for scaling efficiency."
+        )
     if skipped:
         print(f"skipped device counts {skipped}: only {jax.device_count()} devices")
-    rows = bench(args.forms, counts, global_batch=args.global_batch, scaling=args.scaling, model_name=args.model,
-                 repeats=args.repeats)
-    print(f"{'form':<10} {'devices':>7} {'batch':>6} {'step ms':>9} {'IQR ms':>15} {'examples/s':>11} "
-          f"{'efficiency':>10}")
+    rows = bench(
+        args.forms,
+        counts,
+        global_batch=args.global_batch,
+        scaling=args.scaling,
+        model_name=args.model,
+        repeats=args.repeats,
+    )
+    print(
+        f"{'form':<10} {'devices':>7} {'batch':>6} {'step ms':>9} {'IQR ms':>15} {'examples/s':>11} {'efficiency':>10}"
+    )
     for r in rows:
         iqr = f"{r['step_ms_iqr'][0]:.2f}-{r['step_ms_iqr'][1]:.2f}"
-        print(f"{r['form']:<10} {r['devices']:>7} {r['global_batch']:>6} {r['step_ms']:>9.2f} {iqr:>15} "
-              f"{r['examples_per_s']:>11.0f} {r['efficiency']:>10.0%}")
+        print(
+            f"{r['form']:<10} {r['devices']:>7} {r['global_batch']:>6} {r['step_ms']:>9.2f} {iqr:>15} "
+            f"{r['examples_per_s']:>11.0f} {r['efficiency']:>10.0%}"
+        )
     print(f"efficiency = throughput(n) / (n/{counts[0]} x throughput({counts[0]})), per form")
     if args.json:
         with open(args.json, "w") as f:

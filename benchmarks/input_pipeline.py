@@ -31,8 +31,9 @@ import time
 HOST_CORES: set[int] = set()  # the cores left to the host pipeline once XLA has core 0 (empty: not pinned)
 
 if __name__ == "__main__":  # before jax starts: one XLA thread, one device, XLA's thread pool on core 0 only
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
-                               " --xla_force_host_platform_device_count=1").strip()
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false --xla_force_host_platform_device_count=1"
+    ).strip()
     if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2:
         _cores = sorted(os.sched_getaffinity(0))
         HOST_CORES = set(_cores[1:])
@@ -110,8 +111,7 @@ def run_loop(step_fn, state, source, cfg, *, prefetch: bool, n: int):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.input_pipeline",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.input_pipeline", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="timed steps per measurement")
     parser.add_argument("--repeats", type=int, default=2, help="measurements per setting (median reported)")
     parser.add_argument("--batch-size", type=int, default=64, help="batch size")
@@ -138,16 +138,20 @@ def main(argv=None) -> int:
     step_s = time_fn(one_step, warmup=3, repeats=7, number=5).median
     state = one_step.state
     unit = host_time(TrainBatches(data, base), range(1000, 1020))
-    print(f"step alone: {1e3 * step_s:.1f} ms; host crop+flip x1: {1e3 * unit:.2f} ms per batch of "
-          f"{args.batch_size} 32x32x3 images; {pinning}")
+    print(
+        f"step alone: {1e3 * step_s:.1f} ms; host crop+flip x1: {1e3 * unit:.2f} ms per batch of "
+        f"{args.batch_size} 32x32x3 images; {pinning}"
+    )
     # Costs chosen so host time per batch spans about 0.1x to 2.5x the step.
     ks = sorted({max(1, round(f * step_s / unit)) for f in (0.1, 0.5, 0.9, 2.0)})
     rows = []
     start = 0
     for kind in ("numpy", "sleep"):
         print(f"host cost = {'crop+flip k times (CPU work)' if kind == 'numpy' else 'k x crop+flip time of sleep'}")
-        print(f"{'k':>4} {'host ms':>8} {'step ms':>8} | {'off: wall ms':>12} {'idle':>6} {'wait':>6} | "
-              f"{'on: wall ms':>11} {'idle':>6} {'wait':>6} | host < step: on-idle < 5%?")
+        print(
+            f"{'k':>4} {'host ms':>8} {'step ms':>8} | {'off: wall ms':>12} {'idle':>6} {'wait':>6} | "
+            f"{'on: wall ms':>11} {'idle':>6} {'wait':>6} | host < step: on-idle < 5%?"
+        )
         for k in ks:
             h = host_time(make_source(data, base, 2000, 2010, kind, k, unit), range(10))
             res, steps_alone = {}, []
@@ -169,16 +173,22 @@ def main(argv=None) -> int:
                 row[name] = {"wall_s": wall, "idle_frac": max(wall - step_s, 0.0) / wall, "wait_frac": wait / wall}
             verdict = ("yes" if row["on"]["idle_frac"] < 0.05 else "NO") if h < step_s else "(host slower)"
             rows.append(row)
-            print(f"{k:>4} {1e3 * h:>8.1f} {1e3 * step_s:>8.1f} | {1e3 * row['off']['wall_s']:>12.1f} "
-                  f"{100 * row['off']['idle_frac']:>5.1f}% {100 * row['off']['wait_frac']:>5.1f}% | "
-                  f"{1e3 * row['on']['wall_s']:>11.1f} {100 * row['on']['idle_frac']:>5.1f}% "
-                  f"{100 * row['on']['wait_frac']:>5.1f}% | {verdict}")
+            print(
+                f"{k:>4} {1e3 * h:>8.1f} {1e3 * step_s:>8.1f} | {1e3 * row['off']['wall_s']:>12.1f} "
+                f"{100 * row['off']['idle_frac']:>5.1f}% {100 * row['off']['wait_frac']:>5.1f}% | "
+                f"{1e3 * row['on']['wall_s']:>11.1f} {100 * row['on']['idle_frac']:>5.1f}% "
+                f"{100 * row['on']['wait_frac']:>5.1f}% | {verdict}"
+            )
 
     # Host backends at the cost nearest 0.8x the step, all with device prefetch 2.
     k = ks[min(1, len(ks) - 1)]
-    backends = {"grain threads=1": {"threads": 1}, "grain threads=2": {"threads": 2},
-                "grain 1 process": {"workers": 1}, "grain 2 processes": {"workers": 2},
-                "inline (main thread)": {"backend": "inline"}}
+    backends = {
+        "grain threads=1": {"threads": 1},
+        "grain threads=2": {"threads": 2},
+        "grain 1 process": {"workers": 1},
+        "grain 2 processes": {"workers": 2},
+        "inline (main thread)": {"backend": "inline"},
+    }
     print(f"host backends at numpy cost k={k} (wall ms per step, prefetch 2; median of {args.repeats}):")
     compare = {}
     for name, kw in backends.items():
@@ -193,8 +203,11 @@ def main(argv=None) -> int:
         print(f"  {name:<22} {1e3 * compare[name]:7.1f} ms  (spread {1e3 * min(walls):.1f}-{1e3 * max(walls):.1f})")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"rows": rows, "backends": compare, "backend_k": k, "batch_size": args.batch_size,
-                   "pinning": pinning}, f, indent=1)
+        json.dump(
+            {"rows": rows, "backends": compare, "backend_k": k, "batch_size": args.batch_size, "pinning": pinning},
+            f,
+            indent=1,
+        )
     print(f"wrote {args.out}")
     return 0
 

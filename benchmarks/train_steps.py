@@ -29,8 +29,16 @@ SPECS: dict[str, dict] = {
     "tiny": {"kind": "mlp", "batch": 32, "in_features": 16, "hidden": (32,), "classes": 10, "scan_k": 32},
     "mlp": {"kind": "mlp", "batch": 256, "in_features": 784, "hidden": (512, 512), "classes": 10, "scan_k": 8},
     "cnn": {"kind": "cnn", "batch": 64, "image": (32, 32, 3), "widths": (32, 64, 128), "classes": 10, "scan_k": 4},
-    "gpt": {"kind": "gpt", "batch": 16, "seq_len": 128, "d_model": 256, "num_layers": 4, "num_heads": 4,
-            "vocab": 256, "scan_k": 2},
+    "gpt": {
+        "kind": "gpt",
+        "batch": 16,
+        "seq_len": 128,
+        "d_model": 256,
+        "num_layers": 4,
+        "num_heads": 4,
+        "vocab": 256,
+        "scan_k": 2,
+    },
 }
 PRECISIONS = ("fp32", "bf16")
 LEARNING_RATE = 1e-3
@@ -44,8 +52,10 @@ def synthetic_batch(name: str, seed: int = 0) -> dict:
         tokens = rng.integers(0, spec["vocab"], (spec["batch"], spec["seq_len"] + 1), dtype=np.int32)
         return {"x": tokens[:, :-1], "y": tokens[:, 1:]}
     shape = (spec["batch"], spec["in_features"]) if spec["kind"] == "mlp" else (spec["batch"], *spec["image"])
-    return {"x": rng.standard_normal(shape, dtype=np.float32),
-            "y": rng.integers(0, spec["classes"], (spec["batch"],), dtype=np.int32)}
+    return {
+        "x": rng.standard_normal(shape, dtype=np.float32),
+        "y": rng.integers(0, spec["classes"], (spec["batch"],), dtype=np.int32),
+    }
 
 
 def jaxnn_model(name: str):
@@ -54,11 +64,20 @@ def jaxnn_model(name: str):
 
     spec = SPECS[name]
     if spec["kind"] == "mlp":
-        return models.MLP(models.MLPConfig(hidden=spec["hidden"], num_classes=spec["classes"])), train.classification_loss
+        return models.MLP(
+            models.MLPConfig(hidden=spec["hidden"], num_classes=spec["classes"])
+        ), train.classification_loss
     if spec["kind"] == "cnn":
-        return models.CNN(models.CNNConfig(widths=spec["widths"], num_classes=spec["classes"])), train.classification_loss
-    cfg = models.GPTConfig(vocab_size=spec["vocab"], seq_len=spec["seq_len"], d_model=spec["d_model"],
-                           num_layers=spec["num_layers"], num_heads=spec["num_heads"])
+        return models.CNN(
+            models.CNNConfig(widths=spec["widths"], num_classes=spec["classes"])
+        ), train.classification_loss
+    cfg = models.GPTConfig(
+        vocab_size=spec["vocab"],
+        seq_len=spec["seq_len"],
+        d_model=spec["d_model"],
+        num_layers=spec["num_layers"],
+        num_heads=spec["num_heads"],
+    )
     return models.GPT(cfg), train.language_model_loss
 
 
@@ -80,8 +99,14 @@ def bench_jaxnn(name: str, precision: str, *, scan: bool = True, repeats: int = 
     compiled = step.lower(state, batch).compile()
     flops = flops_of(compiled)
     timing = time_fn(stepper(compiled, state, batch), repeats=repeats)
-    row = {"library": "jaxnn", "model": name, "precision": precision, "step_ms": timing.median * 1e3,
-           "timing": timing.as_dict(), "flops_per_step": flops}
+    row = {
+        "library": "jaxnn",
+        "model": name,
+        "precision": precision,
+        "step_ms": timing.median * 1e3,
+        "timing": timing.as_dict(),
+        "flops_per_step": flops,
+    }
     if scan:
         k = SPECS[name]["scan_k"]
         batches = jax.tree.map(lambda a: jnp.broadcast_to(a, (k, *a.shape)), batch)
@@ -98,8 +123,14 @@ def _peaks(quick: bool) -> dict:
     return {p: measure_matmul_peak(size, jnp.float32 if p == "fp32" else jnp.bfloat16) for p in PRECISIONS}
 
 
-def run_benchmarks(models=tuple(SPECS), precisions=PRECISIONS, *, quick: bool = False, scan: bool = True,
-                   progress: Callable[[str], None] | None = None) -> dict:
+def run_benchmarks(
+    models=tuple(SPECS),
+    precisions=PRECISIONS,
+    *,
+    quick: bool = False,
+    scan: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
     """Runs `make bench`: the matmul peaks first, then every (model, precision) row, each with GFLOP/s and the
     fraction of the peak of its own compute dtype (the f32 GEMM for fp32, bf16 x bf16 -> f32 for bf16)."""
     repeats = 3 if quick else 7
@@ -110,8 +141,14 @@ def run_benchmarks(models=tuple(SPECS), precisions=PRECISIONS, *, quick: bool = 
             try:
                 row = bench_jaxnn(name, precision, scan=scan, repeats=repeats)
             except Exception as err:  # one failing configuration must not hide the other rows' figures
-                row = {"library": "jaxnn", "model": name, "precision": precision, "step_ms": None,
-                       "flops_per_step": None, "error": f"{type(err).__name__}: {err}"[:300]}
+                row = {
+                    "library": "jaxnn",
+                    "model": name,
+                    "precision": precision,
+                    "step_ms": None,
+                    "flops_per_step": None,
+                    "error": f"{type(err).__name__}: {err}"[:300],
+                }
                 rows.append(row)
                 if progress:
                     progress(f"{name} {precision}: FAILED {row['error']}")
@@ -122,10 +159,18 @@ def run_benchmarks(models=tuple(SPECS), precisions=PRECISIONS, *, quick: bool = 
                 row["fraction_of_peak"] = row["gflops"] / peaks[precision]["gflops"]
             rows.append(row)
             if progress:
-                progress(f"{name} {precision}: {row['step_ms']:.4g} ms/step"
-                         + (f", scan {row['scan_step_ms']:.4g} ms/step" if "scan_step_ms" in row else ""))
-    return {"device": str(jax.devices()[0]), "platform": jax.default_backend(), "jax": jax.__version__,
-            "cpu_count": os.cpu_count(), "peaks": peaks, "rows": rows}
+                progress(
+                    f"{name} {precision}: {row['step_ms']:.4g} ms/step"
+                    + (f", scan {row['scan_step_ms']:.4g} ms/step" if "scan_step_ms" in row else "")
+                )
+    return {
+        "device": str(jax.devices()[0]),
+        "platform": jax.default_backend(),
+        "jax": jax.__version__,
+        "cpu_count": os.cpu_count(),
+        "peaks": peaks,
+        "rows": rows,
+    }
 
 
 def _fmt(value, spec: str, suffix: str = "") -> str:
@@ -135,13 +180,19 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
 def format_report(result: dict) -> str:
     """The `make bench` table as text."""
     peaks = result["peaks"]
-    lines = [f"device {result['device']} (jax {result['jax']}); large-GEMM peak: "
-             + ", ".join(f"{p} {v['gflops']:.0f} GFLOP/s ({v['size']}^3)" for p, v in peaks.items()),
-             f"{'model':6} {'prec':5} {'jit ms/step':>12} {'scan ms/step':>13} {'K':>3} {'scan/jit':>8} "
-             f"{'GFLOP/step':>10} {'GFLOP/s':>8} {'of peak':>8}"]
+    lines = [
+        f"device {result['device']} (jax {result['jax']}); large-GEMM peak: "
+        + ", ".join(f"{p} {v['gflops']:.0f} GFLOP/s ({v['size']}^3)" for p, v in peaks.items()),
+        f"{'model':6} {'prec':5} {'jit ms/step':>12} {'scan ms/step':>13} {'K':>3} {'scan/jit':>8} "
+        f"{'GFLOP/step':>10} {'GFLOP/s':>8} {'of peak':>8}",
+    ]
     for r in result["rows"]:
-        scan_ms, flops, gflops, frac = (r.get("scan_step_ms"), r.get("flops_per_step"), r.get("gflops"),
-                                        r.get("fraction_of_peak"))
+        scan_ms, flops, gflops, frac = (
+            r.get("scan_step_ms"),
+            r.get("flops_per_step"),
+            r.get("gflops"),
+            r.get("fraction_of_peak"),
+        )
         if r.get("error"):
             lines.append(f"{r['model']:6} {r['precision']:5} failed: {r['error']}")
             continue
@@ -149,7 +200,8 @@ def format_report(result: dict) -> str:
             f"{r['model']:6} {r['precision']:5} {r['step_ms']:12.4g} {_fmt(scan_ms, '.4g'):>13} "
             f"{r.get('scan_k', '-'):>3} {_fmt(scan_ms and scan_ms / r['step_ms'], '.2f'):>8} "
             f"{_fmt(flops and flops / 1e9, '.3g'):>10} {_fmt(gflops, '.1f'):>8} "
-            f"{_fmt(frac and 100 * frac, '.0f', '%'):>8}")
+            f"{_fmt(frac and 100 * frac, '.0f', '%'):>8}"
+        )
     lines.append("GFLOP/s uses the faster of the two variants; 'of peak' is against the GEMM peak of the row's dtype.")
     return "\n".join(lines)
 
@@ -184,17 +236,31 @@ def gpu_mfu(out_dir, dry_run: bool = False, *, steps: int = 3, repeats: int = 5)
     cfg = DRY_RUN_GPT if dry_run else GPU_GPT
     on_gpu = jax.default_backend() == "gpu"
     peak = measure_matmul_peak(256 if dry_run else 8192, jnp.bfloat16, repeats=repeats)
-    batch = {"x": jnp.asarray(np.random.default_rng(0).integers(0, cfg["vocab"], (cfg["batch"], cfg["seq_len"] + 1),
-                                                                 dtype=np.int32))}
+    batch = {
+        "x": jnp.asarray(
+            np.random.default_rng(0).integers(0, cfg["vocab"], (cfg["batch"], cfg["seq_len"] + 1), dtype=np.int32)
+        )
+    }
     batch = {"x": batch["x"][:, :-1], "y": batch["x"][:, 1:]}
     tx = optax.adamw(3e-4, weight_decay=0.1, mask=train.weight_decay_mask)
-    result = {"config": cfg, "dry_run": dry_run, "device": str(jax.devices()[0]), "jax": jax.__version__,
-              "peak": peak, "notes": []}
+    result = {
+        "config": cfg,
+        "dry_run": dry_run,
+        "device": str(jax.devices()[0]),
+        "jax": jax.__version__,
+        "peak": peak,
+        "notes": [],
+    }
     attempts = ["cudnn", "xla"] if on_gpu else ["auto"]
     for impl in attempts:
-        gpt_cfg = models.GPTConfig(vocab_size=cfg["vocab"], seq_len=cfg["seq_len"], d_model=cfg["d_model"],
-                                   num_layers=cfg["num_layers"], num_heads=cfg["num_heads"],
-                                   attention_implementation=impl)
+        gpt_cfg = models.GPTConfig(
+            vocab_size=cfg["vocab"],
+            seq_len=cfg["seq_len"],
+            d_model=cfg["d_model"],
+            num_layers=cfg["num_layers"],
+            num_heads=cfg["num_heads"],
+            attention_implementation=impl,
+        )
         model = models.GPT(gpt_cfg)
         state = train.create_train_state(model, tx, jax.random.key(0), batch["x"].shape, "bf16")
         step = train.make_train_step(model, train.language_model_loss, tx, "bf16")
@@ -209,10 +275,16 @@ def gpu_mfu(out_dir, dry_run: bool = False, *, steps: int = 3, repeats: int = 5)
         model_flops = gpt_model_flops(cfg)
         compiled_fl = flops_of(compiled)
         result.update(
-            attention=impl, num_params=gpt_cfg.num_params(), step_s=timing.median, timing=timing.as_dict(),
-            tokens_per_s=cfg["batch"] * cfg["seq_len"] / timing.median, model_flops_per_step=model_flops,
-            model_tflops=model_flops / timing.median / 1e12, compiled_flops_per_step=compiled_fl,
-            mfu=model_flops / timing.median / (peak["gflops"] * 1e9))
+            attention=impl,
+            num_params=gpt_cfg.num_params(),
+            step_s=timing.median,
+            timing=timing.as_dict(),
+            tokens_per_s=cfg["batch"] * cfg["seq_len"] / timing.median,
+            model_flops_per_step=model_flops,
+            model_tflops=model_flops / timing.median / 1e12,
+            compiled_flops_per_step=compiled_fl,
+            mfu=model_flops / timing.median / (peak["gflops"] * 1e9),
+        )
         break
     else:
         result["mfu"] = None
@@ -235,20 +307,30 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.gpu:
         if jax.default_backend() != "gpu" and not args.dry_run:
-            print(f"bench --gpu: no GPU here (backend is {jax.default_backend()!r}); use --dry-run to check it on the CPU", file=sys.stderr)
+            print(
+                f"bench --gpu: no GPU here (backend is {jax.default_backend()!r}); use --dry-run to check it on the CPU",
+                file=sys.stderr,
+            )
             return 2
         res = gpu_mfu(args.out_dir, dry_run=args.dry_run)
         mfu = res.get("mfu")
-        print(f"GPT {res.get('num_params', 0) / 1e6:.0f}M params, T={res['config']['seq_len']}, bf16, attention "
-              f"{res.get('attention')}: {res.get('step_s', float('nan')) * 1e3:.1f} ms/step, "
-              f"{res.get('model_tflops', float('nan')):.3g} model TFLOP/s; bf16 GEMM peak "
-              f"{res['peak']['gflops'] / 1e3:.3g} TFLOP/s; MFU {'-' if mfu is None else f'{100 * mfu:.1f}%'}"
-              f"{' (dry run)' if args.dry_run else ''}")
+        print(
+            f"GPT {res.get('num_params', 0) / 1e6:.0f}M params, T={res['config']['seq_len']}, bf16, attention "
+            f"{res.get('attention')}: {res.get('step_s', float('nan')) * 1e3:.1f} ms/step, "
+            f"{res.get('model_tflops', float('nan')):.3g} model TFLOP/s; bf16 GEMM peak "
+            f"{res['peak']['gflops'] / 1e3:.3g} TFLOP/s; MFU {'-' if mfu is None else f'{100 * mfu:.1f}%'}"
+            f"{' (dry run)' if args.dry_run else ''}"
+        )
         for note in res["notes"]:
             print("note:", note)
         return 0 if mfu is not None else 1
-    result = run_benchmarks(args.models, args.precisions, quick=args.quick, scan=not args.no_scan,
-                            progress=lambda line: print(line, file=sys.stderr, flush=True))
+    result = run_benchmarks(
+        args.models,
+        args.precisions,
+        quick=args.quick,
+        scan=not args.no_scan,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
     print(format_report(result))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -26,6 +26,7 @@ SCHEMA_VERSION = 1
 
 # ---------------------------------------------------------------------------------------------------- the machine
 
+
 def cpu_flags() -> set[str]:
     """The CPU feature flags from /proc/cpuinfo (empty where the file does not exist, e.g. macOS)."""
     try:
@@ -89,8 +90,9 @@ def machine_info() -> dict:
         "device_count": jax.device_count(),
         "cpu_model": cpu_model(),
         "cpu_cores": cpu_cores(),
-        "cpu_flags": sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
-                                             "amx_int8", "fma"}),
+        "cpu_flags": sorted(
+            cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "fma"}
+        ),
         "jax_version": jax.__version__,
         "python": platform.python_version(),
         # Shared machines are noisy: the 1-minute load average says how busy this one was when the run ended.
@@ -109,6 +111,7 @@ def first_device(backend: str):
 
 
 # ---------------------------------------------------------------------------------------------------- budgets
+
 
 class Budget:
     """A soft wall-clock budget: an experiment checks it between measurements and skips what would not fit."""
@@ -141,8 +144,10 @@ def preset(table: dict, size: str):
 
 # ---------------------------------------------------------------------------------------------------- measuring
 
-def latency_samples(fn: Callable[[], object], *, calls: int, warmup: int = 3, max_seconds: float | None = None
-                    ) -> np.ndarray:
+
+def latency_samples(
+    fn: Callable[[], object], *, calls: int, warmup: int = 3, max_seconds: float | None = None
+) -> np.ndarray:
     """Seconds of each of `calls` separate calls of `fn` (which must finish its work, e.g. copy back to the host).
 
     `jaxnn.timing.time_fn` reports windows of calls, which hides the tail; real-time inference cares about single
@@ -176,6 +181,7 @@ def custom_calls(hlo_text: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------- results
+
 
 def results_path(out: str | Path, name: str, tag: str | None = None) -> Path:
     return Path(out) / (tag or machine_tag()) / f"{name}.json"
@@ -230,6 +236,7 @@ def load_results(root: str | Path) -> dict[str, dict[str, dict]]:
 
 # ---------------------------------------------------------------------------------------------------- plots
 
+
 def pyplot():
     """matplotlib with the file-only Agg backend (no display on servers or the GPU machine)."""
     import matplotlib
@@ -250,16 +257,22 @@ def save_figure(fig, json_path: Path) -> Path:
 
 # ---------------------------------------------------------------------------------------------------- entry point
 
+
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--size", choices=SIZES, default="quick",
-                        help="tiny: tests; quick: minutes on a laptop CPU; full: longer CPU run; gpu: one H200")
+    parser.add_argument(
+        "--size",
+        choices=SIZES,
+        default="quick",
+        help="tiny: tests; quick: minutes on a laptop CPU; full: longer CPU run; gpu: one H200",
+    )
     parser.add_argument("--out", default="results", help="results folder (a subfolder per machine tag)")
     parser.add_argument("--budget", type=float, default=None, help="soft time budget in seconds")
     return parser
 
 
-def run_and_save(name: str, run: Callable, plot: Callable, size: str, out: str | Path,
-                 budget_s: float | None = None) -> tuple[Path, dict]:
+def run_and_save(
+    name: str, run: Callable, plot: Callable, size: str, out: str | Path, budget_s: float | None = None
+) -> tuple[Path, dict]:
     """Runs one experiment, writes its JSON and PNG, and returns (json path, record)."""
     budget = Budget(budget_s)
     figures = run(size=size, budget=budget)
@@ -284,8 +297,10 @@ def main(name: str, run: Callable, plot: Callable, summarize: Callable, argv=Non
 
 # ---------------------------------------------------------------------------------------------------- compiled HLO
 
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<type>\(.*?\)|[\w]+\[[^\]]*\](?:\{[^}]*\})?)\s+"
-                    r"(?P<op>[\w\-]+)\((?P<args>[^)]*)\)(?P<rest>.*)$")
+_INSTR = re.compile(
+    r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<type>\(.*?\)|[\w]+\[[^\]]*\](?:\{[^}]*\})?)\s+"
+    r"(?P<op>[\w\-]+)\((?P<args>[^)]*)\)(?P<rest>.*)$"
+)
 _KIND = re.compile(r'"kind"\s*:\s*"(__[^"]+)"')
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 
@@ -311,8 +326,14 @@ def library_calls(hlo_text: str) -> list[dict]:
             for arg in re.findall(r"%([\w.\-]+)", match["args"]):
                 found = typed.get(arg) or (re.match(r"\(?(\w+)\[", types.get(arg, "")) or [None, None])[1]
                 dtypes.append(found or "?")
-            calls.append({"target": target.group(1), "op": match["op"], "operand_dtypes": dtypes,
-                          "result": re.sub(r"\{[^}]*\}", "", match["type"])})
+            calls.append(
+                {
+                    "target": target.group(1),
+                    "op": match["op"],
+                    "operand_dtypes": dtypes,
+                    "result": re.sub(r"\{[^}]*\}", "", match["type"]),
+                }
+            )
     return calls
 
 
@@ -331,6 +352,7 @@ def init_train_state(model, tx, in_shape, policy="fp32", device=None, seed: int 
     from jaxnn.train import create_train_state
 
     device = device or jax.devices()[0]
-    create = jax.jit(lambda key: create_train_state(model, tx, key, in_shape, policy),
-                     out_shardings=SingleDeviceSharding(device))
+    create = jax.jit(
+        lambda key: create_train_state(model, tx, key, in_shape, policy), out_shardings=SingleDeviceSharding(device)
+    )
     return create(jax.random.key(seed))

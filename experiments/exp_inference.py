@@ -64,15 +64,25 @@ def run(size: str = "quick", budget: common.Budget | None = None) -> dict:
                 x_host = _input(model_name, cfg, batch, rng)
                 x_dev = jax.device_put(x_host, device)
                 per_call = max(budget.left() / 40, 1.0) if budget.seconds else None
-                lat = common.latency_samples(lambda: np.asarray(predict(params, model_state,
-                                                                        jax.device_put(x_host, device))),
-                                             calls=calls, max_seconds=per_call)
+                lat = common.latency_samples(
+                    lambda: np.asarray(predict(params, model_state, jax.device_put(x_host, device))),
+                    calls=calls,
+                    max_seconds=per_call,
+                )
                 thr = time_fn(lambda: predict(params, model_state, x_dev), repeats=repeats)
-                rows.append({"backend": backend, "model": model_name, "batch": batch, "calls": len(lat),
-                             "p50_ms": float(np.percentile(lat, 50) * 1e3),
-                             "p99_ms": float(np.percentile(lat, 99) * 1e3),
-                             "min_ms": float(lat.min() * 1e3), **thr.as_dict(),
-                             "samples_per_s": batch / thr.median})
+                rows.append(
+                    {
+                        "backend": backend,
+                        "model": model_name,
+                        "batch": batch,
+                        "calls": len(lat),
+                        "p50_ms": float(np.percentile(lat, 50) * 1e3),
+                        "p99_ms": float(np.percentile(lat, 99) * 1e3),
+                        "min_ms": float(lat.min() * 1e3),
+                        **thr.as_dict(),
+                        "samples_per_s": batch / thr.median,
+                    }
+                )
     configs = {name: vars(cfg) for name, cfg in common.preset(MODELS, size).items()}
     return {"rows": rows, "configs": configs, "image": list(IMAGE)}
 
@@ -99,16 +109,23 @@ def plot(record: dict, path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for backend in sorted({r["backend"] for r in record["rows"]}):
         for model, style in (("cnn", "-o"), ("gpt", "-s")):
-            rows = sorted((r for r in record["rows"] if r["backend"] == backend and r["model"] == model),
-                          key=lambda r: r["batch"])
+            rows = sorted(
+                (r for r in record["rows"] if r["backend"] == backend and r["model"] == model), key=lambda r: r["batch"]
+            )
             if rows:
                 b = [r["batch"] for r in rows]
-                line, = axes[0].plot(b, [r["p50_ms"] for r in rows], style, label=f"{backend} {model} p50")
-                axes[0].plot(b, [r["p99_ms"] for r in rows], ":", color=line.get_color(),
-                             label=f"{backend} {model} p99")
+                (line,) = axes[0].plot(b, [r["p50_ms"] for r in rows], style, label=f"{backend} {model} p50")
+                axes[0].plot(
+                    b, [r["p99_ms"] for r in rows], ":", color=line.get_color(), label=f"{backend} {model} p99"
+                )
                 axes[1].plot(b, [r["samples_per_s"] for r in rows], style, label=f"{backend} {model}")
-    axes[0].set(xscale="log", yscale="log", xlabel="batch size", ylabel="latency per request (ms)",
-                title=f"End-to-end latency — {record['machine']['tag']}")
+    axes[0].set(
+        xscale="log",
+        yscale="log",
+        xlabel="batch size",
+        ylabel="latency per request (ms)",
+        title=f"End-to-end latency — {record['machine']['tag']}",
+    )
     axes[1].set(xscale="log", yscale="log", xlabel="batch size", ylabel="samples/s", title="Batched throughput")
     for ax in axes:
         ax.legend(fontsize=7)
@@ -116,8 +133,11 @@ def plot(record: dict, path) -> None:
 
 
 def summarize(record: dict) -> list[str]:
-    return [f"{r['backend']} {r['model']} batch {r['batch']:5d}: p50 {r['p50_ms']:8.2f} ms  p99 {r['p99_ms']:8.2f} ms  "
-            f"{r['samples_per_s']:10.0f} samples/s" for r in record["rows"]]
+    return [
+        f"{r['backend']} {r['model']} batch {r['batch']:5d}: p50 {r['p50_ms']:8.2f} ms  p99 {r['p99_ms']:8.2f} ms  "
+        f"{r['samples_per_s']:10.0f} samples/s"
+        for r in record["rows"]
+    ]
 
 
 if __name__ == "__main__":

@@ -52,15 +52,25 @@ def run(size: str = "quick", budget: common.Budget | None = None) -> dict:
                 b = jax.device_put(jax.random.normal(key_b, (n, n), jnp.float32).astype(dtype), device)
                 product = _product(dtype)
                 timing = time_fn(lambda: product(a, b), repeats=repeats)
-                rows.append({"backend": backend, "dtype": dname, "n": n, **timing.as_dict(),
-                             "gflops": matmul_flops(n, n, n) / timing.median / 1e9})
+                rows.append(
+                    {
+                        "backend": backend,
+                        "dtype": dname,
+                        "n": n,
+                        **timing.as_dict(),
+                        "gflops": matmul_flops(n, n, n) / timing.median / 1e9,
+                    }
+                )
         peak_n = PEAK_SIZE[size] if backend != "cpu" or size != "gpu" else 2048
         if budget.over(0.95):
             budget.skip(f"{backend} peak")
             continue
         peaks[backend] = measure_matmul_peak(peak_n, jnp.bfloat16, device, repeats=repeats)
-    return {"rows": rows, "peaks": peaks, "device_kinds": {b: common.first_device(b).device_kind
-                                                           for b in common.backends_present()}}
+    return {
+        "rows": rows,
+        "peaks": peaks,
+        "device_kinds": {b: common.first_device(b).device_kind for b in common.backends_present()},
+    }
 
 
 def summary(record: dict) -> dict:
@@ -75,15 +85,17 @@ def summary(record: dict) -> dict:
     accel = [b for b in {r["backend"] for r in rows} if b != "cpu"]
     if accel and any(r["backend"] == "cpu" for r in rows):
         acc = accel[0]
-        sizes = sorted({r["n"] for r in rows if r["backend"] == acc and r["dtype"] == "f32"
-                        and ("cpu", "f32", r["n"]) in by})
+        sizes = sorted(
+            {r["n"] for r in rows if r["backend"] == acc and r["dtype"] == "f32" and ("cpu", "f32", r["n"]) in by}
+        )
         faster = [n for n in sizes if by[(acc, "f32", n)]["median"] < by[("cpu", "f32", n)]["median"]]
         cpu_wins = [n for n in sizes if n not in faster]
         out["accelerator"] = acc
         out["overtake_n"] = next((n for n in sizes if all(m in faster for m in sizes if m >= n)), None)
         out["cpu_faster_sizes"] = cpu_wins
-        out["latency_us"] = {n: {"cpu": by[("cpu", "f32", n)]["median"] * 1e6, acc: by[(acc, "f32", n)]["median"] * 1e6}
-                             for n in sizes}
+        out["latency_us"] = {
+            n: {"cpu": by[("cpu", "f32", n)]["median"] * 1e6, acc: by[(acc, "f32", n)]["median"] * 1e6} for n in sizes
+        }
         largest = max(sizes) if sizes else None
         if largest:
             out["largest_n"] = largest
@@ -96,19 +108,31 @@ def plot(record: dict, path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for backend in sorted({r["backend"] for r in record["rows"]}):
         for dtype, style in (("f32", "-o"), ("bf16", "--s")):
-            rows = sorted((r for r in record["rows"] if r["backend"] == backend and r["dtype"] == dtype),
-                          key=lambda r: r["n"])
+            rows = sorted(
+                (r for r in record["rows"] if r["backend"] == backend and r["dtype"] == dtype), key=lambda r: r["n"]
+            )
             if rows:
-                line, = ax.plot([r["n"] for r in rows], [r["gflops"] for r in rows], style,
-                                label=f"{backend} {dtype}")
+                (line,) = ax.plot(
+                    [r["n"] for r in rows], [r["gflops"] for r in rows], style, label=f"{backend} {dtype}"
+                )
                 # The spread: the IQR of per-call time, drawn as a band of GFLOP/s.
-                ax.fill_between([r["n"] for r in rows], [2 * r["n"] ** 3 / r["p75"] / 1e9 for r in rows],
-                                [2 * r["n"] ** 3 / r["p25"] / 1e9 for r in rows], color=line.get_color(), alpha=0.2)
+                ax.fill_between(
+                    [r["n"] for r in rows],
+                    [2 * r["n"] ** 3 / r["p75"] / 1e9 for r in rows],
+                    [2 * r["n"] ** 3 / r["p25"] / 1e9 for r in rows],
+                    color=line.get_color(),
+                    alpha=0.2,
+                )
         if backend in record.get("peaks", {}):
             peak = record["peaks"][backend]
             ax.axhline(peak["gflops"], ls=":", lw=1, color="gray", label=f"{backend} bf16 peak (n={peak['size']})")
-    ax.set(xscale="log", yscale="log", xlabel="n (n x n x n product)", ylabel="GFLOP/s",
-           title=f"Matrix product throughput — {record['machine']['tag']}")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="n (n x n x n product)",
+        ylabel="GFLOP/s",
+        title=f"Matrix product throughput — {record['machine']['tag']}",
+    )
     ax.legend(fontsize=8)
     common.save_figure(fig, path)
 
@@ -118,8 +142,9 @@ def summarize(record: dict) -> list[str]:
     lines = [f"best {k}: {v[0]:.1f} GFLOP/s at n={v[1]}" for k, v in s["best_gflops"].items()]
     lines += [f"{b} bf16 peak: {g:.1f} GFLOP/s" for b, g in s["peak_gflops"].items()]
     if "overtake_n" in s:
-        lines.append(f"{s['accelerator']} overtakes the CPU from n={s['overtake_n']}; "
-                     f"CPU faster at {s['cpu_faster_sizes']}")
+        lines.append(
+            f"{s['accelerator']} overtakes the CPU from n={s['overtake_n']}; CPU faster at {s['cpu_faster_sizes']}"
+        )
     return lines
 
 

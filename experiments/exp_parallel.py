@@ -22,12 +22,27 @@ NAME = "exp_parallel"
 
 CONFIG = {
     "tiny": {"model": "mlp", "cfg": MLPConfig(hidden=(32,)), "counts": [2], "per_device": 8, "sweep": [8, 16]},
-    "quick": {"model": "mlp", "cfg": MLPConfig(hidden=(512, 512)), "counts": [1, 8], "per_device": 64,
-                  "sweep": [16, 64, 256, 1024]},
-    "full": {"model": "cnn", "cfg": CNNConfig(widths=(16, 32)), "counts": [1, 2, 4, 8], "per_device": 64,
-                 "sweep": [16, 64, 256, 1024]},
-    "gpu": {"model": "cnn", "cfg": CNNConfig(), "counts": [1, 2, 4, 8], "per_device": 256,
-                "sweep": [16, 64, 256, 1024, 4096]},
+    "quick": {
+        "model": "mlp",
+        "cfg": MLPConfig(hidden=(512, 512)),
+        "counts": [1, 8],
+        "per_device": 64,
+        "sweep": [16, 64, 256, 1024],
+    },
+    "full": {
+        "model": "cnn",
+        "cfg": CNNConfig(widths=(16, 32)),
+        "counts": [1, 2, 4, 8],
+        "per_device": 64,
+        "sweep": [16, 64, 256, 1024],
+    },
+    "gpu": {
+        "model": "cnn",
+        "cfg": CNNConfig(),
+        "counts": [1, 2, 4, 8],
+        "per_device": 256,
+        "sweep": [16, 64, 256, 1024, 4096],
+    },
 }
 IMAGE = (32, 32, 3)
 SIMULATED_CPU_DEVICES = 8
@@ -38,15 +53,26 @@ def _measure(model, form: str, n_devices: int, global_batch: int, repeats: int) 
     mesh = make_mesh(n_devices)
     dp = data_parallel_train_step(model, classification_loss, tx, mesh=mesh, form=form, donate=False)
     # Initialised straight into replicated arrays: one compiled program, not one per initialiser op.
-    state = dp.place_state(create_sharded_state(
-        lambda: create_train_state(model, tx, jax.random.key(0), (global_batch, *IMAGE)), mesh))
+    state = dp.place_state(
+        create_sharded_state(lambda: create_train_state(model, tx, jax.random.key(0), (global_batch, *IMAGE)), mesh)
+    )
     rng = np.random.default_rng(0)
-    batch = dp.place_batch({"x": rng.standard_normal((global_batch, *IMAGE)).astype(np.float32),
-                            "y": rng.integers(0, 10, global_batch).astype(np.int32)})
+    batch = dp.place_batch(
+        {
+            "x": rng.standard_normal((global_batch, *IMAGE)).astype(np.float32),
+            "y": rng.integers(0, 10, global_batch).astype(np.int32),
+        }
+    )
     timing = time_fn(lambda: dp.step(state, batch)[1]["loss"], repeats=repeats)
     loss = float(dp.step(state, batch)[1]["loss"])
-    return {"form": form, "devices": n_devices, "global_batch": global_batch, **timing.as_dict(),
-            "samples_per_s": global_batch / timing.median, "first_loss": loss}
+    return {
+        "form": form,
+        "devices": n_devices,
+        "global_batch": global_batch,
+        **timing.as_dict(),
+        "samples_per_s": global_batch / timing.median,
+        "first_loss": loss,
+    }
 
 
 def run(size: str = "quick", budget: common.Budget | None = None) -> dict:
@@ -70,9 +96,15 @@ def run(size: str = "quick", budget: common.Budget | None = None) -> dict:
                 budget.skip(f"{form} x{n}")
                 continue
             rows.append(_measure(model, form, n, cfg["per_device"] * n, repeats))
-    return {"rows": rows, "sweep": sweep, "model": cfg["model"], "model_config": vars(cfg["cfg"]),
-            "per_device_batch": cfg["per_device"], "devices_available": available,
-            "simulated_devices": jax.default_backend() == "cpu" and available > 1}
+    return {
+        "rows": rows,
+        "sweep": sweep,
+        "model": cfg["model"],
+        "model_config": vars(cfg["cfg"]),
+        "per_device_batch": cfg["per_device"],
+        "devices_available": available,
+        "simulated_devices": jax.default_backend() == "cpu" and available > 1,
+    }
 
 
 def summary(record: dict) -> dict:
@@ -81,17 +113,22 @@ def summary(record: dict) -> dict:
     for form in {r["form"] for r in record["rows"]}:
         rows = sorted((r for r in record["rows"] if r["form"] == form), key=lambda r: r["devices"])
         if rows:
-            out["scaling"][form] = {"devices": rows[-1]["devices"],
-                                    "speedup": rows[-1]["samples_per_s"] / rows[0]["samples_per_s"]}
+            out["scaling"][form] = {
+                "devices": rows[-1]["devices"],
+                "speedup": rows[-1]["samples_per_s"] / rows[0]["samples_per_s"],
+            }
     one = [r["first_loss"] for r in record["rows"] if r["devices"] == 1]
     if len(one) > 1:
         out["loss_spread"] = max(one) - min(one)
     sweep = sorted(record.get("sweep", []), key=lambda r: r["global_batch"])
     if len(sweep) > 1:
-        out["batch_gain"] = {"from": sweep[0]["global_batch"], "to": sweep[-1]["global_batch"],
-                             "samples_per_s_from": sweep[0]["samples_per_s"],
-                             "samples_per_s_to": sweep[-1]["samples_per_s"],
-                             "gain": sweep[-1]["samples_per_s"] / sweep[0]["samples_per_s"]}
+        out["batch_gain"] = {
+            "from": sweep[0]["global_batch"],
+            "to": sweep[-1]["global_batch"],
+            "samples_per_s_from": sweep[0]["samples_per_s"],
+            "samples_per_s_to": sweep[-1]["samples_per_s"],
+            "gain": sweep[-1]["samples_per_s"] / sweep[0]["samples_per_s"],
+        }
     return out
 
 
@@ -107,15 +144,22 @@ def plot(record: dict, path) -> None:
     sweep = sorted(record.get("sweep", []), key=lambda r: r["global_batch"])
     if sweep:
         axes[1].plot([r["global_batch"] for r in sweep], [r["samples_per_s"] for r in sweep], "-o")
-    axes[1].set(xscale="log", yscale="log", xlabel="batch size (1 device)", ylabel="samples/s",
-                title=f"{record.get('model', '')} training throughput")
+    axes[1].set(
+        xscale="log",
+        yscale="log",
+        xlabel="batch size (1 device)",
+        ylabel="samples/s",
+        title=f"{record.get('model', '')} training throughput",
+    )
     axes[0].legend(fontsize=8)
     common.save_figure(fig, path)
 
 
 def summarize(record: dict) -> list[str]:
-    lines = [f"{r['form']:9s} x{r['devices']} batch {r['global_batch']:5d}: {r['samples_per_s']:10.0f} samples/s"
-             for r in record["rows"]]
+    lines = [
+        f"{r['form']:9s} x{r['devices']} batch {r['global_batch']:5d}: {r['samples_per_s']:10.0f} samples/s"
+        for r in record["rows"]
+    ]
     lines += [f"jit x1 batch {r['global_batch']:5d}: {r['samples_per_s']:10.0f} samples/s" for r in record["sweep"]]
     return lines
 

@@ -70,14 +70,22 @@ def run(size: str = "quick", budget: common.Budget | None = None) -> dict:
     overlapped_backend = "grain" if _grain_available() else "inline"
 
     def pipeline(cost: int, backend: str, augment_on_host: bool = True):
-        pc = PipelineConfig(batch_size=batch, crop_pad=PAD if augment_on_host else 0, flip=augment_on_host,
-                            augment_repeats=cost, backend=backend, threads=cfg["threads"], buffer=4)
+        pc = PipelineConfig(
+            batch_size=batch,
+            crop_pad=PAD if augment_on_host else 0,
+            flip=augment_on_host,
+            augment_repeats=cost,
+            backend=backend,
+            threads=cfg["threads"],
+            buffer=4,
+        )
         return host_iterator(TrainBatches(data, pc), pc)
 
     def make_device_step(cost):
         def step(state, batch):
             key = jax.random.fold_in(jax.random.key(1), state.step)
             return base_step(state, {**batch, "x": device_augment(batch["x"], key, cost)})
+
         return jax.jit(step)
 
     # The compute-only step time: what the device must do per step whatever the arrangement.
@@ -110,31 +118,51 @@ def run(size: str = "quick", budget: common.Budget | None = None) -> dict:
                 for _ in range(steps):
                     s, metrics = step_fn(s, next(iterator))
                 return metrics["loss"]
+
             return loop
 
         for arrangement, fn, busy, waits in (
-                ("sync", sync, compute_only, None),
-                ("overlapped", streamed(overlap_iter, plain_step), compute_only, overlap_iter),
-                ("device", streamed(device_iter, device_step), device_compute, device_iter)):
+            ("sync", sync, compute_only, None),
+            ("overlapped", streamed(overlap_iter, plain_step), compute_only, overlap_iter),
+            ("device", streamed(device_iter, device_step), device_compute, device_iter),
+        ):
             timing = time_fn(fn, warmup=1, repeats=repeats, number=1)
             step_s = timing.median / steps
             input_wait = waits.take_wait() / (waits.batches * step_s) if waits and waits.batches else None
-            rows.append({"arrangement": arrangement, "cost": cost, "batch": batch, "steps": steps,
-                         **timing.as_dict(), "step_s": step_s, "samples_per_s": batch / step_s,
-                         "compute_step_s": busy.median, "device_idle": max(0.0, 1.0 - busy.median / step_s),
-                         "input_wait_fraction": input_wait})
-    return {"rows": rows, "compute_only": compute_only.as_dict(), "host_batch": host_batch,
-            "threads": cfg["threads"], "widths": list(cfg["widths"]), "image": list(IMAGE),
-            "overlapped_backend": overlapped_backend,
-            "pipeline_impl": "jaxnn.data (TrainBatches, host_iterator, DevicePrefetch)"}
+            rows.append(
+                {
+                    "arrangement": arrangement,
+                    "cost": cost,
+                    "batch": batch,
+                    "steps": steps,
+                    **timing.as_dict(),
+                    "step_s": step_s,
+                    "samples_per_s": batch / step_s,
+                    "compute_step_s": busy.median,
+                    "device_idle": max(0.0, 1.0 - busy.median / step_s),
+                    "input_wait_fraction": input_wait,
+                }
+            )
+    return {
+        "rows": rows,
+        "compute_only": compute_only.as_dict(),
+        "host_batch": host_batch,
+        "threads": cfg["threads"],
+        "widths": list(cfg["widths"]),
+        "image": list(IMAGE),
+        "overlapped_backend": overlapped_backend,
+        "pipeline_impl": "jaxnn.data (TrainBatches, host_iterator, DevicePrefetch)",
+    }
 
 
 def summary(record: dict) -> dict:
     """Per cost: samples/s and idle fraction per arrangement, the best arrangement, and the best over sync."""
     out = {}
     for r in record["rows"]:
-        out.setdefault(r["cost"], {})[r["arrangement"]] = {"samples_per_s": r["samples_per_s"],
-                                                           "device_idle": r["device_idle"]}
+        out.setdefault(r["cost"], {})[r["arrangement"]] = {
+            "samples_per_s": r["samples_per_s"],
+            "device_idle": r["device_idle"],
+        }
     for arr in out.values():
         best = max(arr, key=lambda a: arr[a]["samples_per_s"])
         arr["best"] = best
@@ -160,8 +188,11 @@ def plot(record: dict, path) -> None:
 
 
 def summarize(record: dict) -> list[str]:
-    return [f"cost {r['cost']:3d} {r['arrangement']:10s} {r['step_s'] * 1e3:8.1f} ms/step "
-            f"{r['samples_per_s']:9.0f} samples/s idle {r['device_idle']:.2f}" for r in record["rows"]]
+    return [
+        f"cost {r['cost']:3d} {r['arrangement']:10s} {r['step_s'] * 1e3:8.1f} ms/step "
+        f"{r['samples_per_s']:9.0f} samples/s idle {r['device_idle']:.2f}"
+        for r in record["rows"]
+    ]
 
 
 if __name__ == "__main__":

@@ -34,14 +34,25 @@ REF_ROWS = 256  # output rows (matmul) checked against float64: enough for a sta
 
 
 def _matmul(precision, preferred):
-    return jax.jit(lambda a, b: lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision,
-                                                preferred_element_type=preferred))
+    return jax.jit(
+        lambda a, b: lax.dot_general(
+            a, b, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=preferred
+        )
+    )
 
 
 def _conv(precision, preferred):
-    return jax.jit(lambda x, w: lax.conv_general_dilated(x, w, (1, 1), "SAME", precision=precision,
-                                                         dimension_numbers=("NHWC", "HWIO", "NHWC"),
-                                                         preferred_element_type=preferred))
+    return jax.jit(
+        lambda x, w: lax.conv_general_dilated(
+            x,
+            w,
+            (1, 1),
+            "SAME",
+            precision=precision,
+            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+            preferred_element_type=preferred,
+        )
+    )
 
 
 def conv_reference(x, w) -> np.ndarray:
@@ -52,7 +63,7 @@ def conv_reference(x, w) -> np.ndarray:
     ph, pw = kh // 2, kw // 2
     xp = np.pad(x, ((0, 0), (ph, ph), (pw, pw), (0, 0)))
     b, h, wd, _ = x.shape
-    cols = np.stack([xp[:, i:i + h, j:j + wd, :] for i in range(kh) for j in range(kw)], axis=3)  # B,H,W,9,C
+    cols = np.stack([xp[:, i : i + h, j : j + wd, :] for i in range(kh) for j in range(kw)], axis=3)  # B,H,W,9,C
     return cols.reshape(b, h, wd, kh * kw * cin) @ w.reshape(kh * kw * cin, cout)
 
 
@@ -72,10 +83,14 @@ def run(size: str = "quick", budget: common.Budget | None = None) -> dict:
     mm_ref = a64[:rows] @ b64
     conv_ref = conv_reference(x64[:1], w64)
     problems = {
-        "matmul": (_matmul, (a64, b64), 2.0 * n ** 3, lambda out: (out[:rows], mm_ref),
-                   {"m": n, "k": n, "n": n}),
-        "conv": (_conv, (x64, w64), 2.0 * batch * hw * hw * cin * cout * 9, lambda out: (out[:1], conv_ref),
-                 {"batch": batch, "hw": hw, "cin": cin, "cout": cout, "kernel": 3}),
+        "matmul": (_matmul, (a64, b64), 2.0 * n**3, lambda out: (out[:rows], mm_ref), {"m": n, "k": n, "n": n}),
+        "conv": (
+            _conv,
+            (x64, w64),
+            2.0 * batch * hw * hw * cin * cout * 9,
+            lambda out: (out[:1], conv_ref),
+            {"batch": batch, "hw": hw, "cin": cin, "cout": cout, "kernel": 3},
+        ),
     }
     results = []
     for op, (builder, inputs, flops, compare, shape) in problems.items():
@@ -90,14 +105,23 @@ def run(size: str = "quick", budget: common.Budget | None = None) -> dict:
         # Side by side (every timing window runs every mode in turn): timed one after the other, a burst of load
         # or the first mode's warm-up landed on one mode only (fp32 and tf32, the same op on a CPU, once measured
         # 1.7x apart).
-        timings = time_interleaved({mode: (lambda fn=fn, args=args: fn(*args)) for mode, (fn, args, _) in built.items()},
-                                   repeats=repeats)
+        timings = time_interleaved(
+            {mode: (lambda fn=fn, args=args: fn(*args)) for mode, (fn, args, _) in built.items()}, repeats=repeats
+        )
         for mode, (fn, args, out) in built.items():
             timing = timings[mode]
-            results.append({"op": op, "mode": mode, **shape, **timing.as_dict(), "flops": flops,
-                            "gflops": flops / timing.median / 1e9,
-                            "rel_error": common.relative_error(*compare(out)),
-                            "kernels": common.library_calls(common.compiled_hlo(fn, *args))})
+            results.append(
+                {
+                    "op": op,
+                    "mode": mode,
+                    **shape,
+                    **timing.as_dict(),
+                    "flops": flops,
+                    "gflops": flops / timing.median / 1e9,
+                    "rel_error": common.relative_error(*compare(out)),
+                    "kernels": common.library_calls(common.compiled_hlo(fn, *args)),
+                }
+            )
     for op in problems:
         base = next((r for r in results if r["op"] == op and r["mode"] == "fp32"), None)
         for r in results:
@@ -110,9 +134,12 @@ def summary(record: dict) -> dict:
     """Speedup over exact fp32 and relative error, per op and mode; the fastest reduced-precision mode per op."""
     out = {}
     for r in record["rows"]:
-        out.setdefault(r["op"], {})[r["mode"]] = {"gflops": r["gflops"], "speedup": r.get("speedup_vs_fp32"),
-                                                  "rel_error": r["rel_error"],
-                                                  "kernels": sorted({k["target"] for k in r["kernels"]})}
+        out.setdefault(r["op"], {})[r["mode"]] = {
+            "gflops": r["gflops"],
+            "speedup": r.get("speedup_vs_fp32"),
+            "rel_error": r["rel_error"],
+            "kernels": sorted({k["target"] for k in r["kernels"]}),
+        }
     return out
 
 
@@ -126,16 +153,24 @@ def plot(record: dict, path) -> None:
         ax.bar(modes, [r["gflops"] for r in rows], color="tab:blue")
         for i, r in enumerate(rows):
             err = r["rel_error"]
-            ax.annotate(f"{r.get('speedup_vs_fp32') or 0:.2f}x\nerr {err:.1e}" if err is not None else "err inf",
-                        (i, r["gflops"]), ha="center", va="bottom", fontsize=7)
+            ax.annotate(
+                f"{r.get('speedup_vs_fp32') or 0:.2f}x\nerr {err:.1e}" if err is not None else "err inf",
+                (i, r["gflops"]),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
         ax.set(ylabel="GFLOP/s", title=f"{op} — {record['machine']['tag']}")
         ax.margins(y=0.25)
     common.save_figure(fig, path)
 
 
 def summarize(record: dict) -> list[str]:
-    return [f"{r['op']:6s} {r['mode']:8s} {r['gflops']:10.1f} GFLOP/s  x{r.get('speedup_vs_fp32') or 0:.2f} vs fp32  "
-            f"rel err {r['rel_error'] if r['rel_error'] is not None else float('inf'):.1e}" for r in record["rows"]]
+    return [
+        f"{r['op']:6s} {r['mode']:8s} {r['gflops']:10.1f} GFLOP/s  x{r.get('speedup_vs_fp32') or 0:.2f} vs fp32  "
+        f"rel err {r['rel_error'] if r['rel_error'] is not None else float('inf'):.1e}"
+        for r in record["rows"]
+    ]
 
 
 if __name__ == "__main__":

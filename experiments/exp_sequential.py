@@ -53,7 +53,7 @@ def run(size: str = "quick", budget: common.Budget | None = None) -> dict:
                 budget.skip(f"{backend} H={hidden}")
                 continue
             keys = jax.random.split(jax.random.key(hidden), 5)
-            scale = 1.0 / hidden ** 0.5
+            scale = 1.0 / hidden**0.5
             put = lambda x: jax.device_put(x, device)  # noqa: E731
             w = put(jax.random.normal(keys[0], (hidden, hidden)) * scale)
             u = put(jax.random.normal(keys[1], (hidden, hidden)) * scale)
@@ -64,15 +64,24 @@ def run(size: str = "quick", budget: common.Budget | None = None) -> dict:
             w2 = put(jnp.concatenate([w, u], axis=1).T)
             chain, rnn, parallel = make_chain(steps), make_rnn(), make_parallel()
             cases = {
-                "chain": (lambda: chain(w, h0), 2.0 * steps * hidden ** 2),
-                "chain_parallel": (lambda: parallel(xs, w), 2.0 * steps * hidden ** 2),
-                "rnn": (lambda: rnn(w, u, b, h0, xs), 4.0 * steps * hidden ** 2),
-                "rnn_parallel": (lambda: parallel(x2, w2), 4.0 * steps * hidden ** 2),
+                "chain": (lambda: chain(w, h0), 2.0 * steps * hidden**2),
+                "chain_parallel": (lambda: parallel(xs, w), 2.0 * steps * hidden**2),
+                "rnn": (lambda: rnn(w, u, b, h0, xs), 4.0 * steps * hidden**2),
+                "rnn_parallel": (lambda: parallel(x2, w2), 4.0 * steps * hidden**2),
             }
             for case, (fn, flops) in cases.items():
                 timing = time_fn(fn, repeats=repeats)
-                rows.append({"backend": backend, "case": case, "hidden": hidden, "steps": steps, **timing.as_dict(),
-                             "us_per_step": timing.median / steps * 1e6, "gflops": flops / timing.median / 1e9})
+                rows.append(
+                    {
+                        "backend": backend,
+                        "case": case,
+                        "hidden": hidden,
+                        "steps": steps,
+                        **timing.as_dict(),
+                        "us_per_step": timing.median / steps * 1e6,
+                        "gflops": flops / timing.median / 1e9,
+                    }
+                )
     return {"rows": rows}
 
 
@@ -94,8 +103,10 @@ def summary(record: dict) -> dict:
         for (backend, case, hidden), r in by.items():
             if backend == accel[0] and case in ("chain", "rnn") and ("cpu", case, hidden) in by:
                 cpu = by[("cpu", case, hidden)]["median"]
-                out["winner"].setdefault(case, {})[hidden] = {"winner": "cpu" if cpu < r["median"] else accel[0],
-                                                              "cpu_over_accel": cpu / r["median"]}
+                out["winner"].setdefault(case, {})[hidden] = {
+                    "winner": "cpu" if cpu < r["median"] else accel[0],
+                    "cpu_over_accel": cpu / r["median"],
+                }
     return out
 
 
@@ -104,19 +115,28 @@ def plot(record: dict, path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for backend in sorted({r["backend"] for r in record["rows"]}):
         for case, style in (("chain", "-o"), ("rnn", "-s"), ("chain_parallel", ":o"), ("rnn_parallel", ":s")):
-            rows = sorted((r for r in record["rows"] if r["backend"] == backend and r["case"] == case),
-                          key=lambda r: r["hidden"])
+            rows = sorted(
+                (r for r in record["rows"] if r["backend"] == backend and r["case"] == case), key=lambda r: r["hidden"]
+            )
             if rows:
-                axes[0].plot([r["hidden"] for r in rows], [r["median"] * 1e3 for r in rows], style,
-                             label=f"{backend} {case}")
+                axes[0].plot(
+                    [r["hidden"] for r in rows], [r["median"] * 1e3 for r in rows], style, label=f"{backend} {case}"
+                )
                 if not case.endswith("parallel"):
-                    axes[1].plot([r["hidden"] for r in rows], [r["us_per_step"] for r in rows], style,
-                                 label=f"{backend} {case}")
+                    axes[1].plot(
+                        [r["hidden"] for r in rows], [r["us_per_step"] for r in rows], style, label=f"{backend} {case}"
+                    )
     steps = record["rows"][0]["steps"] if record["rows"] else 0
-    axes[0].set(xscale="log", yscale="log", xlabel="hidden size", ylabel="ms per call",
-                title=f"{steps} dependent steps vs one product")
-    axes[1].set(xscale="log", yscale="log", xlabel="hidden size", ylabel="µs per dependent step",
-                title=record["machine"]["tag"])
+    axes[0].set(
+        xscale="log",
+        yscale="log",
+        xlabel="hidden size",
+        ylabel="ms per call",
+        title=f"{steps} dependent steps vs one product",
+    )
+    axes[1].set(
+        xscale="log", yscale="log", xlabel="hidden size", ylabel="µs per dependent step", title=record["machine"]["tag"]
+    )
     for ax in axes:
         ax.legend(fontsize=7)
     common.save_figure(fig, path)
@@ -128,9 +148,13 @@ def summarize(record: dict) -> list[str]:
     for backend, cases in s["per_step_us"].items():
         for case, per_h in cases.items():
             pen = s["sequential_penalty"].get(backend, {}).get(case, {})
-            lines.append(f"{backend} {case}: " + ", ".join(
-                f"H={h}: {us:.2f} µs/step ({pen.get(h, float('nan')):.1f}x its parallel twin)"
-                for h, us in per_h.items()))
+            lines.append(
+                f"{backend} {case}: "
+                + ", ".join(
+                    f"H={h}: {us:.2f} µs/step ({pen.get(h, float('nan')):.1f}x its parallel twin)"
+                    for h, us in per_h.items()
+                )
+            )
     for case, per_h in s["winner"].items():
         lines.append(f"{case} winner: " + ", ".join(f"H={h}: {v['winner']}" for h, v in per_h.items()))
     return lines

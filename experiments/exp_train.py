@@ -30,18 +30,47 @@ from jaxnn.train import (
 NAME = "exp_train"
 
 CONFIG = {
-    "tiny": {"cnn": CNNConfig(widths=(4,)), "cnn_batch": 16, "cnn_steps": 3,
-                 "gpt": GPTConfig(seq_len=16, d_model=32, num_layers=1, num_heads=2), "gpt_batch": 4, "gpt_steps": 3,
-                 "precisions": ["fp32", "bf16"], "gpt_precisions": ["fp16"], "text_bytes": 1 << 16},
-    "quick": {"cnn": CNNConfig(widths=(16, 32)), "cnn_batch": 64, "cnn_steps": 100,
-                  "gpt": GPTConfig(seq_len=64, d_model=128, num_layers=2, num_heads=4), "gpt_batch": 16, "gpt_steps": 60,
-                  "precisions": ["fp32", "bf16", "fp16"], "text_bytes": 2 << 20},
-    "full": {"cnn": CNNConfig(), "cnn_batch": 128, "cnn_steps": 400,
-                 "gpt": GPTConfig(), "gpt_batch": 32, "gpt_steps": 400, "precisions": ["fp32", "bf16", "fp16"],
-                 "text_bytes": 8 << 20},
-    "gpu": {"cnn": CNNConfig(widths=(64, 128, 256)), "cnn_batch": 256, "cnn_steps": 300,
-                "gpt": GPTConfig(seq_len=256, d_model=512, num_layers=6, num_heads=8), "gpt_batch": 64, "gpt_steps": 200,
-                "precisions": ["fp32", "tf32", "bf16", "fp16"], "text_bytes": 8 << 20},
+    "tiny": {
+        "cnn": CNNConfig(widths=(4,)),
+        "cnn_batch": 16,
+        "cnn_steps": 3,
+        "gpt": GPTConfig(seq_len=16, d_model=32, num_layers=1, num_heads=2),
+        "gpt_batch": 4,
+        "gpt_steps": 3,
+        "precisions": ["fp32", "bf16"],
+        "gpt_precisions": ["fp16"],
+        "text_bytes": 1 << 16,
+    },
+    "quick": {
+        "cnn": CNNConfig(widths=(16, 32)),
+        "cnn_batch": 64,
+        "cnn_steps": 100,
+        "gpt": GPTConfig(seq_len=64, d_model=128, num_layers=2, num_heads=4),
+        "gpt_batch": 16,
+        "gpt_steps": 60,
+        "precisions": ["fp32", "bf16", "fp16"],
+        "text_bytes": 2 << 20,
+    },
+    "full": {
+        "cnn": CNNConfig(),
+        "cnn_batch": 128,
+        "cnn_steps": 400,
+        "gpt": GPTConfig(),
+        "gpt_batch": 32,
+        "gpt_steps": 400,
+        "precisions": ["fp32", "bf16", "fp16"],
+        "text_bytes": 8 << 20,
+    },
+    "gpu": {
+        "cnn": CNNConfig(widths=(64, 128, 256)),
+        "cnn_batch": 256,
+        "cnn_steps": 300,
+        "gpt": GPTConfig(seq_len=256, d_model=512, num_layers=6, num_heads=8),
+        "gpt_batch": 64,
+        "gpt_steps": 200,
+        "precisions": ["fp32", "tf32", "bf16", "fp16"],
+        "text_bytes": 8 << 20,
+    },
 }
 LR = {"cnn": 3e-3, "gpt": 1e-3}
 
@@ -59,8 +88,10 @@ def _train_one(model_name, model, data, cfg, precision, steps, batch, repeats):
     step = make_train_step(model, loss_fn, tx, precision, donate=False)
     # Placed up front (this experiment measures precision, not input): the loop and the timing below then pass
     # the step the same committed arrays, so it compiles once.
-    batches = [jax.device_put({k: v for k, v in source.batch(i).items() if k in ("x", "y")}, jax.devices()[0])
-               for i in range(steps)]
+    batches = [
+        jax.device_put({k: v for k, v in source.batch(i).items() if k in ("x", "y")}, jax.devices()[0])
+        for i in range(steps)
+    ]
     losses = []
     t0 = time.perf_counter()
     for b in batches:
@@ -69,10 +100,18 @@ def _train_one(model_name, model, data, cfg, precision, steps, batch, repeats):
     losses = [float(x) for x in jax.device_get(losses)]
     wall = time.perf_counter() - t0
     timing = time_fn(lambda: step(state, batches[0])[1]["loss"], repeats=repeats)
-    result = {"precision": precision, "model": model_name, "steps": steps, "batch": batch, "losses": losses,
-              "final_train_loss": float(np.mean(losses[-max(1, steps // 10):])), "wall_s": wall,
-              "step": timing.as_dict(), "step_ms": timing.median * 1e3,
-              "finite": bool(np.all(np.isfinite(losses)))}
+    result = {
+        "precision": precision,
+        "model": model_name,
+        "steps": steps,
+        "batch": batch,
+        "losses": losses,
+        "final_train_loss": float(np.mean(losses[-max(1, steps // 10) :])),
+        "wall_s": wall,
+        "step": timing.as_dict(),
+        "step_ms": timing.median * 1e3,
+        "finite": bool(np.all(np.isfinite(losses))),
+    }
     if precision == "fp16":
         result["final_loss_scale"] = float(state.loss_scale.scale)
     if model_name == "cnn":
@@ -102,13 +141,32 @@ def run(size: str = "quick", budget: common.Budget | None = None) -> dict:
                 budget.skip(f"{model_name} {precision}")
                 continue
             try:
-                rows.append(_train_one(model_name, model, datasets[model_name], model_cfg, precision,
-                                       cfg[f"{model_name}_steps"], cfg[f"{model_name}_batch"], repeats))
+                rows.append(
+                    _train_one(
+                        model_name,
+                        model,
+                        datasets[model_name],
+                        model_cfg,
+                        precision,
+                        cfg[f"{model_name}_steps"],
+                        cfg[f"{model_name}_batch"],
+                        repeats,
+                    )
+                )
             except Exception as err:  # a precision the backend cannot compile or run is a finding, not a crash
-                failures.append({"model": model_name, "precision": precision,
-                                 "error": f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"})
-    return {"rows": rows, "failures": failures, "configs": {m: vars(cfg[m]) for m in ("cnn", "gpt")},
-            "data": {"cnn": datasets["cnn"].name, "gpt": f"{datasets['gpt'].name} ({len(datasets['gpt'].train)} bytes)"}}
+                failures.append(
+                    {
+                        "model": model_name,
+                        "precision": precision,
+                        "error": f"{type(err).__name__}: {str(err).splitlines()[0][:300]}",
+                    }
+                )
+    return {
+        "rows": rows,
+        "failures": failures,
+        "configs": {m: vars(cfg[m]) for m in ("cnn", "gpt")},
+        "data": {"cnn": datasets["cnn"].name, "gpt": f"{datasets['gpt'].name} ({len(datasets['gpt'].train)} bytes)"},
+    }
 
 
 def summary(record: dict) -> dict:
@@ -116,9 +174,12 @@ def summary(record: dict) -> dict:
     out = {}
     for r in record["rows"]:
         m = out.setdefault(r["model"], {})
-        m[r["precision"]] = {"step_ms": r["step_ms"], "finite": r["finite"],
-                             "quality": r.get("test_accuracy", r.get("test_bits_per_byte")),
-                             "quality_name": "test accuracy" if "test_accuracy" in r else "test bits/byte"}
+        m[r["precision"]] = {
+            "step_ms": r["step_ms"],
+            "finite": r["finite"],
+            "quality": r.get("test_accuracy", r.get("test_bits_per_byte")),
+            "quality_name": "test accuracy" if "test_accuracy" in r else "test bits/byte",
+        }
     for m in out.values():
         if "fp32" in m:
             for p in m.values():
@@ -132,8 +193,12 @@ def plot(record: dict, path) -> None:
     fig, axes = plt.subplots(1, max(len(models), 1), figsize=(5.5 * max(len(models), 1), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
         for r in (r for r in record["rows"] if r["model"] == model):
-            ax.plot(np.arange(1, len(r["losses"]) + 1), r["losses"], label=f"{r['precision']} ({r['step_ms']:.1f} ms/step)",
-                    lw=1)
+            ax.plot(
+                np.arange(1, len(r["losses"]) + 1),
+                r["losses"],
+                label=f"{r['precision']} ({r['step_ms']:.1f} ms/step)",
+                lw=1,
+            )
         ax.set(xlabel="step", ylabel="training loss", title=f"{model} — {record['machine']['tag']}", yscale="log")
         ax.legend(fontsize=8)
     common.save_figure(fig, path)
@@ -142,10 +207,15 @@ def plot(record: dict, path) -> None:
 def summarize(record: dict) -> list[str]:
     lines = [f"{f['model']} {f['precision']:5s} FAILED: {f['error']}" for f in record.get("failures", [])]
     for r in record["rows"]:
-        quality = (f"test acc {r['test_accuracy']:.3f}" if "test_accuracy" in r
-                   else f"test {r['test_bits_per_byte']:.3f} bits/byte")
-        lines.append(f"{r['model']} {r['precision']:5s} {r['step_ms']:8.2f} ms/step  final loss "
-                     f"{r['final_train_loss']:.3f}  {quality}  wall {r['wall_s']:.1f} s")
+        quality = (
+            f"test acc {r['test_accuracy']:.3f}"
+            if "test_accuracy" in r
+            else f"test {r['test_bits_per_byte']:.3f} bits/byte"
+        )
+        lines.append(
+            f"{r['model']} {r['precision']:5s} {r['step_ms']:8.2f} ms/step  final loss "
+            f"{r['final_train_loss']:.3f}  {quality}  wall {r['wall_s']:.1f} s"
+        )
     return lines
 
 

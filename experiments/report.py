@@ -21,28 +21,49 @@ NOT_MEASURED = "not measured"
 
 # NVIDIA datasheet figures (dense TFLOP/s), quoted, not measured: the corrected version of the article's "12x".
 SPEC = {
-    "V100 tensor fp16": 125.0, "V100 fp32": 15.7, "P100 fp32": 10.6,
-    "H200 bf16 dense": 989.0, "H200 fp32": 67.0,
+    "V100 tensor fp16": 125.0,
+    "V100 fp32": 15.7,
+    "P100 fp32": 10.6,
+    "H200 bf16 dense": 989.0,
+    "H200 fp32": 67.0,
 }
 
 CLAIMS = {
-    1: ("Parallel matrix work", "Neural networks are mostly matrix products, which are embarrassingly parallel; a GPU "
-        "with thousands of cores and far higher memory bandwidth computes them much faster than a CPU."),
-    2: ("Latency", "Work that cannot be split into parallel pieces (sequential, dependent steps) runs faster on the "
-        "CPU, whose cores have lower latency."),
-    3: ("Tensor cores", "Since Volta, GPUs carry matrix units (tensor cores) with NVIDIA's '12x the throughput' of "
-        "ordinary CUDA cores; CPUs have matrix units too (Intel AMX)."),
-    4: ("Libraries", "CUDA made general GPU computing possible and cuDNN gave networks ready primitives; in jaxnn XLA "
-        "emits these library calls."),
-    5: ("Split the work", "Only compute-heavy parallel code should go to the GPU; data preprocessing belongs on the "
-        "CPU, or the GPU becomes a bottleneck."),
+    1: (
+        "Parallel matrix work",
+        "Neural networks are mostly matrix products, which are embarrassingly parallel; a GPU "
+        "with thousands of cores and far higher memory bandwidth computes them much faster than a CPU.",
+    ),
+    2: (
+        "Latency",
+        "Work that cannot be split into parallel pieces (sequential, dependent steps) runs faster on the "
+        "CPU, whose cores have lower latency.",
+    ),
+    3: (
+        "Tensor cores",
+        "Since Volta, GPUs carry matrix units (tensor cores) with NVIDIA's '12x the throughput' of "
+        "ordinary CUDA cores; CPUs have matrix units too (Intel AMX).",
+    ),
+    4: (
+        "Libraries",
+        "CUDA made general GPU computing possible and cuDNN gave networks ready primitives; in jaxnn XLA "
+        "emits these library calls.",
+    ),
+    5: (
+        "Split the work",
+        "Only compute-heavy parallel code should go to the GPU; data preprocessing belongs on the "
+        "CPU, or the GPU becomes a bottleneck.",
+    ),
     6: ("Big data, big batches", "The GPU pays off when training on large data in chunks (batches)."),
-    7: ("Inference", "For batched inference the GPU helps; for one-at-a-time real-time inference it may bring no "
-        "gain."),
+    7: (
+        "Inference",
+        "For batched inference the GPU helps; for one-at-a-time real-time inference it may bring no gain.",
+    ),
 }
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+
 
 def _fmt(x, unit: str = "", digits: int = 3) -> str:
     if x is None:
@@ -129,6 +150,7 @@ def _overall(verdicts: dict[str, tuple[str, str]]) -> tuple[str, str]:
 # ------------------------------------------------------------------------------------------------ verdicts
 # Each takes one machine's results and returns (verdict, the numbers that decide it).
 
+
 def verdict_matmul(rec: dict | None) -> tuple[str, str]:
     """Confirmed when the accelerator runs the largest fp32 product >= 5x faster than the same machine's CPU;
     refuted when it is slower; depends in between. Needs both backends in one run (a GPU machine)."""
@@ -137,12 +159,17 @@ def verdict_matmul(rec: dict | None) -> tuple[str, str]:
     s = exp_matmul.summary(rec)
     if "speedup_at_largest" not in s:
         best = s["best_gflops"].get("cpu/f32")
-        return NOT_MEASURED, (f"CPU only (best fp32 {best[0]:.0f} GFLOP/s at n={best[1]}); the GPU comparison "
-                              "needs a GPU run" if best else "no accelerator in this run")
+        return NOT_MEASURED, (
+            f"CPU only (best fp32 {best[0]:.0f} GFLOP/s at n={best[1]}); the GPU comparison needs a GPU run"
+            if best
+            else "no accelerator in this run"
+        )
     x = s["speedup_at_largest"]
     verdict = "confirmed" if x >= 5 else "refuted" if x < 1 else "depends"
-    return verdict, (f"{s['accelerator']} is {x:.1f}x the host CPU on an fp32 {s['largest_n']}^3 product; it "
-                     f"overtakes the CPU from n={s['overtake_n']}")
+    return verdict, (
+        f"{s['accelerator']} is {x:.1f}x the host CPU on an fp32 {s['largest_n']}^3 product; it "
+        f"overtakes the CPU from n={s['overtake_n']}"
+    )
 
 
 def verdict_latency(seq: dict | None, mm: dict | None) -> tuple[str, str]:
@@ -156,10 +183,12 @@ def verdict_latency(seq: dict | None, mm: dict | None) -> tuple[str, str]:
         pen = s["sequential_penalty"].get("cpu", {}).get("chain", {})
         if per:
             h = min(per, key=float)
-            return NOT_MEASURED, (f"CPU only: a dependent step costs {per[h]:.2f} µs at hidden {h}, "
-                                  f"{pen.get(h, float('nan')):.1f}x the time of the equal-FLOP parallel product; "
-                                  "the CPU-vs-GPU "
-                                  "comparison needs a GPU run")
+            return NOT_MEASURED, (
+                f"CPU only: a dependent step costs {per[h]:.2f} µs at hidden {h}, "
+                f"{pen.get(h, float('nan')):.1f}x the time of the equal-FLOP parallel product; "
+                "the CPU-vs-GPU "
+                "comparison needs a GPU run"
+            )
         return NOT_MEASURED, "no CPU rows"
     small = {case: per[min(per, key=float)] for case, per in s["winner"].items()}
     cpu_wins = [c for c, v in small.items() if v["winner"] == "cpu"]
@@ -184,8 +213,9 @@ def verdict_tensor_cores(prec: dict | None) -> tuple[str, str]:
     if bf16 is None:
         return NOT_MEASURED, "no bf16 matmul"
     err = s["bf16"]["rel_error"]
-    extra = ", ".join(f"{m} {v['speedup']:.2f}x" for m, v in s.items()
-                      if m not in ("fp32", "bf16") and v.get("speedup"))
+    extra = ", ".join(
+        f"{m} {v['speedup']:.2f}x" for m, v in s.items() if m not in ("fp32", "bf16") and v.get("speedup")
+    )
     numbers = f"bf16 x bf16 -> fp32 product {bf16:.2f}x exact fp32 (relative error {err:.1e} vs float64); {extra}"
     if prec["machine"]["backend"] == "cpu":
         # The claim is about GPU tensor cores; a CPU run only says what this CPU's own matrix units give.
@@ -200,8 +230,10 @@ def verdict_libraries(check: dict | None, prec: dict | None) -> tuple[str, str]:
     for convolutions, cuDNN); refuted when a GPU run shows none; not measured without a GPU run."""
     kernels = sorted({k["target"] for r in (prec or {}).get("rows", []) for k in r["kernels"]})
     if not check or check.get("dry_run", True):
-        return NOT_MEASURED, (f"CPU: XLA's compiled HLO calls {', '.join(kernels) or 'no library kernels'} "
-                              "(its own code elsewhere); the cuBLAS/cuDNN check needs a GPU run")
+        return NOT_MEASURED, (
+            f"CPU: XLA's compiled HLO calls {', '.join(kernels) or 'no library kernels'} "
+            "(its own code elsewhere); the cuBLAS/cuDNN check needs a GPU run"
+        )
     c = check["check"]
     gemm = ", ".join(sorted({g["target"] for g in c.get("gemm_calls", [])})) or "none"
     conv = ", ".join(sorted({k["target"] for k in c.get("conv_calls", [])})) or "none"
@@ -219,13 +251,20 @@ def verdict_pipeline(pipe: dict | None) -> tuple[str, str]:
         return NOT_MEASURED, "no rows"
     winners = {int(c): v["best"] for c, v in s.items()}
     kinds = set(winners.values())
-    verdict = ("confirmed" if kinds == {"overlapped"} else "refuted" if kinds == {"device"} else "depends")
+    verdict = "confirmed" if kinds == {"overlapped"} else "refuted" if kinds == {"device"} else "depends"
     top = max(s, key=float)
     sync_idle = s[top].get("sync", {}).get("device_idle")
-    idle = ("" if sync_idle is None else
-            f"; in-line (sync) preprocessing leaves the device idle {sync_idle:.0%} of the time")
-    return verdict, ("fastest per augmentation cost: " + ", ".join(f"{c}: {w}" for c, w in sorted(winners.items()))
-                     + f"; at cost {top} the best is {s[top].get('best_over_sync', float('nan')):.2f}x sync" + idle)
+    idle = (
+        ""
+        if sync_idle is None
+        else f"; in-line (sync) preprocessing leaves the device idle {sync_idle:.0%} of the time"
+    )
+    return verdict, (
+        "fastest per augmentation cost: "
+        + ", ".join(f"{c}: {w}" for c, w in sorted(winners.items()))
+        + f"; at cost {top} the best is {s[top].get('best_over_sync', float('nan')):.2f}x sync"
+        + idle
+    )
 
 
 def verdict_batches(par: dict | None) -> tuple[str, str]:
@@ -236,8 +275,10 @@ def verdict_batches(par: dict | None) -> tuple[str, str]:
     if not g:
         return NOT_MEASURED, "no batch sweep"
     verdict = "confirmed" if g["gain"] >= 3 else "refuted" if g["gain"] < 1.5 else "depends"
-    return verdict, (f"samples/s {g['samples_per_s_from']:.0f} at batch {g['from']} -> "
-                     f"{g['samples_per_s_to']:.0f} at batch {g['to']} ({g['gain']:.1f}x)")
+    return verdict, (
+        f"samples/s {g['samples_per_s_from']:.0f} at batch {g['from']} -> "
+        f"{g['samples_per_s_to']:.0f} at batch {g['to']} ({g['gain']:.1f}x)"
+    )
 
 
 def verdict_inference(inf: dict | None) -> tuple[str, str]:
@@ -249,9 +290,12 @@ def verdict_inference(inf: dict | None) -> tuple[str, str]:
     accel = [b for b in s if b != "cpu"]
     if not accel or "cpu" not in s:
         cpu = s.get("cpu", {})
-        parts = [f"{m}: batch-1 p50 {v.get('batch1_p50_ms', float('nan')):.2f} ms, batching gives "
-                 f"{v.get('batching_gain', float('nan')):.1f}x the samples/s of batch 1 (best at batch "
-                 f"{v.get('best_batch')})" for m, v in cpu.items()]
+        parts = [
+            f"{m}: batch-1 p50 {v.get('batch1_p50_ms', float('nan')):.2f} ms, batching gives "
+            f"{v.get('batching_gain', float('nan')):.1f}x the samples/s of batch 1 (best at batch "
+            f"{v.get('best_batch')})"
+            for m, v in cpu.items()
+        ]
         return NOT_MEASURED, "CPU only: " + "; ".join(parts) + "; the GPU comparison needs a GPU run"
     a = accel[0]
     halves, parts = [], []
@@ -262,8 +306,10 @@ def verdict_inference(inf: dict | None) -> tuple[str, str]:
         batched = g["best_samples_per_s"] >= 2 * c["best_samples_per_s"]
         realtime = g["batch1_p50_ms"] >= 0.5 * c["batch1_p50_ms"]
         halves.append((batched, realtime))
-        parts.append(f"{model}: best {g['best_samples_per_s']:.0f} vs {c['best_samples_per_s']:.0f} samples/s, "
-                     f"batch-1 p50 {g['batch1_p50_ms']:.2f} vs {c['batch1_p50_ms']:.2f} ms ({a} vs cpu)")
+        parts.append(
+            f"{model}: best {g['best_samples_per_s']:.0f} vs {c['best_samples_per_s']:.0f} samples/s, "
+            f"batch-1 p50 {g['batch1_p50_ms']:.2f} vs {c['batch1_p50_ms']:.2f} ms ({a} vs cpu)"
+        )
     if not halves:
         return NOT_MEASURED, "no comparable rows"
     if all(b and r for b, r in halves):
@@ -276,6 +322,7 @@ def verdict_inference(inf: dict | None) -> tuple[str, str]:
 
 
 # ------------------------------------------------------------------------------------------------ sections
+
 
 def _best(rec, key):
     v = exp_matmul.summary(rec)["best_gflops"].get(key)
@@ -290,8 +337,10 @@ def section_matmul(m: Machines) -> tuple[str, dict]:
         ("best bf16 -> fp32", lambda t: _best(get(t), f"{accel(t) or 'cpu'}/bf16")),
         ("measured bf16 peak", lambda t: _fmt(get(t)["peaks"][accel(t) or "cpu"]["gflops"], " GFLOP/s")),
         ("host CPU best fp32 (same machine)", lambda t: _best(get(t), "cpu/f32") if accel(t) else None),
-        ("accelerator / host CPU, largest fp32",
-         lambda t: _ratio(exp_matmul.summary(get(t)).get("speedup_at_largest"))),
+        (
+            "accelerator / host CPU, largest fp32",
+            lambda t: _ratio(exp_matmul.summary(get(t)).get("speedup_at_largest")),
+        ),
         ("accelerator overtakes the CPU from n =", lambda t: _fmt(exp_matmul.summary(get(t)).get("overtake_n"))),
     ]
     verdicts = {t: verdict_matmul(get(t)) for t in m.cpu + m.gpu}
@@ -336,9 +385,15 @@ def section_precision(m: Machines) -> tuple[str, dict]:
     rows = []
     for op in ("matmul", "conv"):
         for mode in ("fp32", "tf32", "bf16", "fp16", "bf16_out"):
-            rows.append((f"{op} {mode}: GFLOP/s, speedup, rel. error",
-                         lambda t, op=op, mode=mode: (lambda v: f"{v['gflops']:,.0f}; {v['speedup']:.2f}x; "
-                                                      f"{v['rel_error']:.1e}")(prec(t)[op][mode])))
+            rows.append(
+                (
+                    f"{op} {mode}: GFLOP/s, speedup, rel. error",
+                    lambda t, op=op, mode=mode: (
+                        lambda v: f"{v['gflops']:,.0f}; {v['speedup']:.2f}x; {v['rel_error']:.1e}"
+                    )(prec(t)[op][mode]),
+                )
+            )
+
     def mm_pair(t):
         rec = m.get(t, "exp_matmul")
         b = next((x for x in rec["peaks"] if x != "cpu"), "cpu")
@@ -347,6 +402,7 @@ def section_precision(m: Machines) -> tuple[str, dict]:
         return f"{g['f32']:,.0f} / {g['bf16']:,.0f} GFLOP/s ({g['bf16'] / g['f32']:.2f}x, n={n})"
 
     rows.append(("exp_matmul, largest n: fp32 / bf16->fp32", mm_pair))
+
     def trained(t, model, p):
         rec = m.get(t, "exp_train")
         if rec is None:
@@ -359,8 +415,9 @@ def section_precision(m: Machines) -> tuple[str, dict]:
 
     for model in ("cnn", "gpt"):
         for p in ("bf16", "fp16", "tf32"):
-            rows.append((f"train {model} {p}: step speedup, quality (fp32's)",
-                         lambda t, model=model, p=p: trained(t, model, p)))
+            rows.append(
+                (f"train {model} {p}: step speedup, quality (fp32's)", lambda t, model=model, p=p: trained(t, model, p))
+            )
     verdicts = {t: verdict_tensor_cores(m.get(t, "exp_precision")) for t in m.cpu + m.gpu}
     return _table(m, rows), verdicts
 
@@ -371,12 +428,15 @@ def section_libraries(m: Machines) -> tuple[str, dict]:
 
     def kernels(t, op, mode):
         return ", ".join(f"`{k}`" for k in prec(t)[op][mode]["kernels"]) or "XLA's own code"
+
     rows = [
         ("bf16 matmul kernels", lambda t: kernels(t, "matmul", "bf16")),
         ("fp32 matmul kernels", lambda t: kernels(t, "matmul", "fp32")),
         ("bf16 conv kernels", lambda t: kernels(t, "conv", "bf16")),
-        ("gpu-check: bf16 GEMM on bf16 operands",
-         lambda t: None if chk(t)["dry_run"] else str(chk(t)["check"]["bf16_gemm"])),
+        (
+            "gpu-check: bf16 GEMM on bf16 operands",
+            lambda t: None if chk(t)["dry_run"] else str(chk(t)["check"]["bf16_gemm"]),
+        ),
         ("gpu-check: cuDNN convolution", lambda t: None if chk(t)["dry_run"] else str(chk(t)["check"]["cudnn_conv"])),
     ]
     verdicts = {t: verdict_libraries(chk(t), m.get(t, "exp_precision")) for t in m.cpu + m.gpu}
@@ -389,9 +449,14 @@ def section_pipeline(m: Machines) -> tuple[str, dict]:
     costs = sorted({int(c) for t in m.cpu + m.gpu for c in (pipe(t) if m.get(t, "exp_pipeline") else {})})
     for cost in costs:
         for arr in ("sync", "overlapped", "device"):
-            rows.append((f"cost {cost}, {arr}: samples/s (device idle)",
-                         lambda t, c=cost, a=arr: (lambda v: f"{v['samples_per_s']:,.0f} ({v['device_idle']:.0%})")(
-                             {int(k): x for k, x in pipe(t).items()}[c][a])))
+            rows.append(
+                (
+                    f"cost {cost}, {arr}: samples/s (device idle)",
+                    lambda t, c=cost, a=arr: (lambda v: f"{v['samples_per_s']:,.0f} ({v['device_idle']:.0%})")(
+                        {int(k): x for k, x in pipe(t).items()}[c][a]
+                    ),
+                )
+            )
     verdicts = {t: verdict_pipeline(m.get(t, "exp_pipeline")) for t in m.cpu + m.gpu}
     return _table(m, rows), verdicts
 
@@ -401,12 +466,21 @@ def section_batches(m: Machines) -> tuple[str, dict]:
     rows = []
     batches = sorted({r["global_batch"] for t in m.cpu + m.gpu if par(t) for r in par(t)["sweep"]})
     for b in batches:
-        rows.append((f"train samples/s, batch {b} (1 device)",
-                     lambda t, b=b: _fmt(next(r["samples_per_s"] for r in par(t)["sweep"] if r["global_batch"] == b))))
+        rows.append(
+            (
+                f"train samples/s, batch {b} (1 device)",
+                lambda t, b=b: _fmt(next(r["samples_per_s"] for r in par(t)["sweep"] if r["global_batch"] == b)),
+            )
+        )
     for form in ("jit", "shard_map", "pmap"):
-        rows.append((f"{form}: speedup from 1 to N devices",
-                     lambda t, f=form: (lambda v: f"{v['speedup']:.2f}x (N={v['devices']})")(
-                         exp_parallel.summary(par(t))["scaling"][f])))
+        rows.append(
+            (
+                f"{form}: speedup from 1 to N devices",
+                lambda t, f=form: (lambda v: f"{v['speedup']:.2f}x (N={v['devices']})")(
+                    exp_parallel.summary(par(t))["scaling"][f]
+                ),
+            )
+        )
     rows.append(("devices simulated on the CPU", lambda t: str(par(t)["simulated_devices"])))
     verdicts = {t: verdict_batches(par(t)) for t in m.cpu + m.gpu}
     return _table(m, rows), verdicts
@@ -417,10 +491,22 @@ def section_inference(m: Machines) -> tuple[str, dict]:
     rows = []
     for backend in ("cpu", "gpu"):
         for model in ("cnn", "gpt"):
-            rows.append((f"{backend} {model}: batch-1 p50 / p99", lambda t, b=backend, mo=model: (
-                lambda v: f"{v['batch1_p50_ms']:.2f} / {v['batch1_p99_ms']:.2f} ms")(inf(t)[b][mo])))
-            rows.append((f"{backend} {model}: best samples/s (batch)", lambda t, b=backend, mo=model: (
-                lambda v: f"{v['best_samples_per_s']:,.0f} ({v['best_batch']})")(inf(t)[b][mo])))
+            rows.append(
+                (
+                    f"{backend} {model}: batch-1 p50 / p99",
+                    lambda t, b=backend, mo=model: (
+                        lambda v: f"{v['batch1_p50_ms']:.2f} / {v['batch1_p99_ms']:.2f} ms"
+                    )(inf(t)[b][mo]),
+                )
+            )
+            rows.append(
+                (
+                    f"{backend} {model}: best samples/s (batch)",
+                    lambda t, b=backend, mo=model: (lambda v: f"{v['best_samples_per_s']:,.0f} ({v['best_batch']})")(
+                        inf(t)[b][mo]
+                    ),
+                )
+            )
     verdicts = {t: verdict_inference(m.get(t, "exp_inference")) for t in m.cpu + m.gpu}
     return _table(m, rows), verdicts
 
@@ -430,7 +516,8 @@ CORRECTION = (
     "generation's (P100) fp32 cores: {v100tc:.0f} vs {p100:.1f} TFLOP/s is {r1:.0f}x; against V100's own fp32 cores "
     "({v100:.1f}) it is about {r2:.0f}x. On an H200 the datasheet ratio of dense bf16 to fp32 is {h200bf:.0f} vs "
     "{h200fp:.0f} TFLOP/s, about {r3:.0f}x. (Datasheet figures, quoted, not measured; the measured ratios are in the "
-    "table.)")
+    "table.)"
+)
 
 
 def build(results_root: str | Path, report_path: str | Path) -> str:
@@ -439,15 +526,21 @@ def build(results_root: str | Path, report_path: str | Path) -> str:
     m = Machines(load_results(results_root))
     report_dir = report_path.parent.resolve()
     root = results_root.resolve()
-    out = ["# What a GPU does for deep learning — measured", "",
-           "Generated by `make report` from the results files under `results/` "
-           f"({datetime.date.today().isoformat()}). No figure below is typed by hand: each comes from a results "
-           "file, and a backend without one reads *not measured*. How each verdict is decided: docs/experiments.md "
-           "and the verdict functions in experiments/report.py. The machines are shared: the load column gives the "
-           "1-minute load average as the runs ended, and ratios measured in one run are more telling than absolute "
-           "figures.", "", "## Machines", "",
-           "| tag | device | CPU | cores | jax | results date | size | load (1 min) |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = [
+        "# What a GPU does for deep learning — measured",
+        "",
+        "Generated by `make report` from the results files under `results/` "
+        f"({datetime.date.today().isoformat()}). No figure below is typed by hand: each comes from a results "
+        "file, and a backend without one reads *not measured*. How each verdict is decided: docs/experiments.md "
+        "and the verdict functions in experiments/report.py. The machines are shared: the load column gives the "
+        "1-minute load average as the runs ended, and ratios measured in one run are more telling than absolute "
+        "figures.",
+        "",
+        "## Machines",
+        "",
+        "| tag | device | CPU | cores | jax | results date | size | load (1 min) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for tag in m.cpu + m.gpu:
         recs = [r for r in m.results[tag].values() if "machine" in r]
         info = recs[0]["machine"]
@@ -455,11 +548,16 @@ def build(results_root: str | Path, report_path: str | Path) -> str:
         sizes = sorted({r.get("size", "?") for r in recs})
         loads = sorted(r["machine"]["load_avg_1m"] for r in recs if r["machine"].get("load_avg_1m") is not None)
         load = f"{loads[0]:.1f}..{loads[-1]:.1f}" if loads else "?"
-        out.append(f"| `{tag}` | {info['device_kind']} | {info.get('cpu_model', '?')} | {info.get('cpu_cores', '?')} "
-                   f"| {info['jax_version']} | {dates[0]}..{dates[-1]} | {', '.join(sizes)} | {load} |")
+        out.append(
+            f"| `{tag}` | {info['device_kind']} | {info.get('cpu_model', '?')} | {info.get('cpu_cores', '?')} "
+            f"| {info['jax_version']} | {dates[0]}..{dates[-1]} | {', '.join(sizes)} | {load} |"
+        )
     if not m.gpu:
-        out += ["", f"No GPU results yet: every GPU column reads *{NOT_MEASURED}*. `make gpu-check` on a GPU "
-                "machine writes them (results/gpu-*/)."]
+        out += [
+            "",
+            f"No GPU results yet: every GPU column reads *{NOT_MEASURED}*. `make gpu-check` on a GPU "
+            "machine writes them (results/gpu-*/).",
+        ]
     sections = [
         (1, section_matmul, ["exp_matmul"]),
         (2, section_latency, ["exp_sequential"]),
@@ -478,19 +576,29 @@ def build(results_root: str | Path, report_path: str | Path) -> str:
         out += ["", f"## Claim {number}: {title}", "", f"> {claim}", "", table, ""]
         if number == 3:
             s = SPEC
-            out += [CORRECTION.format(v100tc=s["V100 tensor fp16"], p100=s["P100 fp32"], v100=s["V100 fp32"],
-                                      r1=s["V100 tensor fp16"] / s["P100 fp32"],
-                                      r2=s["V100 tensor fp16"] / s["V100 fp32"],
-                                      h200bf=s["H200 bf16 dense"], h200fp=s["H200 fp32"],
-                                      r3=s["H200 bf16 dense"] / s["H200 fp32"]), ""]
+            out += [
+                CORRECTION.format(
+                    v100tc=s["V100 tensor fp16"],
+                    p100=s["P100 fp32"],
+                    v100=s["V100 fp32"],
+                    r1=s["V100 tensor fp16"] / s["P100 fp32"],
+                    r2=s["V100 tensor fp16"] / s["V100 fp32"],
+                    h200bf=s["H200 bf16 dense"],
+                    h200fp=s["H200 fp32"],
+                    r3=s["H200 bf16 dense"] / s["H200 fp32"],
+                ),
+                "",
+            ]
         out += [f"**Verdict: {verdict}.** {reason}", ""]
         for name in plots:
             pics = _plots(m, name, report_dir, root)
             if pics:
                 out += [pics, ""]
-    out[out.index("## Machines"):out.index("## Machines")] = (
+    out[out.index("## Machines") : out.index("## Machines")] = (
         ["## Verdicts", "", "| claim | verdict |", "|---|---|"]
-        + [f"| {n}. {t} | {v} |" for n, t, v in summary_rows] + [""])
+        + [f"| {n}. {t} | {v} |" for n, t, v in summary_rows]
+        + [""]
+    )
     text = "\n".join(out).rstrip() + "\n"
     report_path.write_text(text)
     return text

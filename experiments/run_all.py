@@ -15,18 +15,31 @@ import time
 
 from tqdm import tqdm
 
-ORDER = ["exp_matmul", "exp_precision", "exp_sequential", "exp_pipeline", "exp_inference", "exp_parallel",
-         "exp_train"]
+ORDER = ["exp_matmul", "exp_precision", "exp_sequential", "exp_pipeline", "exp_inference", "exp_parallel", "exp_train"]
 # Soft budgets (seconds) per size; the hard limit per process is twice the budget plus start-up and compilation.
 BUDGETS = {
     "tiny": dict.fromkeys(ORDER, 60),
-    "quick": {"exp_matmul": 50, "exp_precision": 45, "exp_sequential": 40, "exp_pipeline": 75, "exp_inference": 70,
-              "exp_parallel": 60, "exp_train": 110},
+    "quick": {
+        "exp_matmul": 50,
+        "exp_precision": 45,
+        "exp_sequential": 40,
+        "exp_pipeline": 75,
+        "exp_inference": 70,
+        "exp_parallel": 60,
+        "exp_train": 110,
+    },
     "full": dict.fromkeys(ORDER, 600),
     # gpu-check runs the MFU benchmark (~60-90 s: compile and time a ~300M-parameter GPT) before these, inside the
     # same 8 minutes, so their sum is 325 s.
-    "gpu": {"exp_matmul": 50, "exp_precision": 40, "exp_sequential": 35, "exp_pipeline": 50, "exp_inference": 50,
-            "exp_parallel": 30, "exp_train": 70},
+    "gpu": {
+        "exp_matmul": 50,
+        "exp_precision": 40,
+        "exp_sequential": 35,
+        "exp_pipeline": 50,
+        "exp_inference": 50,
+        "exp_parallel": 30,
+        "exp_train": 70,
+    },
 }
 
 
@@ -44,8 +57,17 @@ def main(argv=None) -> int:
     for name in bar:
         bar.set_postfix_str(name)
         budget = BUDGETS[args.size][name]
-        cmd = [sys.executable, "-m", f"experiments.{name}", "--size", args.size, "--out", args.out,
-               "--budget", str(budget)]
+        cmd = [
+            sys.executable,
+            "-m",
+            f"experiments.{name}",
+            "--size",
+            args.size,
+            "--out",
+            args.out,
+            "--budget",
+            str(budget),
+        ]
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=2 * budget + 120)
         except subprocess.TimeoutExpired:
@@ -59,8 +81,10 @@ def main(argv=None) -> int:
         else:
             tqdm.write(proc.stdout.rstrip())
     bar.close()
-    print(f"experiments: {len(names) - len(failures)}/{len(names)} done in {time.perf_counter() - start:.0f} s"
-          + (f"; failed: {', '.join(failures)}" if failures else ""))
+    print(
+        f"experiments: {len(names) - len(failures)}/{len(names)} done in {time.perf_counter() - start:.0f} s"
+        + (f"; failed: {', '.join(failures)}" if failures else "")
+    )
     return 1 if failures else 0
 
 

@@ -85,13 +85,19 @@ class NonFiniteGuard(Callback):
         if "grads_finite" in metrics:
             self.skipped_in_row = 0 if metrics["grads_finite"] else self.skipped_in_row + 1
             if self.skipped_in_row and self.skipped_in_row % self.max_skipped_in_row == 0:
-                log.warning("%d steps in a row skipped for non-finite gradients (up to step %d, loss scale %g): "
-                            "the run is not learning; try bf16 or a lower learning rate", self.skipped_in_row,
-                            step, float(metrics.get("loss_scale", float("nan"))))
+                log.warning(
+                    "%d steps in a row skipped for non-finite gradients (up to step %d, loss scale %g): "
+                    "the run is not learning; try bf16 or a lower learning rate",
+                    self.skipped_in_row,
+                    step,
+                    float(metrics.get("loss_scale", float("nan"))),
+                )
             return
         if not math.isfinite(loss):
-            raise NonFiniteError(f"the loss became {loss} at step {step}; stopped without saving non-finite "
-                                 "parameters (try a lower learning rate, gradient clipping, or bf16)")
+            raise NonFiniteError(
+                f"the loss became {loss} at step {step}; stopped without saving non-finite "
+                "parameters (try a lower learning rate, gradient clipping, or bf16)"
+            )
 
 
 class EarlyStopping(Callback):
@@ -111,15 +117,18 @@ class EarlyStopping(Callback):
         if self.metric not in metrics:
             raise ValueError(f"EarlyStopping: the evaluation reports {sorted(metrics)}, not {self.metric!r}")
         value = float(metrics[self.metric])
-        better = self.best is None or (value < self.best - self.min_delta if self.mode == "min"
-                                       else value > self.best + self.min_delta)
+        better = self.best is None or (
+            value < self.best - self.min_delta if self.mode == "min" else value > self.best + self.min_delta
+        )
         if better:
             self.best, self.best_step, self.bad_evals = value, step, 0
             return
         self.bad_evals += 1
         if self.bad_evals >= self.patience:
-            run.request_stop(f"early stopping: eval {self.metric} has not improved on {self.best:.6g} (step "
-                             f"{self.best_step}) for {self.patience} evaluations")
+            run.request_stop(
+                f"early stopping: eval {self.metric} has not improved on {self.best:.6g} (step "
+                f"{self.best_step}) for {self.patience} evaluations"
+            )
 
 
 class LearningRateLogger(Callback):
@@ -173,8 +182,10 @@ class StepWatchdog(Callback):
         while True:
             time.sleep(min(1.0, self.timeout_s / 4))
             if time.monotonic() - self.last > self.timeout_s:
-                sys.stderr.write(f"jaxnn: no training step finished in {self.timeout_s:.0f} s; another process "
-                                 "has probably died; stopping\n")
+                sys.stderr.write(
+                    f"jaxnn: no training step finished in {self.timeout_s:.0f} s; another process "
+                    "has probably died; stopping\n"
+                )
                 sys.stderr.flush()
                 os._exit(3)
 

@@ -42,8 +42,9 @@ def to_saveable(tree):
 
 def from_saveable(tree, like):
     """Inverse of `to_saveable`, using `like` (a tree of the original structure) to find the keys."""
-    return jax.tree.map(lambda x, ref: jax.random.wrap_key_data(x, impl=jax.random.key_impl(ref)) if _is_key(ref)
-                        else x, tree, like)
+    return jax.tree.map(
+        lambda x, ref: jax.random.wrap_key_data(x, impl=jax.random.key_impl(ref)) if _is_key(ref) else x, tree, like
+    )
 
 
 def state_digest(tree) -> str:
@@ -60,8 +61,11 @@ def config_differences(saved: dict, current: dict, ignore=(), *, saved_as: str =
     """Human-readable `field: checkpoint X, now Y` lines for the fields where two config dicts differ."""
     keys = sorted((set(saved) | set(current)) - set(ignore))
     missing = object()
-    return [f"{k}: {saved_as} {saved.get(k, missing)!r}, now {current.get(k, missing)!r}".replace(repr(missing), "-")
-            for k in keys if saved.get(k, missing) != current.get(k, missing)]
+    return [
+        f"{k}: {saved_as} {saved.get(k, missing)!r}, now {current.get(k, missing)!r}".replace(repr(missing), "-")
+        for k in keys
+        if saved.get(k, missing) != current.get(k, missing)
+    ]
 
 
 class Checkpointer:
@@ -79,8 +83,10 @@ class Checkpointer:
         self.save_every = save_every
         self.ignore = tuple(ignore)
         self._ocp = ocp
-        self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, cleanup_tmp_directories=True))
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True),
+        )
         self._in_flight: int | None = None
         self._closed = False
         self._bad: set[int] = set()  # steps a restore found damaged: a later save at that step replaces them
@@ -151,8 +157,9 @@ class Checkpointer:
     def check_compatible(self, step: int, meta: dict, config: dict) -> None:
         diffs = config_differences(meta.get("config", {}), config, self.ignore)
         if diffs:
-            raise CheckpointError(f"checkpoint {self.directory / str(step)} is from a different config: "
-                                  + "; ".join(diffs))
+            raise CheckpointError(
+                f"checkpoint {self.directory / str(step)} is from a different config: " + "; ".join(diffs)
+            )
 
     def _check_layout(self, step: int, target) -> None:
         """Refuses a target of another structure than the saved state, without calling the checkpoint damaged.
@@ -170,13 +177,18 @@ class Checkpointer:
         is_array = lambda x: hasattr(x, "name") and hasattr(x, "shape")  # noqa: E731
         saved = {x.name: tuple(x.shape) for x in jax.tree.leaves(saved_tree, is_leaf=is_array) if is_array(x)}
         wanted = {_dotted(path): tuple(x.shape) for path, x in jax.tree_util.tree_flatten_with_path(target)[0]}
-        diffs = [f"{name}: saved {saved.get(name, '-')}, asked for {wanted.get(name, '-')}"
-                 for name in sorted(set(saved) | set(wanted)) if saved.get(name) != wanted.get(name)]
+        diffs = [
+            f"{name}: saved {saved.get(name, '-')}, asked for {wanted.get(name, '-')}"
+            for name in sorted(set(saved) | set(wanted))
+            if saved.get(name) != wanted.get(name)
+        ]
         if saved and diffs:
-            raise CheckpointError(f"checkpoint {self.directory / str(step)} holds a state of another structure than "
-                                  f"the one to restore into ({len(diffs)} arrays differ: {'; '.join(diffs[:4])}"
-                                  f"{'; ...' if len(diffs) > 4 else ''}); build the state with the model and "
-                                  "optimizer it was saved with")
+            raise CheckpointError(
+                f"checkpoint {self.directory / str(step)} holds a state of another structure than "
+                f"the one to restore into ({len(diffs)} arrays differ: {'; '.join(diffs[:4])}"
+                f"{'; ...' if len(diffs) > 4 else ''}); build the state with the model and "
+                "optimizer it was saved with"
+            )
 
     def restore(self, like_state, config: dict) -> tuple[Any, dict, int] | None:
         """The newest good checkpoint as `(state, data_state, step)`, or None when the directory has none.
@@ -188,8 +200,9 @@ class Checkpointer:
         steps = sorted(self._manager.all_steps(), reverse=True)
         if not steps:
             return None
-        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                              to_saveable(like_state))
+        target = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), to_saveable(like_state)
+        )
         problems = []
         for step in steps:
             where = self.directory / str(step)
@@ -213,8 +226,9 @@ class Checkpointer:
             if state_digest(state) != meta.get("digest"):
                 self._bad.add(step)
                 problems.append(f"step {step}: state bytes do not match the saved digest (corrupted)")
-                log.warning("checkpoint %s is corrupted (its state does not match its digest); "
-                            "trying the previous one", where)
+                log.warning(
+                    "checkpoint %s is corrupted (its state does not match its digest); trying the previous one", where
+                )
                 continue
             if problems:
                 log.warning("restored checkpoint %s after skipping: %s", where, "; ".join(problems))
@@ -251,8 +265,11 @@ class StopSignal:
             return
         self.ignored += 1
         # os.write, not print: a handler may run in the middle of another write to stderr.
-        os.write(2, f"jaxnn: signal {signum} received while stopping; finishing the checkpoint first "
-                    "(kill -9 stops at once, losing the steps since the last checkpoint)\n".encode())
+        os.write(
+            2,
+            f"jaxnn: signal {signum} received while stopping; finishing the checkpoint first "
+            "(kill -9 stops at once, losing the steps since the last checkpoint)\n".encode(),
+        )
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():

@@ -24,12 +24,21 @@ EXIT_USAGE = 2
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxnn", description="jaxnn: train models with JAX on the host at hand.")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="train a model", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                       description="Train a model; checkpoints, metrics.jsonl and plots go to the run directory.")
+    p = sub.add_parser(
+        "train",
+        help="train a model",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Train a model; checkpoints, metrics.jsonl and plots go to the run directory.",
+    )
     a = p.add_argument
     a("--model", default="cnn", help="model: mlp, cnn, resnet or gpt")
-    a("--data", default=None, metavar="DIR", help="directory of MNIST/Fashion-MNIST IDX, CIFAR-10 binary or text "
-      "files (default: the bundled digits, or the Python stdlib source for gpt)")
+    a(
+        "--data",
+        default=None,
+        metavar="DIR",
+        help="directory of MNIST/Fashion-MNIST IDX, CIFAR-10 binary or text "
+        "files (default: the bundled digits, or the Python stdlib source for gpt)",
+    )
     a("--dataset", default="auto", help="data format: auto, digits, mnist, fashion_mnist, cifar10, text, synthetic")
     a("--size", default="base", help="model size: base (the model's default config) or small (for quick runs)")
     a("--steps", type=int, default=None, help="training steps (default per model)")
@@ -44,8 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--layers", type=int, default=None, help="gpt: number of transformer blocks")
     a("--crop-pad", type=int, default=0, help="images: random crop after zero-padding by this many pixels")
     a("--flip", action="store_true", help="images: random horizontal flips")
-    a("--run-dir", default=None, help="run directory (default runs/<model>-<data>/<time>; with --resume, the "
-      "newest of those)")
+    a(
+        "--run-dir",
+        default=None,
+        help="run directory (default runs/<model>-<data>/<time>; with --resume, the newest of those)",
+    )
     a("--ckpt-dir", default=None, help="checkpoint directory (default <run-dir>/ckpt)")
     a("--resume", action="store_true", help="continue from the newest good checkpoint in the run directory")
     a("--overwrite", action="store_true", help="replace the run in --run-dir instead of refusing")
@@ -53,27 +65,46 @@ def build_parser() -> argparse.ArgumentParser:
     a("--log-every", type=int, default=50, help="log metrics and input wait every N steps")
     a("--ckpt-every", type=int, default=0, help="checkpoint every N steps (0: only at the end and on a signal)")
     a("--keep", type=int, default=3, help="checkpoints to keep")
-    a("--devices", type=int, default=1, help="data-parallel devices of this process (on a CPU, that many "
-      "simulated devices)")
-    a("--coordinator", default=None, metavar="HOST:PORT", help="multi-process run: address of process 0's "
-      "coordination service (or JAXNN_COORDINATOR)")
-    a("--num-processes", type=int, default=None, help="multi-process run: number of processes "
-      "(or JAXNN_NUM_PROCESSES)")
-    a("--process-id", type=int, default=None, help="multi-process run: this process's index "
-      "(or JAXNN_PROCESS_ID)")
+    a(
+        "--devices",
+        type=int,
+        default=1,
+        help="data-parallel devices of this process (on a CPU, that many simulated devices)",
+    )
+    a(
+        "--coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help="multi-process run: address of process 0's coordination service (or JAXNN_COORDINATOR)",
+    )
+    a("--num-processes", type=int, default=None, help="multi-process run: number of processes (or JAXNN_NUM_PROCESSES)")
+    a("--process-id", type=int, default=None, help="multi-process run: this process's index (or JAXNN_PROCESS_ID)")
     a("--cluster", action="store_true", help="multi-process run: let jax detect the processes (SLURM, Open MPI)")
-    a("--heartbeat-timeout", type=int, default=30, help="multi-process run: seconds after which a silent process "
-      "counts as dead and the others stop")
-    a("--step-timeout", type=float, default=300, help="multi-process run: stop if no step finishes in this many "
-      "seconds (a peer died)")
+    a(
+        "--heartbeat-timeout",
+        type=int,
+        default=30,
+        help="multi-process run: seconds after which a silent process counts as dead and the others stop",
+    )
+    a(
+        "--step-timeout",
+        type=float,
+        default=300,
+        help="multi-process run: stop if no step finishes in this many seconds (a peer died)",
+    )
     a("--fail-at", type=int, nargs=2, metavar=("PROCESS", "STEP"), default=None, help=argparse.SUPPRESS)
     a("--prefetch", type=int, default=2, help="batches put on the device ahead of the step (0: none)")
     a("--backend", default="grain", choices=("grain", "inline"), help="host pipeline: Grain workers or inline")
     a("--workers", type=int, default=0, help="Grain worker processes (0: reader threads in this process)")
     a("--no-progress", action="store_true", help="no progress bar")
     a("--no-plots", action="store_true", help="no PNG plots at the end")
-    a("--metrics", nargs="+", default=[], choices=("csv", "tensorboard"), help="metric writers besides "
-      "metrics.jsonl: CSV files, TensorBoard event files (<run-dir>/tensorboard)")
+    a(
+        "--metrics",
+        nargs="+",
+        default=[],
+        choices=("csv", "tensorboard"),
+        help="metric writers besides metrics.jsonl: CSV files, TensorBoard event files (<run-dir>/tensorboard)",
+    )
     a("--no-summary", action="store_true", help="do not print the model's per-layer table at the start")
     return parser
 
@@ -104,20 +135,42 @@ def config_from_args(args) -> TrainConfig:
             overrides[field] = getattr(args, flag)
     if args.size == "small":  # the small config's own widths, unless asked otherwise
         overrides = {k: v for k, v in overrides.items() if getattr(args, {"num_layers": "layers"}.get(k, k), None)}
+
     def pick(name, fallback):
         return getattr(args, name) if getattr(args, name) is not None else defaults.get(name, fallback)
 
     return TrainConfig(
-        model=args.model, dataset=args.dataset, data_dir=args.data, size=args.size,
-        model_overrides=tuple(sorted(overrides.items())), steps=pick("steps", 600),
-        batch_size=pick("batch_size", 64), precision=args.precision, lr=pick("lr", 3e-3),
-        warmup=pick("warmup", 0), weight_decay=args.weight_decay, seed=args.seed, crop_pad=args.crop_pad,
-        flip=args.flip, seq_len=pick("seq_len", 128),
-        run_dir=args.run_dir or default_run_dir(args.model, args.data, args.resume), ckpt_dir=args.ckpt_dir,
-        resume=args.resume, overwrite=args.overwrite, devices=args.devices, eval_every=args.eval_every,
-        log_every=args.log_every, ckpt_every=args.ckpt_every, keep=args.keep, prefetch=args.prefetch,
-        backend=args.backend, workers=args.workers, progress=not args.no_progress, plots=not args.no_plots,
-        metrics=tuple(args.metrics))
+        model=args.model,
+        dataset=args.dataset,
+        data_dir=args.data,
+        size=args.size,
+        model_overrides=tuple(sorted(overrides.items())),
+        steps=pick("steps", 600),
+        batch_size=pick("batch_size", 64),
+        precision=args.precision,
+        lr=pick("lr", 3e-3),
+        warmup=pick("warmup", 0),
+        weight_decay=args.weight_decay,
+        seed=args.seed,
+        crop_pad=args.crop_pad,
+        flip=args.flip,
+        seq_len=pick("seq_len", 128),
+        run_dir=args.run_dir or default_run_dir(args.model, args.data, args.resume),
+        ckpt_dir=args.ckpt_dir,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        devices=args.devices,
+        eval_every=args.eval_every,
+        log_every=args.log_every,
+        ckpt_every=args.ckpt_every,
+        keep=args.keep,
+        prefetch=args.prefetch,
+        backend=args.backend,
+        workers=args.workers,
+        progress=not args.no_progress,
+        plots=not args.no_plots,
+        metrics=tuple(args.metrics),
+    )
 
 
 def format_summary(s: dict) -> str:
@@ -132,9 +185,11 @@ def format_summary(s: dict) -> str:
     stopped = f", stopped by signal {s['interrupted_by']}" if s.get("interrupted_by") else ""
     stopped += f", {s['stopped_by']}" if s.get("stopped_by") else ""
     skipped = f", {s['skipped_steps']} steps skipped (overflow)" if s.get("skipped_steps") else ""
-    return (f"{s['model']} on {s['dataset']}: step {s['step']}/{s['steps']}, {quality}, "
-            f"{s['examples_per_s']:.0f} examples/s, input wait {100 * s['input_wait_frac']:.1f}%{skipped}, "
-            f"{s['time_s']:.1f} s{stopped} -> {s['run_dir']}")
+    return (
+        f"{s['model']} on {s['dataset']}: step {s['step']}/{s['steps']}, {quality}, "
+        f"{s['examples_per_s']:.0f} examples/s, input wait {100 * s['input_wait_frac']:.1f}%{skipped}, "
+        f"{s['time_s']:.1f} s{stopped} -> {s['run_dir']}"
+    )
 
 
 def start_processes(args) -> bool:
@@ -143,14 +198,18 @@ def start_processes(args) -> bool:
 
     from jaxnn import mesh
 
-    asked = (args.cluster or any(v is not None for v in (args.coordinator, args.num_processes, args.process_id))
-             or any(os.environ.get(v) for v in (mesh.ENV_COORDINATOR, mesh.ENV_NUM_PROCESSES)))
+    asked = (
+        args.cluster
+        or any(v is not None for v in (args.coordinator, args.num_processes, args.process_id))
+        or any(os.environ.get(v) for v in (mesh.ENV_COORDINATOR, mesh.ENV_NUM_PROCESSES))
+    )
     if not asked:
         return False
     if args.run_dir is None:
         raise ValueError("a multi-process run needs --run-dir (every process must write the same run)")
-    return mesh.initialize_distributed(args.coordinator, args.num_processes, args.process_id,
-                                       heartbeat_timeout_s=args.heartbeat_timeout)
+    return mesh.initialize_distributed(
+        args.coordinator, args.num_processes, args.process_id, heartbeat_timeout_s=args.heartbeat_timeout
+    )
 
 
 def callbacks_from_args(args, multi_process: bool) -> list:
@@ -172,8 +231,9 @@ def train_main(args) -> int:
         multi_process = start_processes(args)
         from jaxnn.recipes import train
 
-        summary = train(cfg, callbacks=callbacks_from_args(args, multi_process),
-                        print_summary=None if args.no_summary else print)
+        summary = train(
+            cfg, callbacks=callbacks_from_args(args, multi_process), print_summary=None if args.no_summary else print
+        )
     except (NonFiniteError, StorageError) as err:
         print(f"jaxnn: error: {err}", file=sys.stderr)
         return EXIT_FAILED
@@ -188,8 +248,10 @@ def train_main(args) -> int:
     if multi_process:
         import jax
 
-        print(f"jaxnn: process {jax.process_index()} of {jax.process_count()} ({jax.device_count()} devices): "
-              f"step {summary['step']}, params {summary['param_digest'][:16]}")
+        print(
+            f"jaxnn: process {jax.process_index()} of {jax.process_count()} ({jax.device_count()} devices): "
+            f"step {summary['step']}, params {summary['param_digest'][:16]}"
+        )
     return 128 + summary["interrupted_by"] if summary.get("interrupted_by") else 0
 
 

@@ -77,8 +77,24 @@ class FitConfig:
     guard_nonfinite: bool = True
     name: str = "fit"
 
-    RUN_ONLY = ("eval_every", "log_every", "ckpt_every", "keep", "run_dir", "ckpt_dir", "resume", "overwrite",
-                "metrics", "progress", "plots", "devices", "form", "prefetch", "guard_nonfinite", "name")
+    RUN_ONLY = (
+        "eval_every",
+        "log_every",
+        "ckpt_every",
+        "keep",
+        "run_dir",
+        "ckpt_dir",
+        "resume",
+        "overwrite",
+        "metrics",
+        "progress",
+        "plots",
+        "devices",
+        "form",
+        "prefetch",
+        "guard_nonfinite",
+        "name",
+    )
 
     def __post_init__(self):
         from jaxnn.precision import PRESETS
@@ -128,14 +144,35 @@ MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
     "cnn": {"steps": 600, "batch_size": 64, "lr": 3e-3},
     "mlp": {"steps": 1000, "batch_size": 64, "lr": 1e-3},
     "resnet": {"steps": 600, "batch_size": 64, "lr": 3e-3},
-    "gpt": {"steps": 500, "batch_size": 32, "lr": 3e-3, "warmup": 30, "seq_len": 64,
-                "model_overrides": (("d_model", 128), ("num_layers", 2))},
+    "gpt": {
+        "steps": 500,
+        "batch_size": 32,
+        "lr": 3e-3,
+        "warmup": 30,
+        "seq_len": 64,
+        "model_overrides": (("d_model", 128), ("num_layers", 2)),
+    },
 }
 
 # TrainConfig fields that do not change what a run computes: a checkpoint may be resumed with them changed.
-RUN_ONLY_FIELDS = ("run_dir", "ckpt_dir", "resume", "overwrite", "devices", "eval_every", "log_every",
-                   "ckpt_every", "keep", "prefetch", "backend", "workers", "progress", "plots", "sample_bytes",
-                   "metrics")
+RUN_ONLY_FIELDS = (
+    "run_dir",
+    "ckpt_dir",
+    "resume",
+    "overwrite",
+    "devices",
+    "eval_every",
+    "log_every",
+    "ckpt_every",
+    "keep",
+    "prefetch",
+    "backend",
+    "workers",
+    "progress",
+    "plots",
+    "sample_bytes",
+    "metrics",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,8 +218,17 @@ class TrainConfig:
         validate(self)
 
     def small(self) -> TrainConfig:
-        return dataclasses.replace(self, size="small", steps=30, batch_size=16, seq_len=32, log_every=10,
-                                   plots=False, progress=False, sample_bytes=32)
+        return dataclasses.replace(
+            self,
+            size="small",
+            steps=30,
+            batch_size=16,
+            seq_len=32,
+            log_every=10,
+            plots=False,
+            progress=False,
+            sample_bytes=32,
+        )
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -212,8 +258,16 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     if not (isinstance(cfg.lr, (int, float)) and math.isfinite(cfg.lr) and cfg.lr > 0):
         raise ConfigError(f"lr must be a positive number, got {cfg.lr!r}")
-    for name in ("warmup", "eval_every", "ckpt_every", "prefetch", "workers", "crop_pad", "weight_decay",
-                 "sample_bytes"):
+    for name in (
+        "warmup",
+        "eval_every",
+        "ckpt_every",
+        "prefetch",
+        "workers",
+        "crop_pad",
+        "weight_decay",
+        "sample_bytes",
+    ):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(cfg, name)!r}")
     if cfg.batch_size % cfg.devices:

@@ -46,14 +46,24 @@ log = logging.getLogger(__name__)
 
 
 class FitResult(NamedTuple):
-    state: TrainState   # the final train state (replicated over the mesh)
+    state: TrainState  # the final train state (replicated over the mesh)
     history: list[dict]  # every train and eval row this call wrote, in order
-    summary: dict        # what summary.json holds
+    summary: dict  # what summary.json holds
 
 
-def fit(model: Layer, data, *, loss: LossFn = masked_classification_loss, optimizer=None, eval_data=None,
-        callbacks: Iterable[Callback] = (), mesh=None, pipeline=None, config: dict | None = None,
-        **settings) -> FitResult:
+def fit(
+    model: Layer,
+    data,
+    *,
+    loss: LossFn = masked_classification_loss,
+    optimizer=None,
+    eval_data=None,
+    callbacks: Iterable[Callback] = (),
+    mesh=None,
+    pipeline=None,
+    config: dict | None = None,
+    **settings,
+) -> FitResult:
     """Trains `model` on `data` and returns `FitResult(state, history, summary)`.
 
     model: any `jaxnn.layers.Layer`; its input is `batch["x"]`.
@@ -79,8 +89,9 @@ def fit(model: Layer, data, *, loss: LossFn = masked_classification_loss, optimi
     tx = optimizer if optimizer is not None else make_optimizer(1e-3, total_steps=cfg.steps)
     mesh = mesh if mesh is not None else make_mesh(None if jax.process_count() > 1 else _devices(cfg.devices))
     check_batch_divisible(batch_size, mesh)
-    state = create_sharded_state(lambda: create_train_state(model, tx, jax.random.key(cfg.seed),
-                                                            example["x"].shape, cfg.precision), mesh)
+    state = create_sharded_state(
+        lambda: create_train_state(model, tx, jax.random.key(cfg.seed), example["x"].shape, cfg.precision), mesh
+    )
     _check_step_runs(model, loss, tx, cfg.precision, state, example)
     record = _json_record({**cfg.record(), **(config or {}), **_model_record(state.params)})
 
@@ -102,8 +113,7 @@ def _train(model, loss, tx, cfg, source, evals, mesh, state, record, files, call
     place = lambda host: dp.place_batch(jax.tree.map(lambda x: x[rows], host))  # noqa: E731
     batches = DevicePrefetch(source.iterator(start, cfg.steps), place=place, size=cfg.prefetch)
     eval_step = make_eval_step(model, loss, cfg.precision)
-    run = RunInfo(cfg.steps, cfg.run_dir, files.is_main, start, start, state,
-                  get_policy(cfg.precision).loss_scaling)
+    run = RunInfo(cfg.steps, cfg.run_dir, files.is_main, start, start, state, get_policy(cfg.precision).loss_scaling)
     if cfg.guard_nonfinite and not any(isinstance(c, NonFiniteGuard) for c in callbacks):
         callbacks = [NonFiniteGuard(), *callbacks]
     tracker = _Tracker(cfg, files, callbacks, run, _batch_size(source.example()))
@@ -140,6 +150,7 @@ def _train(model, loss, tx, cfg, source, evals, mesh, state, record, files, call
 
 # ------------------------------------------------------------------------------------------------------- setup
 
+
 def _devices(n: int) -> int:
     if n > jax.local_device_count():
         raise ConfigError(f"devices {n}: only {jax.local_device_count()} {jax.default_backend()} devices here")
@@ -148,8 +159,10 @@ def _devices(n: int) -> int:
 
 def _batch_size(batch: dict) -> int:
     if not isinstance(batch, dict) or "x" not in batch:
-        raise ConfigError(f"data: batches must be dicts with an input 'x' (and targets, e.g. 'y'), got "
-                          f"{type(batch).__name__}{' with keys ' + str(sorted(batch)) if isinstance(batch, dict) else ''}")
+        raise ConfigError(
+            f"data: batches must be dicts with an input 'x' (and targets, e.g. 'y'), got "
+            f"{type(batch).__name__}{' with keys ' + str(sorted(batch)) if isinstance(batch, dict) else ''}"
+        )
     return int(np.shape(batch["x"])[0])
 
 
@@ -161,8 +174,9 @@ def _check_step_runs(model, loss, tx, precision, state, example) -> None:
     except Exception as err:  # noqa: BLE001 - any failure here is the model, the loss or the data
         shapes = {k: f"{v.dtype}{list(v.shape)}" for k, v in batch.items()}
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"the model and loss cannot run on a batch {shapes}: {type(err).__name__}: "
-                          f"{reason[:300]}") from err
+        raise ConfigError(
+            f"the model and loss cannot run on a batch {shapes}: {type(err).__name__}: {reason[:300]}"
+        ) from err
 
 
 def _json_record(record: dict) -> dict:
@@ -181,8 +195,10 @@ def _model_record(params) -> dict:
 
     shapes = jax.tree_util.tree_flatten_with_path(params)[0]
     text = ";".join(f"{jax.tree_util.keystr(p)}:{tuple(x.shape)}:{x.dtype}" for p, x in shapes)
-    return {"num_params": int(sum(np.prod(x.shape) for _, x in shapes)),
-            "param_shapes": hashlib.sha256(text.encode()).hexdigest()[:16]}
+    return {
+        "num_params": int(sum(np.prod(x.shape) for _, x in shapes)),
+        "param_shapes": hashlib.sha256(text.encode()).hexdigest()[:16],
+    }
 
 
 def _restore(ckpt, state, record, source, cfg, files) -> tuple[Any, int]:
@@ -194,13 +210,16 @@ def _restore(ckpt, state, record, source, cfg, files) -> tuple[Any, int]:
         return state, 0
     state, data_state, start = restored
     if data_state.get("next_step") != start:
-        raise CheckpointError(f"checkpoint {ckpt.directory / str(start)}: data iterator at "
-                              f"{data_state.get('next_step')} but train state at step {start}")
+        raise CheckpointError(
+            f"checkpoint {ckpt.directory / str(start)}: data iterator at "
+            f"{data_state.get('next_step')} but train state at step {start}"
+        )
     # Same config, different data (e.g. a folder whose files changed) would shift every later batch.
     diffs = config_differences(data_state, source.state(start))
     if diffs:
-        raise CheckpointError(f"checkpoint {ckpt.directory / str(start)}: its data iterator does not fit this "
-                              f"data ({'; '.join(diffs)})")
+        raise CheckpointError(
+            f"checkpoint {ckpt.directory / str(start)}: its data iterator does not fit this data ({'; '.join(diffs)})"
+        )
     files.resumed_from(start)
     return state, start
 
@@ -230,8 +249,10 @@ def _save(ckpt, step, state, source, record, tracker, force=False) -> None:
     if not (force or ckpt.should_save(step)):
         return
     if not bool(all_finite(state.params)):
-        raise NonFiniteError(f"the parameters are not finite at step {step}; not checkpointed (the newest "
-                             f"checkpoint, step {ckpt.latest_step()}, is kept)")
+        raise NonFiniteError(
+            f"the parameters are not finite at step {step}; not checkpointed (the newest "
+            f"checkpoint, step {ckpt.latest_step()}, is kept)"
+        )
     if ckpt.save(step, state, data_state=source.state(step), config=record, force=force):
         tracker.checkpointed(step)
 
@@ -242,8 +263,13 @@ def _evaluate(eval_step, state, batches, place) -> dict:
     total_count = 0.0
     for host in batches:
         m = jax.device_get(eval_step(state, place(host)))
-        count = float(m.pop("count")) if "count" in m else float(np.sum(host["mask"])) if "mask" in host \
+        count = (
+            float(m.pop("count"))
+            if "count" in m
+            else float(np.sum(host["mask"]))
+            if "mask" in host
             else float(_batch_size(host))
+        )
         total_count += count
         for k, v in m.items():
             totals[k] = totals.get(k, 0.0) + float(v) * count
@@ -251,6 +277,7 @@ def _evaluate(eval_step, state, batches, place) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------- bookkeeping
+
 
 class _Tracker:
     """Metrics one step late, interval averages, skipped fp16 steps, rows, progress bar and callbacks."""
@@ -265,8 +292,14 @@ class _Tracker:
         self.wait_total = 0.0
         self.history: list[dict] = []
         self.t_start = self.t_interval = time.perf_counter()
-        self.bar = tqdm(total=cfg.steps, initial=run.start_step, unit="step", dynamic_ncols=True,
-                        disable=not (cfg.progress and files.is_main), desc=cfg.name)
+        self.bar = tqdm(
+            total=cfg.steps,
+            initial=run.start_step,
+            unit="step",
+            dynamic_ncols=True,
+            disable=not (cfg.progress and files.is_main),
+            desc=cfg.name,
+        )
 
     def after_step(self, step: int, metrics) -> None:
         self._absorb()
@@ -289,8 +322,9 @@ class _Tracker:
         self.n += 1
         for c in self.callbacks:
             c.on_step(self.run, step, m)
-        self.bar.set_postfix(loss=f"{m['loss']:.4f}", **({"skipped": self.skipped_total} if "grads_finite" in m
-                                                        else {}), refresh=False)
+        self.bar.set_postfix(
+            loss=f"{m['loss']:.4f}", **({"skipped": self.skipped_total} if "grads_finite" in m else {}), refresh=False
+        )
 
     def finish_steps(self) -> None:
         self._absorb()
@@ -300,17 +334,26 @@ class _Tracker:
         now = time.perf_counter()
         dt = now - self.t_interval
         self.wait_total += wait
-        row = {"split": "train", "step": step, **{k: v / max(self.n, 1) for k, v in self.sums.items()},
-               "examples_per_s": self.n * self.batch_size / dt, "input_wait_s": wait, "input_wait_frac": wait / dt,
-               "time_s": now - self.t_start}
+        row = {
+            "split": "train",
+            "step": step,
+            **{k: v / max(self.n, 1) for k, v in self.sums.items()},
+            "examples_per_s": self.n * self.batch_size / dt,
+            "input_wait_s": wait,
+            "input_wait_frac": wait / dt,
+            "time_s": now - self.t_start,
+        }
         if self.run.uses_loss_scaling:
             row["skipped_steps"] = self.skipped
         for c in self.callbacks:
             c.on_log(self.run, row)
         self._write(row)
-        self.bar.set_postfix(loss=f"{row['loss']:.4f}", ex_s=f"{row['examples_per_s']:.0f}",
-                             wait=f"{100 * row['input_wait_frac']:.1f}%",
-                             **({"skipped": self.skipped_total} if self.run.uses_loss_scaling else {}))
+        self.bar.set_postfix(
+            loss=f"{row['loss']:.4f}",
+            ex_s=f"{row['examples_per_s']:.0f}",
+            wait=f"{100 * row['input_wait_frac']:.1f}%",
+            **({"skipped": self.skipped_total} if self.run.uses_loss_scaling else {}),
+        )
         self.sums, self.n, self.skipped = {}, 0, 0
         self.t_interval = time.perf_counter()
 
@@ -332,12 +375,22 @@ class _Tracker:
         self.bar.close()
         elapsed = time.perf_counter() - self.t_start
         self.wait_total += wait
-        summary = {"name": self.cfg.name, "step": step, "steps": self.cfg.steps, "resumed_from": start,
-                   "interrupted_by": stop.received, "signals_ignored": stop.ignored,
-                   "stopped_by": self.run.stop_reason, "error": str(failure) if failure else None,
-                   "time_s": elapsed, "examples_per_s": self.steps_done * self.batch_size / elapsed if elapsed else 0.0,
-                   "input_wait_frac": self.wait_total / elapsed if elapsed else 0.0, "run_dir": self.cfg.run_dir,
-                   "param_digest": state_digest(state.params), **{f"eval_{k}": v for k, v in eval_metrics.items()}}
+        summary = {
+            "name": self.cfg.name,
+            "step": step,
+            "steps": self.cfg.steps,
+            "resumed_from": start,
+            "interrupted_by": stop.received,
+            "signals_ignored": stop.ignored,
+            "stopped_by": self.run.stop_reason,
+            "error": str(failure) if failure else None,
+            "time_s": elapsed,
+            "examples_per_s": self.steps_done * self.batch_size / elapsed if elapsed else 0.0,
+            "input_wait_frac": self.wait_total / elapsed if elapsed else 0.0,
+            "run_dir": self.cfg.run_dir,
+            "param_digest": state_digest(state.params),
+            **{f"eval_{k}": v for k, v in eval_metrics.items()},
+        }
         if self.run.uses_loss_scaling:
             summary["skipped_steps"] = self.skipped_total
         for c in self.callbacks:

@@ -24,6 +24,7 @@ DATA_AXIS = "data"
 
 # --------------------------------------------------------------------------------------------------------- devices
 
+
 def configure_cpu_devices(num_devices: int) -> None:
     """Simulates `num_devices` CPU devices; call before anything touches a jax device (first in a CLI's main).
 
@@ -36,13 +37,16 @@ def configure_cpu_devices(num_devices: int) -> None:
     except RuntimeError:  # jax's backends already exist: the count is fixed
         if jax.local_device_count() == num_devices or jax.default_backend() != "cpu":
             return
-        raise RuntimeError(f"configure_cpu_devices({num_devices}) called after jax started with "
-                           f"{jax.local_device_count()} devices; call it before any jax computation") from None
+        raise RuntimeError(
+            f"configure_cpu_devices({num_devices}) called after jax started with "
+            f"{jax.local_device_count()} devices; call it before any jax computation"
+        ) from None
     # The XLA flag (set by tests/conftest.py) would override the option, so it must not contradict it.
     flags = os.environ.get("XLA_FLAGS", "")
     if "--xla_force_host_platform_device_count" in flags:
-        os.environ["XLA_FLAGS"] = " ".join(f for f in flags.split()
-                                           if not f.startswith("--xla_force_host_platform_device_count"))
+        os.environ["XLA_FLAGS"] = " ".join(
+            f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count")
+        )
 
 
 def make_mesh(num_devices: int | None = None) -> Mesh:
@@ -75,12 +79,14 @@ def check_batch_divisible(global_batch: int, mesh: Mesh) -> None:
 def _leading_size(batch) -> int:
     sizes = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
     if len(sizes) != 1 or None in sizes:
-        raise ValueError("batch leaves must share one leading (batch) axis, got leading sizes "
-                         f"{sorted(map(str, sizes))}")
+        raise ValueError(
+            f"batch leaves must share one leading (batch) axis, got leading sizes {sorted(map(str, sizes))}"
+        )
     return sizes.pop()
 
 
 # --------------------------------------------------------------------------------------------------- placement
+
 
 def shard_batch(batch, mesh: Mesh):
     """Places this process's part of a global batch straight onto the `data` sharding of `mesh`.
@@ -126,14 +132,19 @@ def create_sharded_state(create: Callable[[], Any], mesh: Mesh) -> Any:
 
 # ------------------------------------------------------------------------------------------------------ many hosts
 
-ENV_COORDINATOR = "JAXNN_COORDINATOR"      # host:port of process 0's coordinator service
+ENV_COORDINATOR = "JAXNN_COORDINATOR"  # host:port of process 0's coordinator service
 ENV_NUM_PROCESSES = "JAXNN_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXNN_PROCESS_ID"
 
 
-def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
-                           process_id: int | None = None, *, heartbeat_timeout_s: int = 30,
-                           init_timeout_s: int = 120) -> bool:
+def initialize_distributed(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    heartbeat_timeout_s: int = 30,
+    init_timeout_s: int = 120,
+) -> bool:
     """Joins this process to a multi-process run; call before any jax computation. Returns whether it did.
 
     Arguments left None come from `JAXNN_COORDINATOR`, `JAXNN_NUM_PROCESSES` and `JAXNN_PROCESS_ID`; when none
@@ -149,23 +160,37 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
     given = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}
     if any(v is not None for v in given.values()) and any(v is None for v in given.values()):
         missing = [k for k, v in given.items() if v is None]
-        raise ValueError(f"initialize_distributed: {', '.join(missing)} missing (give all of coordinator, "
-                         f"num_processes and process_id, by flag or {ENV_COORDINATOR}/{ENV_NUM_PROCESSES}/"
-                         f"{ENV_PROCESS_ID}, or none of them for cluster auto-detection)")
+        raise ValueError(
+            f"initialize_distributed: {', '.join(missing)} missing (give all of coordinator, "
+            f"num_processes and process_id, by flag or {ENV_COORDINATOR}/{ENV_NUM_PROCESSES}/"
+            f"{ENV_PROCESS_ID}, or none of them for cluster auto-detection)"
+        )
     if num_processes is not None and not 0 <= process_id < num_processes:
         raise ValueError(f"initialize_distributed: process_id {process_id} is not in [0, {num_processes})")
     # CPU processes exchange data through gloo (over TCP); GPUs and TPUs ignore this setting.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
-        jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=init_timeout_s,
-                                   heartbeat_timeout_seconds=heartbeat_timeout_s)
+        jax.distributed.initialize(
+            coordinator,
+            num_processes,
+            process_id,
+            initialization_timeout=init_timeout_s,
+            heartbeat_timeout_seconds=heartbeat_timeout_s,
+        )
     except ValueError as e:
         if coordinator is None:
-            raise ValueError("initialize_distributed: no coordinator given (flag or "
-                             f"{ENV_COORDINATOR}) and no cluster detected: {e}") from e
+            raise ValueError(
+                f"initialize_distributed: no coordinator given (flag or {ENV_COORDINATOR}) and no cluster detected: {e}"
+            ) from e
         raise
-    log.info("process %d of %d joined (coordinator %s); %d local of %d devices", jax.process_index(),
-             jax.process_count(), coordinator or "auto-detected", jax.local_device_count(), jax.device_count())
+    log.info(
+        "process %d of %d joined (coordinator %s); %d local of %d devices",
+        jax.process_index(),
+        jax.process_count(),
+        coordinator or "auto-detected",
+        jax.local_device_count(),
+        jax.device_count(),
+    )
     return True
 
 
@@ -186,6 +211,8 @@ def process_slice(global_batch_size: int, mesh: Mesh) -> slice:
     starts, stops = zip(*((idx[0].start or 0, idx[0].stop or global_batch_size) for idx in index_map.values()))
     rows = slice(min(starts), max(stops))
     if (rows.stop - rows.start) * jax.process_count() != global_batch_size:
-        raise ValueError(f"the devices of process {jax.process_index()} do not hold one contiguous share of the "
-                         "batch; build the mesh with make_mesh, which orders devices by process")
+        raise ValueError(
+            f"the devices of process {jax.process_index()} do not hold one contiguous share of the "
+            "batch; build the mesh with make_mesh, which orders devices by process"
+        )
     return rows

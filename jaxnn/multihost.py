@@ -21,8 +21,10 @@ import tempfile
 import time
 
 # What `jaxnn train` prints last in a multi-process run.
-RESULT_LINE = re.compile(r"jaxnn: process (?P<process>\d+) of (?P<processes>\d+) \((?P<devices>\d+) devices\): "
-                         r"step (?P<step>\d+), params (?P<params>[0-9a-f]+)")
+RESULT_LINE = re.compile(
+    r"jaxnn: process (?P<process>\d+) of (?P<processes>\d+) \((?P<devices>\d+) devices\): "
+    r"step (?P<step>\d+), params (?P<params>[0-9a-f]+)"
+)
 DEFAULT_TRAIN_ARGS = ["--model", "mlp", "--steps", "300", "--batch-size", "64", "--no-progress", "--no-plots"]
 
 
@@ -35,14 +37,20 @@ def free_port() -> int:
 @dataclasses.dataclass
 class WorkerResult:
     process_id: int
-    returncode: int | None   # None: killed by the launcher
+    returncode: int | None  # None: killed by the launcher
     stdout: str
     stderr: str
-    result: dict | None      # the worker's final line: process, processes, devices, step, params
+    result: dict | None  # the worker's final line: process, processes, devices, step, params
 
 
-def launch_local(num_processes: int, train_args: list[str], *, devices_per_process: int = 1,
-                 timeout_s: float = 600, grace_s: float = 30) -> list[WorkerResult]:
+def launch_local(
+    num_processes: int,
+    train_args: list[str],
+    *,
+    devices_per_process: int = 1,
+    timeout_s: float = 600,
+    grace_s: float = 30,
+) -> list[WorkerResult]:
     """Starts `num_processes` `jaxnn train` workers (with `train_args`) on 127.0.0.1 and waits for them; never hangs.
 
     When a worker fails, the others get `grace_s` to stop on their own (jax's heartbeat ends them) before
@@ -57,9 +65,21 @@ def launch_local(num_processes: int, train_args: list[str], *, devices_per_proce
             out = files.enter_context(open(f"{logs}/{i}.out", "w+"))
             err = files.enter_context(open(f"{logs}/{i}.err", "w+"))
             outputs.append((out, err))
-            cmd = [sys.executable, "-m", "jaxnn.cli", "train", *train_args, "--coordinator", coordinator,
-                   "--num-processes", str(num_processes), "--process-id", str(i),
-                   "--devices", str(devices_per_process)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "jaxnn.cli",
+                "train",
+                *train_args,
+                "--coordinator",
+                coordinator,
+                "--num-processes",
+                str(num_processes),
+                "--process-id",
+                str(i),
+                "--devices",
+                str(devices_per_process),
+            ]
             procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=env))
         _wait_all(procs, timeout_s, grace_s)
         results = []
@@ -91,8 +111,11 @@ def _wait_all(procs: list[subprocess.Popen], timeout_s: float, grace_s: float) -
 
 def failure_reason(stderr: str) -> str:
     """The line of a failed worker's stderr that says why (jax's fatal-error line, the watchdog, a traceback's end)."""
-    lines = [line.strip() for line in stderr.splitlines()
-             if line.strip() and not line.lstrip().startswith(("@", "***", "[Gloo]"))]
+    lines = [
+        line.strip()
+        for line in stderr.splitlines()
+        if line.strip() and not line.lstrip().startswith(("@", "***", "[Gloo]"))
+    ]
     for marker in ("Terminating process because", "jaxnn:", "Error"):
         found = [line for line in lines if marker in line]
         if found:
@@ -101,14 +124,20 @@ def failure_reason(stderr: str) -> str:
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="python -m jaxnn.multihost", description=__doc__.splitlines()[0],
-                                epilog="Arguments after -- go to every `jaxnn train` worker (default: "
-                                       + " ".join(DEFAULT_TRAIN_ARGS) + ").")
+    p = argparse.ArgumentParser(
+        prog="python -m jaxnn.multihost",
+        description=__doc__.splitlines()[0],
+        epilog="Arguments after -- go to every `jaxnn train` worker (default: " + " ".join(DEFAULT_TRAIN_ARGS) + ").",
+    )
     p.add_argument("--num-processes", type=int, default=2)
     p.add_argument("--devices-per-process", type=int, default=1, help="simulated CPU devices in each process")
     p.add_argument("--run-dir", default=None, help="the run directory (default runs/multihost/<time>)")
-    p.add_argument("--heartbeat-timeout", type=int, default=10,
-                   help="seconds after which a silent process counts as dead and the others stop")
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=int,
+        default=10,
+        help="seconds after which a silent process counts as dead and the others stop",
+    )
     p.add_argument("--timeout", type=float, default=900, help="kill every worker after this many seconds")
     p.add_argument("train_args", nargs="*", help="arguments for `jaxnn train` (after --)")
     return p.parse_args(argv)
@@ -120,17 +149,31 @@ def main(argv=None) -> int:
         print("jaxnn.multihost: error: --num-processes and --devices-per-process must be >= 1", file=sys.stderr)
         return 2
     run_dir = args.run_dir or os.path.join("runs", "multihost", time.strftime("%Y%m%d-%H%M%S"))
-    train_args = [*(args.train_args or DEFAULT_TRAIN_ARGS), "--run-dir", run_dir,
-                  "--heartbeat-timeout", str(args.heartbeat_timeout)]
+    train_args = [
+        *(args.train_args or DEFAULT_TRAIN_ARGS),
+        "--run-dir",
+        run_dir,
+        "--heartbeat-timeout",
+        str(args.heartbeat_timeout),
+    ]
     t0 = time.monotonic()
-    results = launch_local(args.num_processes, train_args, devices_per_process=args.devices_per_process,
-                           timeout_s=args.timeout, grace_s=args.heartbeat_timeout + 20)
-    print(f"{args.num_processes} processes x {args.devices_per_process} CPU device(s) on 127.0.0.1, "
-          f"{time.monotonic() - t0:.1f} s -> {run_dir}")
+    results = launch_local(
+        args.num_processes,
+        train_args,
+        devices_per_process=args.devices_per_process,
+        timeout_s=args.timeout,
+        grace_s=args.heartbeat_timeout + 20,
+    )
+    print(
+        f"{args.num_processes} processes x {args.devices_per_process} CPU device(s) on 127.0.0.1, "
+        f"{time.monotonic() - t0:.1f} s -> {run_dir}"
+    )
     for r in results:
         if r.result:
-            print(f"  process {r.process_id} of {r.result['processes']} ({r.result['devices']} devices in the mesh): "
-                  f"step {r.result['step']} params {r.result['params']}")
+            print(
+                f"  process {r.process_id} of {r.result['processes']} ({r.result['devices']} devices in the mesh): "
+                f"step {r.result['step']} params {r.result['params']}"
+            )
         else:
             print(f"  process {r.process_id}: failed (exit {r.returncode}): {failure_reason(r.stderr)}")
     if all(r.returncode == 0 and r.result for r in results):

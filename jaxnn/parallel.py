@@ -73,6 +73,7 @@ def _split_for_pmap(batch, mesh: Mesh):
 
 # ------------------------------------------------------------------------------------------------- the step forms
 
+
 def bn_axis_name(form: str = "shard_map", cross_replica: bool = True) -> str | None:
     """The `axis_name` to build `BatchNorm` with for `form`: `BatchNorm(axis_name=bn_axis_name(form, flag))`.
 
@@ -83,8 +84,10 @@ def bn_axis_name(form: str = "shard_map", cross_replica: bool = True) -> str | N
     _check_form(form)
     if form == "jit":
         if not cross_replica:
-            raise ValueError("form 'jit' always computes BatchNorm statistics over the global batch; "
-                             "use form 'shard_map' or 'pmap' for per-device statistics")
+            raise ValueError(
+                "form 'jit' always computes BatchNorm statistics over the global batch; "
+                "use form 'shard_map' or 'pmap' for per-device statistics"
+            )
         return None
     return DATA_AXIS if cross_replica else None
 
@@ -175,8 +178,16 @@ class DataParallelStep(NamedTuple):
     form: str
 
 
-def data_parallel_train_step(model: Layer, loss_fn: LossFn, tx, policy="fp32", *, mesh: Mesh | None = None,
-                             form: str = "jit", donate: bool = True) -> DataParallelStep:
+def data_parallel_train_step(
+    model: Layer,
+    loss_fn: LossFn,
+    tx,
+    policy="fp32",
+    *,
+    mesh: Mesh | None = None,
+    form: str = "jit",
+    donate: bool = True,
+) -> DataParallelStep:
     """Data-parallel training over the `data` axis of `mesh` (all devices by default) in `form` (see `FORMS`).
 
     For BatchNorm models build the model with `BatchNorm(axis_name=bn_axis_name(form, cross_replica))`.
@@ -189,47 +200,79 @@ def data_parallel_train_step(model: Layer, loss_fn: LossFn, tx, policy="fp32", *
 
     if form == "pmap":
         if jax.process_count() > 1:
-            raise ValueError("form 'pmap' is kept for single-process comparison; use 'jit' or 'shard_map' "
-                             "across processes")
-        pmapped = jax.pmap(per_device_step_fn(model, loss_fn, tx, policy), axis_name=DATA_AXIS,
-                           devices=list(mesh.devices.flat), donate_argnums=donate_argnums,
-                           out_axes=(0, None))  # metrics are identical on every device after their pmean
+            raise ValueError(
+                "form 'pmap' is kept for single-process comparison; use 'jit' or 'shard_map' across processes"
+            )
+        pmapped = jax.pmap(
+            per_device_step_fn(model, loss_fn, tx, policy),
+            axis_name=DATA_AXIS,
+            devices=list(mesh.devices.flat),
+            donate_argnums=donate_argnums,
+            out_axes=(0, None),
+        )  # metrics are identical on every device after their pmean
 
         def pmap_step(state, batch):
             _check_pmap_batch(batch, mesh)
             return pmapped(state, batch)
 
-        return DataParallelStep(pmap_step, lambda s: _stack_for_pmap(s, mesh), lambda b: _split_for_pmap(b, mesh),
-                                lambda s: jax.tree.map(lambda x: x[0], s), mesh, form)
+        return DataParallelStep(
+            pmap_step,
+            lambda s: _stack_for_pmap(s, mesh),
+            lambda b: _split_for_pmap(b, mesh),
+            lambda s: jax.tree.map(lambda x: x[0], s),
+            mesh,
+            form,
+        )
 
     if form == "jit":
         body = train_step_fn(model, loss_fn, tx, policy)
     else:
-        body = jax.shard_map(per_device_step_fn(model, loss_fn, tx, policy), mesh=mesh,
-                             in_specs=(P(), P(DATA_AXIS)), out_specs=(P(), P()),
-                             # The gradient average is the explicit psum in per_device_step_fn; with
-                             # check_vma=True, autodiff would also sum the replicated parameters' gradients.
-                             check_vma=False)
+        body = jax.shard_map(
+            per_device_step_fn(model, loss_fn, tx, policy),
+            mesh=mesh,
+            in_specs=(P(), P(DATA_AXIS)),
+            out_specs=(P(), P()),
+            # The gradient average is the explicit psum in per_device_step_fn; with
+            # check_vma=True, autodiff would also sum the replicated parameters' gradients.
+            check_vma=False,
+        )
     compiled = jax.jit(body, in_shardings=(rep, data), out_shardings=(rep, rep), donate_argnums=donate_argnums)
 
     def step(state, batch):
         check_batch_divisible(_leading_size(batch), mesh)
         return compiled(state, batch)
 
-    return DataParallelStep(step, lambda s: replicate(s, mesh), lambda b: shard_batch(b, mesh), lambda s: s,
-                            mesh, form)
+    return DataParallelStep(step, lambda s: replicate(s, mesh), lambda b: shard_batch(b, mesh), lambda s: s, mesh, form)
 
 
 def _check_pmap_batch(batch, mesh: Mesh) -> None:
     # A pmap batch carries the device axis in front: (devices, per-device batch, ...).
     n = mesh.shape[DATA_AXIS]
     if not all(np.ndim(x) >= 2 and np.shape(x)[0] == n for x in jax.tree.leaves(batch)):
-        raise ValueError(f"pmap batch leaves must have shape (devices={n}, per-device batch, ...); "
-                         "place the global batch with DataParallelStep.place_batch")
+        raise ValueError(
+            f"pmap batch leaves must have shape (devices={n}, per-device batch, ...); "
+            "place the global batch with DataParallelStep.place_batch"
+        )
 
 
-
-__all__ = ["DATA_AXIS", "ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "FORMS", "DataParallelStep",
-           "batch_sharding", "bn_axis_name", "check_batch_divisible", "configure_cpu_devices", "create_sharded_state",
-           "data_parallel_train_step", "initialize_distributed", "make_mesh",
-           "per_device_step_fn", "process_slice", "replicate", "replicated", "shard_batch"]
+__all__ = [
+    "DATA_AXIS",
+    "ENV_COORDINATOR",
+    "ENV_NUM_PROCESSES",
+    "ENV_PROCESS_ID",
+    "FORMS",
+    "DataParallelStep",
+    "batch_sharding",
+    "bn_axis_name",
+    "check_batch_divisible",
+    "configure_cpu_devices",
+    "create_sharded_state",
+    "data_parallel_train_step",
+    "initialize_distributed",
+    "make_mesh",
+    "per_device_step_fn",
+    "process_slice",
+    "replicate",
+    "replicated",
+    "shard_batch",
+]

@@ -39,8 +39,9 @@ class Policy:
 
     def __post_init__(self):
         if self.matmul_precision not in MATMUL_PRECISIONS:
-            raise ValueError(f"Policy: unknown matmul_precision {self.matmul_precision!r}; "
-                             f"choose one of {sorted(MATMUL_PRECISIONS)}")
+            raise ValueError(
+                f"Policy: unknown matmul_precision {self.matmul_precision!r}; choose one of {sorted(MATMUL_PRECISIONS)}"
+            )
 
     def cast_to_compute(self, tree):
         """Casts the floating-point leaves of `tree` to the compute dtype (integers, e.g. token ids, stay)."""
@@ -107,7 +108,7 @@ class LossScale(NamedTuple):
     period: jax.Array
 
     @classmethod
-    def create(cls, initial_scale: float = 2.0 ** 15, period: int = 2000) -> LossScale:
+    def create(cls, initial_scale: float = 2.0**15, period: int = 2000) -> LossScale:
         return cls(jnp.asarray(initial_scale, jnp.float32), jnp.zeros((), jnp.int32), jnp.asarray(period, jnp.int32))
 
     def scale_loss(self, loss):

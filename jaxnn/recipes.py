@@ -29,8 +29,10 @@ def resolve_dataset(cfg: TrainConfig) -> str:
     else:
         name = detect_format(cfg.data_dir) if cfg.data_dir else "digits"
     if (name == "text") != (cfg.model == "gpt"):
-        raise ConfigError(f"model {cfg.model!r} cannot train on data set {name!r}: "
-                          f"{'gpt needs text' if cfg.model == 'gpt' else 'text needs --model gpt'}")
+        raise ConfigError(
+            f"model {cfg.model!r} cannot train on data set {name!r}: "
+            f"{'gpt needs text' if cfg.model == 'gpt' else 'text needs --model gpt'}"
+        )
     if cfg.data_dir and name in ("digits", "synthetic"):
         raise ConfigError(f"data set {name!r} is built in; drop --data {cfg.data_dir}")
     return name
@@ -85,21 +87,48 @@ def train(cfg: TrainConfig, *, callbacks: Iterable = (), print_summary=None) -> 
     is_text = isinstance(data, TextCorpus)
     mcfg = model_config(cfg, data)
     model = get_model(cfg.model, mcfg)
-    pipeline = PipelineConfig(batch_size=cfg.batch_size, seed=cfg.seed, crop_pad=cfg.crop_pad, flip=cfg.flip,
-                              seq_len=cfg.seq_len, backend=cfg.backend, workers=cfg.workers)
+    pipeline = PipelineConfig(
+        batch_size=cfg.batch_size,
+        seed=cfg.seed,
+        crop_pad=cfg.crop_pad,
+        flip=cfg.flip,
+        seq_len=cfg.seq_len,
+        backend=cfg.backend,
+        workers=cfg.workers,
+    )
     schedule = make_schedule(cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup)
     tx = make_optimizer(cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup, weight_decay=cfg.weight_decay)
     if print_summary is not None and jax.process_index() == 0:
         in_shape = (cfg.batch_size, cfg.seq_len) if is_text else (cfg.batch_size, *data.image_shape)
         model_summary(model, in_shape, policy=cfg.precision, print_fn=print_summary)
-    result = fit(model, data, loss=lm_loss if is_text else masked_classification_loss, optimizer=tx,
-                 eval_data=data, pipeline=pipeline, callbacks=[LearningRateLogger(schedule), *callbacks],
-                 config={**cfg.trajectory(), "model_config": dataclasses.asdict(mcfg)},
-                 steps=cfg.steps, batch_size=cfg.batch_size, precision=cfg.precision, seed=cfg.seed,
-                 eval_every=cfg.eval_every, log_every=cfg.log_every, ckpt_every=cfg.ckpt_every, keep=cfg.keep,
-                 run_dir=cfg.run_dir, ckpt_dir=cfg.ckpt_dir, resume=cfg.resume, overwrite=cfg.overwrite,
-                 metrics=cfg.metrics, progress=cfg.progress, plots=cfg.plots, devices=cfg.devices,
-                 prefetch=cfg.prefetch, name=f"{cfg.model}/{data.name}")
+    result = fit(
+        model,
+        data,
+        loss=lm_loss if is_text else masked_classification_loss,
+        optimizer=tx,
+        eval_data=data,
+        pipeline=pipeline,
+        callbacks=[LearningRateLogger(schedule), *callbacks],
+        config={**cfg.trajectory(), "model_config": dataclasses.asdict(mcfg)},
+        steps=cfg.steps,
+        batch_size=cfg.batch_size,
+        precision=cfg.precision,
+        seed=cfg.seed,
+        eval_every=cfg.eval_every,
+        log_every=cfg.log_every,
+        ckpt_every=cfg.ckpt_every,
+        keep=cfg.keep,
+        run_dir=cfg.run_dir,
+        ckpt_dir=cfg.ckpt_dir,
+        resume=cfg.resume,
+        overwrite=cfg.overwrite,
+        metrics=cfg.metrics,
+        progress=cfg.progress,
+        plots=cfg.plots,
+        devices=cfg.devices,
+        prefetch=cfg.prefetch,
+        name=f"{cfg.model}/{data.name}",
+    )
     summary = {"model": cfg.model, "dataset": data.name, **result.summary}
     finished_now = not (summary.get("interrupted_by") or summary.get("already_finished"))
     if is_text and cfg.sample_bytes and finished_now:
@@ -116,6 +145,13 @@ def _sample(model, state, cfg: TrainConfig) -> str:
     from jaxnn.train import make_predict
 
     prompt = b"def "
-    text = sample(make_predict(model, cfg.precision), state.params, state.model_state, prompt, cfg.sample_bytes,
-                  cfg.seq_len, seed=cfg.seed)
+    text = sample(
+        make_predict(model, cfg.precision),
+        state.params,
+        state.model_state,
+        prompt,
+        cfg.sample_bytes,
+        cfg.seq_len,
+        seed=cfg.seed,
+    )
     return (prompt + text).decode("utf-8", "replace")

@@ -78,6 +78,7 @@ def check_writable(path) -> None:
 
 # -------------------------------------------------------------------------------------------------------- the lock
 
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -109,9 +110,11 @@ class RunLock:
             except OSError:
                 os.close(fd)
                 h = self._holder()
-                raise RunDirError(f"run dir {self.path.parent} is in use by process {h.get('pid', '?')} on host "
-                                  f"{h.get('host', '?')} (since {h.get('since', '?')}); wait for it, stop it, or "
-                                  "choose another --run-dir") from None
+                raise RunDirError(
+                    f"run dir {self.path.parent} is in use by process {h.get('pid', '?')} on host "
+                    f"{h.get('host', '?')} (since {h.get('since', '?')}); wait for it, stop it, or "
+                    "choose another --run-dir"
+                ) from None
             # The holder may have released and removed the file between our open and our flock: lock the file
             # that is at the path now, not an orphan.
             if os.path.exists(self.path) and os.path.samestat(os.fstat(fd), os.stat(self.path)):
@@ -123,10 +126,16 @@ class RunLock:
             if previous.get("host") == me["host"] and _pid_alive(int(previous["pid"])):
                 # flock says free but the recorded process lives: a file system without working locks.
                 os.close(fd)
-                raise RunDirError(f"run dir {self.path.parent} is in use by process {previous['pid']} on this host "
-                                  f"({LOCK_NAME} names it); stop it or remove {self.path}")
-            log.warning("run dir %s: taking over the lock left by process %s on host %s, which ended without "
-                        "releasing it", self.path.parent, previous.get("pid"), previous.get("host"))
+                raise RunDirError(
+                    f"run dir {self.path.parent} is in use by process {previous['pid']} on this host "
+                    f"({LOCK_NAME} names it); stop it or remove {self.path}"
+                )
+            log.warning(
+                "run dir %s: taking over the lock left by process %s on host %s, which ended without releasing it",
+                self.path.parent,
+                previous.get("pid"),
+                previous.get("host"),
+            )
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({**me, "since": time.strftime("%Y-%m-%dT%H:%M:%S")}).encode())
         os.fsync(fd)
@@ -151,6 +160,7 @@ class RunLock:
 
 
 # ---------------------------------------------------------------------------------------------------- whole files
+
 
 def write_json_atomic(path, obj) -> None:
     """Writes `obj` as JSON so that `path` holds either its old contents or the whole new file, never a part."""
@@ -201,7 +211,7 @@ def _write_all(fd: int, data: bytes) -> None:
     # Separate so tests can inject OS errors into the metrics writer alone.
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def append_line(path, line: str) -> None:
@@ -234,8 +244,9 @@ class RunFiles:
     def __init__(self, cfg, record: dict, *, is_main: bool = True):
         self.cfg, self.record, self.is_main = cfg, record, is_main
         self.run_dir = pathlib.Path(cfg.run_dir) if cfg.run_dir else None
-        self.ckpt_dir = (pathlib.Path(cfg.ckpt_dir) if cfg.ckpt_dir else self.run_dir / "ckpt") if self.run_dir \
-            else None
+        self.ckpt_dir = (
+            (pathlib.Path(cfg.ckpt_dir) if cfg.ckpt_dir else self.run_dir / "ckpt") if self.run_dir else None
+        )
         self._lock = RunLock(self.run_dir) if self.run_dir else None
         self._writers: list = []
         self._created = False
@@ -298,11 +309,15 @@ class RunFiles:
         saved = self._saved_config()
         diffs = config_differences(saved, self.record, saved_as="saved") if saved is not None else []
         if diffs:
-            raise RunDirError(f"run dir {self.run_dir} belongs to a different config ({'; '.join(diffs)}); "
-                              "resume it with the same settings, overwrite it, or choose another run dir")
+            raise RunDirError(
+                f"run dir {self.run_dir} belongs to a different config ({'; '.join(diffs)}); "
+                "resume it with the same settings, overwrite it, or choose another run dir"
+            )
         if not self.cfg.resume:
-            raise RunDirError(f"run dir {self.run_dir} already holds a run; pass --resume (resume=True) to continue "
-                              "it, --overwrite (overwrite=True) to replace it, or another run dir")
+            raise RunDirError(
+                f"run dir {self.run_dir} already holds a run; pass --resume (resume=True) to continue "
+                "it, --overwrite (overwrite=True) to replace it, or another run dir"
+            )
 
     def _clear(self) -> None:
         targets = [self.run_dir / name for name in RUN_FILES] + [self.ckpt_dir]

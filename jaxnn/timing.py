@@ -41,8 +41,9 @@ def _timing(per_call: list[float], repeats: int, number: int) -> Timing:
     return Timing(statistics.median(per_call), float(q[0]), float(q[1]), min(per_call), max(per_call), repeats, number)
 
 
-def time_fn(fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 7, number: int | None = None,
-            min_window_s: float = 0.05) -> Timing:
+def time_fn(
+    fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 7, number: int | None = None, min_window_s: float = 0.05
+) -> Timing:
     """Times `fn()` (which must return jax arrays or a pytree of them); `number` calls per window.
 
     With `number=None`, picks enough calls per window to last about `min_window_s`, so that fast functions are
@@ -66,8 +67,9 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 7, number:
     return _timing(per_call, repeats, number)
 
 
-def time_interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int = 2, repeats: int = 7,
-                     min_window_s: float = 0.05) -> dict[str, Timing]:
+def time_interleaved(
+    fns: dict[str, Callable[[], Any]], *, warmup: int = 2, repeats: int = 7, min_window_s: float = 0.05
+) -> dict[str, Timing]:
     """Times several functions side by side: each timing window runs every function in turn, so that load from
     other processes falls on all of them alike. The honest way to compare variants on a shared machine."""
     numbers = {}
@@ -139,5 +141,9 @@ def measure_matmul_peak(size: int = 2048, dtype=jnp.bfloat16, device=None, repea
     b = jax.device_put(jax.random.normal(key_b, (size, size), jnp.float32).astype(dtype), device)
     matmul = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
     timing = time_fn(lambda: matmul(a, b), repeats=repeats)
-    return {"size": size, "dtype": jnp.dtype(dtype).name, "gflops": matmul_flops(size, size, size) / timing.median / 1e9,
-            "timing": timing.as_dict()}
+    return {
+        "size": size,
+        "dtype": jnp.dtype(dtype).name,
+        "gflops": matmul_flops(size, size, size) / timing.median / 1e9,
+        "timing": timing.as_dict(),
+    }

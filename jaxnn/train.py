@@ -42,8 +42,9 @@ def create_train_state(model: Layer, tx: optax.GradientTransformation, key, in_s
     # Stored as raw key data: a typed key array in the arguments takes jit's slower dispatch path, which cost a
     # tiny model's step 4-20% (benchmarks/ab_train_step.py); jax.random reads raw data as the default implementation's
     # key, so a key of another implementation (e.g. "rbg") stays typed.
-    if (jax.dtypes.issubdtype(train_key.dtype, jax.dtypes.prng_key)
-            and jax.random.key_impl(train_key) == jax.random.key_impl(jax.random.key(0))):
+    if jax.dtypes.issubdtype(train_key.dtype, jax.dtypes.prng_key) and jax.random.key_impl(
+        train_key
+    ) == jax.random.key_impl(jax.random.key(0)):
         train_key = jax.random.key_data(train_key)
     return TrainState(params, model_state, tx.init(params), jnp.zeros((), jnp.int32), train_key, loss_scale)
 
@@ -94,12 +95,19 @@ def make_schedule(learning_rate: float = 1e-3, *, total_steps: int = 1000, warmu
         raise ValueError(f"learning_rate must be positive, got {learning_rate!r}")
     if total_steps <= 0:
         raise ValueError(f"total_steps must be positive, got {total_steps!r}")
-    return optax.warmup_cosine_decay_schedule(0.0 if warmup_steps else learning_rate, learning_rate,
-                                              warmup_steps, max(total_steps, warmup_steps + 1))
+    return optax.warmup_cosine_decay_schedule(
+        0.0 if warmup_steps else learning_rate, learning_rate, warmup_steps, max(total_steps, warmup_steps + 1)
+    )
 
 
-def make_optimizer(learning_rate: float = 1e-3, *, total_steps: int = 1000, warmup_steps: int = 0,
-                   weight_decay: float = 0.0, clip_norm: float | None = 1.0) -> optax.GradientTransformation:
+def make_optimizer(
+    learning_rate: float = 1e-3,
+    *,
+    total_steps: int = 1000,
+    warmup_steps: int = 0,
+    weight_decay: float = 0.0,
+    clip_norm: float | None = 1.0,
+) -> optax.GradientTransformation:
     """AdamW on `make_schedule`, global-norm clipping, and decay on kernels only (all optax)."""
     schedule = make_schedule(learning_rate, total_steps=total_steps, warmup_steps=warmup_steps)
     adamw = optax.adamw(schedule, weight_decay=weight_decay, mask=weight_decay_mask)
@@ -107,13 +115,21 @@ def make_optimizer(learning_rate: float = 1e-3, *, total_steps: int = 1000, warm
 
 
 def _forward(model, policy, params, model_state, batch, *, key, train):
-    logits, model_state = run(model, policy.cast_to_compute(params), policy.cast_to_compute(batch["x"]),
-                              state=model_state, key=key, train=train, policy=policy)
+    logits, model_state = run(
+        model,
+        policy.cast_to_compute(params),
+        policy.cast_to_compute(batch["x"]),
+        state=model_state,
+        key=key,
+        train=train,
+        policy=policy,
+    )
     return policy.cast_to_output(logits), model_state
 
 
-def train_step_fn(model: Layer, loss_fn: LossFn, tx: optax.GradientTransformation, policy="fp32", *,
-                  grad_norm: bool = True):
+def train_step_fn(
+    model: Layer, loss_fn: LossFn, tx: optax.GradientTransformation, policy="fp32", *, grad_norm: bool = True
+):
     """The un-jitted pure step `(state, batch) -> (state, metrics)`; jit it, scan it, or shard_map it.
 
     Metrics: the loss, what `loss_fn` returns besides it, and (unless `grad_norm=False`) the global gradient
@@ -157,15 +173,31 @@ def train_step_fn(model: Layer, loss_fn: LossFn, tx: optax.GradientTransformatio
     return step
 
 
-def make_train_step(model: Layer, loss_fn: LossFn, tx: optax.GradientTransformation, policy="fp32", *,
-                    donate: bool = True, grad_norm: bool = True, **jit_kwargs):
+def make_train_step(
+    model: Layer,
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    policy="fp32",
+    *,
+    donate: bool = True,
+    grad_norm: bool = True,
+    **jit_kwargs,
+):
     """The jitted train step; the incoming state's buffers are donated (reused for the new state)."""
     step = train_step_fn(model, loss_fn, tx, policy, grad_norm=grad_norm)
     return jax.jit(step, donate_argnums=(0,) if donate else (), **jit_kwargs)
 
 
-def make_multi_step(model: Layer, loss_fn: LossFn, tx: optax.GradientTransformation, policy="fp32", *,
-                    donate: bool = True, grad_norm: bool = True, **jit_kwargs):
+def make_multi_step(
+    model: Layer,
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    policy="fp32",
+    *,
+    donate: bool = True,
+    grad_norm: bool = True,
+    **jit_kwargs,
+):
     """K steps per call: `(state, batches) -> (state, metrics)` where every leaf of `batches` has a leading K axis.
 
     One dispatch runs K steps inside a `lax.scan`, which takes Python dispatch off the critical path for small

@@ -15,12 +15,20 @@ STEPS, BATCH = 300, 64
 
 def conv_attention_model():
     return L.serial(
-        L.Conv(32, 3), L.Relu, L.Conv(32, 3), L.Relu, L.MaxPool(2),
-        L.Lambda(lambda x: x.reshape(x.shape[0], -1, x.shape[-1]), name="tokens",
-                 shape_fn=lambda s: (s[0], s[1] * s[2], s[3])),
+        L.Conv(32, 3),
+        L.Relu,
+        L.Conv(32, 3),
+        L.Relu,
+        L.MaxPool(2),
+        L.Lambda(
+            lambda x: x.reshape(x.shape[0], -1, x.shape[-1]),
+            name="tokens",
+            shape_fn=lambda s: (s[0], s[1] * s[2], s[3]),
+        ),
         L.residual(L.LayerNorm(), L.MultiHeadAttention(4), name="attention"),
         L.Lambda(lambda x: x.mean(axis=1), name="pool", shape_fn=lambda s: (s[0], s[2])),
-        L.Dense(10, name="logits"))
+        L.Dense(10, name="logits"),
+    )
 
 
 def digits():
@@ -37,10 +45,25 @@ def run(run_dir, *, resume=False, **settings):
     from jaxnn.train import make_optimizer
 
     train, test = digits()
-    settings = {"steps": STEPS, "batch_size": BATCH, "ckpt_every": 20, "keep": 2, "log_every": 40,
-                "progress": False, "plots": False, **settings}
-    return fit(conv_attention_model(), train, eval_data=test, run_dir=str(run_dir), resume=resume,
-               optimizer=make_optimizer(1e-2, total_steps=settings["steps"]), **settings)
+    settings = {
+        "steps": STEPS,
+        "batch_size": BATCH,
+        "ckpt_every": 20,
+        "keep": 2,
+        "log_every": 40,
+        "progress": False,
+        "plots": False,
+        **settings,
+    }
+    return fit(
+        conv_attention_model(),
+        train,
+        eval_data=test,
+        run_dir=str(run_dir),
+        resume=resume,
+        optimizer=make_optimizer(1e-2, total_steps=settings["steps"]),
+        **settings,
+    )
 
 
 if __name__ == "__main__":

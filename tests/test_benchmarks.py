@@ -19,8 +19,9 @@ def run_module(module: str, *args: str, devices: int | None = None) -> str:
     if devices:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
@@ -40,8 +41,20 @@ def test_make_bench_quick_reports_both_variants_and_the_peaks(tmp_path):
 
 def test_bench_peers_times_jaxnn_with_and_without_metrics(tmp_path):
     out = tmp_path / "peers.json"
-    text = run_module("benchmarks.peers", "--peers", "jaxnn", "jaxnn_metrics", "--models", "tiny",
-                      "--precisions", "fp32", "--repeats", "2", "--json", str(out))
+    text = run_module(
+        "benchmarks.peers",
+        "--peers",
+        "jaxnn",
+        "jaxnn_metrics",
+        "--models",
+        "tiny",
+        "--precisions",
+        "fp32",
+        "--repeats",
+        "2",
+        "--json",
+        str(out),
+    )
     assert "jaxnn_metrics" in text.splitlines()[1]
     medians = {row["library"]: row["step_ms"] for row in json.loads(out.read_text())["median_ms"]}
     assert set(medians) == {"jaxnn", "jaxnn_metrics"} and all(ms > 0 for ms in medians.values())
@@ -63,8 +76,19 @@ def test_bench_input_pins_the_device_core_and_reports_idle_fractions(tmp_path):
 
 def test_bench_parallel_times_every_form_on_each_device_count(tmp_path):
     out = tmp_path / "parallel.jsonl"
-    run_module("benchmarks.data_parallel", "--devices", "1", "2", "--repeats", "2", "--global-batch", "16",
-               "--json", str(out), devices=2)
+    run_module(
+        "benchmarks.data_parallel",
+        "--devices",
+        "1",
+        "2",
+        "--repeats",
+        "2",
+        "--global-batch",
+        "16",
+        "--json",
+        str(out),
+        devices=2,
+    )
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
     assert {(r["form"], r["devices"]) for r in rows} == {(f, n) for f in ("jit", "shard_map", "pmap") for n in (1, 2)}
     assert all(r["step_ms"] > 0 for r in rows)

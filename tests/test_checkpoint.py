@@ -94,8 +94,11 @@ def test_all_damaged_is_an_error(tmp_path):
 def test_incompatible_config_is_refused(tmp_path):
     saved(tmp_path, steps=(1,))
     other = {**CONFIG, "model": "cnn", "lr": 0.01}
-    with pytest.raises(CheckpointError, match=r"different config: lr: checkpoint 0.001, now 0.01; "
-                                              r"model: checkpoint 'mlp', now 'cnn'"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"different config: lr: checkpoint 0.001, now 0.01; "
+        r"model: checkpoint 'mlp', now 'cnn'",
+    ):
         Checkpointer(tmp_path / "ckpt").restore(make_state(0), other)
     # Fields named in `ignore` may differ (paths, logging cadence).
     assert Checkpointer(tmp_path / "ckpt", ignore=("lr", "model")).restore(make_state(0), other)[2] == 1

@@ -11,8 +11,7 @@ import pytest
 from jaxnn import cli
 from jaxnn.config import ConfigError, TrainConfig
 
-QUICK = ["--size", "small", "--steps", "24", "--batch-size", "16", "--log-every", "8", "--no-progress",
-         "--no-summary"]
+QUICK = ["--size", "small", "--steps", "24", "--batch-size", "16", "--log-every", "8", "--no-progress", "--no-summary"]
 
 
 def refused(capsys, argv, match):
@@ -23,19 +22,22 @@ def refused(capsys, argv, match):
     return err
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["--model", "transformer"], "unknown model 'transformer'"),
-    (["--precision", "fp8"], "unknown precision 'fp8'"),
-    (["--devices", "3", "--batch-size", "16"], "batch size 16 is not divisible by the 3 devices"),
-    (["--steps", "0"], "steps must be a positive integer, got 0"),
-    (["--lr", "-0.1"], "lr must be a positive number, got -0.1"),
-    (["--dataset", "imagenet"], "unknown data set 'imagenet'"),
-    (["--model", "gpt", "--dataset", "digits"], "model 'gpt' cannot train on data set 'digits'"),
-    (["--resume", "--overwrite"], "exclude each other"),
-    (["--devices", "0"], "devices must be a positive integer, got 0"),
-    (["--batch-size", "4096"], "batch size 4096 is larger than the 1438 training examples of digits"),
-    (["--metrics", "tensorboard", "--keep", "0"], "keep must be a positive integer, got 0"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--model", "transformer"], "unknown model 'transformer'"),
+        (["--precision", "fp8"], "unknown precision 'fp8'"),
+        (["--devices", "3", "--batch-size", "16"], "batch size 16 is not divisible by the 3 devices"),
+        (["--steps", "0"], "steps must be a positive integer, got 0"),
+        (["--lr", "-0.1"], "lr must be a positive number, got -0.1"),
+        (["--dataset", "imagenet"], "unknown data set 'imagenet'"),
+        (["--model", "gpt", "--dataset", "digits"], "model 'gpt' cannot train on data set 'digits'"),
+        (["--resume", "--overwrite"], "exclude each other"),
+        (["--devices", "0"], "devices must be a positive integer, got 0"),
+        (["--batch-size", "4096"], "batch size 4096 is larger than the 1438 training examples of digits"),
+        (["--metrics", "tensorboard", "--keep", "0"], "keep must be a positive integer, got 0"),
+    ],
+)
 def test_bad_flags_refused(capsys, tmp_path, argv, match):
     refused(capsys, [*argv, "--run-dir", str(tmp_path / "run")], match)
     assert not (tmp_path / "run").exists()
@@ -49,10 +51,16 @@ def test_bad_data_dir_refused(capsys, tmp_path):
     (idx / "t10k-labels-idx1-ubyte.gz").write_bytes(gzip.compress(header + bytes(5)))
     dims = b"".join(d.to_bytes(4, "big") for d in (5, 28, 28))
     (idx / "t10k-images-idx3-ubyte").write_bytes(b"\x00\x00\x08\x03" + dims + bytes(100))  # truncated
-    refused(capsys, ["--dataset", "cifar10", "--data", str(idx), "--run-dir", str(tmp_path / "r")],
-            "holds mnist files, not the cifar10 format")
-    refused(capsys, ["--data", str(idx), "--run-dir", str(tmp_path / "r")],
-            "t10k-images-idx3-ubyte: 100 bytes of data, expected 3920")
+    refused(
+        capsys,
+        ["--dataset", "cifar10", "--data", str(idx), "--run-dir", str(tmp_path / "r")],
+        "holds mnist files, not the cifar10 format",
+    )
+    refused(
+        capsys,
+        ["--data", str(idx), "--run-dir", str(tmp_path / "r")],
+        "t10k-images-idx3-ubyte: 100 bytes of data, expected 3920",
+    )
     empty = tmp_path / "empty"
     empty.mkdir()
     refused(capsys, ["--data", str(empty), "--run-dir", str(tmp_path / "r")], "holds no MNIST")
@@ -77,8 +85,11 @@ def test_train_writes_metrics_plots_summary_and_refuses_reuse(capsys, tmp_path):
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     refused(capsys, [*QUICK, "--lr", "0.5", "--run-dir", str(run)], "belongs to a different config (lr: saved ")
     refused(capsys, [*QUICK, "--run-dir", str(run)], "already holds a run; pass --resume")
-    refused(capsys, [*QUICK, "--steps", "20", "--resume", "--run-dir", str(run)],
-            "belongs to a different config (steps: saved 24, now 20)")
+    refused(
+        capsys,
+        [*QUICK, "--steps", "20", "--resume", "--run-dir", str(run)],
+        "belongs to a different config (steps: saved 24, now 20)",
+    )
     refused(capsys, [*QUICK, "--run-dir", str(run / "config.json")], "config.json is a file, not a directory")
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before  # nothing overwritten
     assert cli.main(["train", *QUICK, "--run-dir", str(run), "--resume"]) == 0  # finished already: says so
@@ -93,8 +104,12 @@ def test_gpt_prints_a_sample(capsys, tmp_path):
     text = tmp_path / "text"
     text.mkdir()
     (text / "a.py").write_bytes(pathlib.Path(cli.__file__).read_bytes() * 3)
-    assert cli.main(["train", "--model", "gpt", *QUICK, "--no-plots", "--data", str(text),
-                     "--run-dir", str(tmp_path / "g")]) == 0
+    assert (
+        cli.main(
+            ["train", "--model", "gpt", *QUICK, "--no-plots", "--data", str(text), "--run-dir", str(tmp_path / "g")]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "--- sample ---\ndef " in out and "bits/byte" in out.splitlines()[-1]
 
@@ -114,16 +129,30 @@ def write_idx(root, n, seed):
     for split in ("train", "t10k"):
         for kind, arr in (("images", rng.integers(0, 256, (n, 28, 28))), ("labels", rng.integers(0, 10, n))):
             header = bytes([0, 0, 8, arr.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in arr.shape)
-            (root / f"{split}-{kind}-idx{arr.ndim}-ubyte.gz").write_bytes(gzip.compress(header + arr.astype(
-                np.uint8).tobytes()))
+            (root / f"{split}-{kind}-idx{arr.ndim}-ubyte.gz").write_bytes(
+                gzip.compress(header + arr.astype(np.uint8).tobytes())
+            )
 
 
 def test_resume_past_a_damaged_checkpoint_and_refuse_changed_data(capsys, caplog, tmp_path):
     data, run = tmp_path / "idx", tmp_path / "run"
     data.mkdir()
     write_idx(data, 48, 0)
-    argv = ["train", "--model", "mlp", *QUICK, "--no-plots", "--data", str(data), "--run-dir", str(run),
-            "--ckpt-every", "8", "--keep", "3"]
+    argv = [
+        "train",
+        "--model",
+        "mlp",
+        *QUICK,
+        "--no-plots",
+        "--data",
+        str(data),
+        "--run-dir",
+        str(run),
+        "--ckpt-every",
+        "8",
+        "--keep",
+        "3",
+    ]
     assert cli.main(argv) == 0
     assert "mlp on mnist: step 24/24" in capsys.readouterr().out
     files = [p for p in (run / "ckpt" / "24" / "state").rglob("*") if p.is_file()]
@@ -135,6 +164,7 @@ def test_resume_past_a_damaged_checkpoint_and_refuse_changed_data(capsys, caplog
     capsys.readouterr()
     caplog.clear()
     write_idx(data, 40, 1)  # same folder, other contents
-    refused(capsys, [*argv[1:], "--resume"],
-            "its data iterator does not fit this data (num_train: checkpoint 48, now 40)")
+    refused(
+        capsys, [*argv[1:], "--resume"], "its data iterator does not fit this data (num_train: checkpoint 48, now 40)"
+    )
     assert "unreadable" not in caplog.text  # the resumed run replaced the damaged step-24 checkpoint

@@ -30,8 +30,10 @@ def idx_bytes(array: np.ndarray) -> bytes:
 
 def write_idx_dir(root, n_train=50, n_test=20, gz=True, seed=0):
     rng = np.random.default_rng(seed)
-    arrays = {"train": (rng.integers(0, 256, (n_train, 28, 28)), rng.integers(0, 10, n_train)),
-              "t10k": (rng.integers(0, 256, (n_test, 28, 28)), rng.integers(0, 10, n_test))}
+    arrays = {
+        "train": (rng.integers(0, 256, (n_train, 28, 28)), rng.integers(0, 10, n_train)),
+        "t10k": (rng.integers(0, 256, (n_test, 28, 28)), rng.integers(0, 10, n_test)),
+    }
     suffix = ".gz" if gz else ""
     for split, (images, labels) in arrays.items():
         for kind, arr, nd in (("images", images, 3), ("labels", labels, 1)):
@@ -165,8 +167,18 @@ def test_learns_real_mnist(mnist_t10k, tmp_path):
     from jaxnn.config import TrainConfig
     from jaxnn.recipes import train
 
-    cfg = TrainConfig(model="cnn", size="small", data_dir=str(mnist_t10k), steps=300, batch_size=64, lr=3e-3,
-                      run_dir=str(tmp_path / "run"), progress=False, plots=False, log_every=100)
+    cfg = TrainConfig(
+        model="cnn",
+        size="small",
+        data_dir=str(mnist_t10k),
+        steps=300,
+        batch_size=64,
+        lr=3e-3,
+        run_dir=str(tmp_path / "run"),
+        progress=False,
+        plots=False,
+        log_every=100,
+    )
     summary = train(cfg)
     assert summary["dataset"] == "mnist"
     assert summary["eval_accuracy"] >= 0.97, summary

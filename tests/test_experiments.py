@@ -13,11 +13,19 @@ from jax import lax
 
 from experiments import common, exp_precision, gpu_check, report
 
-EXPERIMENTS = ["exp_matmul", "exp_precision", "exp_sequential", "exp_pipeline", "exp_inference", "exp_parallel",
-               "exp_train"]
+EXPERIMENTS = [
+    "exp_matmul",
+    "exp_precision",
+    "exp_sequential",
+    "exp_pipeline",
+    "exp_inference",
+    "exp_parallel",
+    "exp_train",
+]
 
 
 # ----------------------------------------------------------------------------------------------- helpers
+
 
 def test_cpu_tag_names_cores_and_units():
     tag = common.cpu_tag()
@@ -25,6 +33,7 @@ def test_cpu_tag_names_cores_and_units():
     assert f"-{common.cpu_cores()}core" in tag
     assert ("avx512" in tag) == ("avx512f" in common.cpu_flags())
     assert ("amx" in tag) == bool(common.cpu_flags() & {"amx_tile", "amx_bf16"})
+
 
 # One worker runs the whole module: its dry run of every experiment (a session fixture) is the expensive part.
 pytestmark = pytest.mark.xdist_group("experiments")
@@ -103,6 +112,7 @@ def test_gpu_check_stops_with_a_clear_message_off_the_gpu(tmp_path, capsys):
 
 # ----------------------------------------------------------------------------------------------- the dry run
 
+
 # Slow (about a minute on 2 cores, nearly all XLA compilation) but it is the one test of every experiment's code
 # path and of the script a GPU run depends on.
 # Session scope: under xdist a module fixture would be set up again whenever other modules' tests interleave.
@@ -126,8 +136,12 @@ def test_gpu_check_dry_run_runs_every_experiment(dry_run):
     mfu = json.loads((folder / "gpu_mfu.json").read_text())
     assert mfu["dry_run"] is True and mfu["mfu"] > 0 and mfu["num_params"] > 0
     assert check["table"][0]["name"] == "bench_gpu_mfu"
-    assert set(check["lowerings"]["grad_ms"]) == {"conv xla", "conv im2col", "max_pool reduce_window",
-                                                  "max_pool reshape"}
+    assert set(check["lowerings"]["grad_ms"]) == {
+        "conv xla",
+        "conv im2col",
+        "max_pool reduce_window",
+        "max_pool reshape",
+    }
     assert all(ms > 0 for ms in check["lowerings"]["grad_ms"].values())
     for name in EXPERIMENTS:
         record = json.loads((folder / f"{name}.json").read_text())
@@ -145,8 +159,8 @@ def test_dry_run_figures_are_measured(dry_run):
     for r in mm["rows"]:
         assert r["min"] <= r["median"] <= r["max"] and r["gflops"] == pytest.approx(2 * r["n"] ** 3 / r["median"] / 1e9)
     prec = {(r["op"], r["mode"]): r for r in load("exp_precision")["rows"]}
-    assert prec[("matmul", "fp32")]["rel_error"] < 1e-5            # exact fp32 against float64
-    assert 1e-4 < prec[("matmul", "bf16")]["rel_error"] < 2e-2      # bf16 operands: 8-bit mantissa
+    assert prec[("matmul", "fp32")]["rel_error"] < 1e-5  # exact fp32 against float64
+    assert 1e-4 < prec[("matmul", "bf16")]["rel_error"] < 2e-2  # bf16 operands: 8-bit mantissa
     assert prec[("matmul", "fp32")]["speedup_vs_fp32"] == 1.0
     seq = load("exp_sequential")
     assert {r["case"] for r in seq["rows"]} == {"chain", "chain_parallel", "rnn", "rnn_parallel"}
@@ -176,9 +190,19 @@ def test_report_on_the_dry_run_has_every_claim(dry_run, tmp_path):
 
 # ----------------------------------------------------------------------------------------------- the report
 
+
 def _machine(tag, backend, kind):
-    return {"tag": tag, "backend": backend, "device_kind": kind, "device_count": 1, "cpu_model": "x", "cpu_cores": 16,
-            "cpu_flags": [], "jax_version": "0.11.2", "python": "3.12"}
+    return {
+        "tag": tag,
+        "backend": backend,
+        "device_kind": kind,
+        "device_count": 1,
+        "cpu_model": "x",
+        "cpu_cores": 16,
+        "cpu_flags": [],
+        "jax_version": "0.11.2",
+        "python": "3.12",
+    }
 
 
 def _write(root, tag, name, record):
@@ -188,8 +212,21 @@ def _write(root, tag, name, record):
 
 
 def _mm_rows(backend, times):
-    return [{"backend": backend, "dtype": d, "n": n, "median": t * (0.5 if d == "bf16" else 1), "p25": t, "p75": t,
-             "min": t, "max": t, "gflops": 2 * n ** 3 / t / 1e9} for n, t in times.items() for d in ("f32", "bf16")]
+    return [
+        {
+            "backend": backend,
+            "dtype": d,
+            "n": n,
+            "median": t * (0.5 if d == "bf16" else 1),
+            "p25": t,
+            "p75": t,
+            "min": t,
+            "max": t,
+            "gflops": 2 * n**3 / t / 1e9,
+        }
+        for n, t in times.items()
+        for d in ("f32", "bf16")
+    ]
 
 
 @pytest.fixture
@@ -197,33 +234,85 @@ def gpu_fixture(tmp_path):
     """A GPU machine's results (GPU and host-CPU rows) and no CPU-machine results: figures chosen so that each
     verdict rule lands on a known side."""
     tag, m = "gpu-h200", _machine("gpu-h200", "gpu", "NVIDIA H200")
-    _write(tmp_path, tag, "exp_matmul", {"machine": m, "rows": _mm_rows("gpu", {64: 2e-5, 4096: 1e-4})
-                                        + _mm_rows("cpu", {64: 5e-6, 4096: 0.1}),
-                                        "peaks": {"gpu": {"gflops": 700000.0}, "cpu": {"gflops": 900.0}}})
-    prec_rows = [{"op": "matmul", "mode": mode, "gflops": g, "speedup_vs_fp32": g / 50000, "rel_error": e,
-                  "kernels": [{"target": "__cublas$lt$matmul", "operand_dtypes": ["bf16", "bf16"]}]}
-                 for mode, g, e in (("fp32", 50000, 1e-7), ("bf16", 700000, 3e-3))]
+    _write(
+        tmp_path,
+        tag,
+        "exp_matmul",
+        {
+            "machine": m,
+            "rows": _mm_rows("gpu", {64: 2e-5, 4096: 1e-4}) + _mm_rows("cpu", {64: 5e-6, 4096: 0.1}),
+            "peaks": {"gpu": {"gflops": 700000.0}, "cpu": {"gflops": 900.0}},
+        },
+    )
+    prec_rows = [
+        {
+            "op": "matmul",
+            "mode": mode,
+            "gflops": g,
+            "speedup_vs_fp32": g / 50000,
+            "rel_error": e,
+            "kernels": [{"target": "__cublas$lt$matmul", "operand_dtypes": ["bf16", "bf16"]}],
+        }
+        for mode, g, e in (("fp32", 50000, 1e-7), ("bf16", 700000, 3e-3))
+    ]
     _write(tmp_path, tag, "exp_precision", {"machine": m, "rows": prec_rows})
-    seq_rows = [{"backend": b, "case": c, "hidden": 16, "steps": 1000, "median": t, "us_per_step": t * 1e3}
-                for b, c, t in (("gpu", "chain", 0.01), ("gpu", "chain_parallel", 1e-5), ("cpu", "chain", 0.001),
-                                ("cpu", "chain_parallel", 1e-4), ("gpu", "rnn", 0.012), ("cpu", "rnn", 0.002))]
+    seq_rows = [
+        {"backend": b, "case": c, "hidden": 16, "steps": 1000, "median": t, "us_per_step": t * 1e3}
+        for b, c, t in (
+            ("gpu", "chain", 0.01),
+            ("gpu", "chain_parallel", 1e-5),
+            ("cpu", "chain", 0.001),
+            ("cpu", "chain_parallel", 1e-4),
+            ("gpu", "rnn", 0.012),
+            ("cpu", "rnn", 0.002),
+        )
+    ]
     _write(tmp_path, tag, "exp_sequential", {"machine": m, "rows": seq_rows})
-    _write(tmp_path, tag, "gpu_check", {"machine": m, "dry_run": False,
-                                        "check": {"bf16_gemm": True, "cudnn_conv": True,
-                                                  "gemm_calls": [{"target": "__cublas$lt$matmul"}],
-                                                  "conv_calls": [{"target": "__cudnn$convForward"}]}})
-    pipe_rows = [{"arrangement": a, "cost": c, "samples_per_s": s, "device_idle": i}
-                 for c in (1, 16)
-                 for a, s, i in (("sync", 1000, 0.7), ("overlapped", 3000, 0.1), ("device", 5000, 0.0))]
+    _write(
+        tmp_path,
+        tag,
+        "gpu_check",
+        {
+            "machine": m,
+            "dry_run": False,
+            "check": {
+                "bf16_gemm": True,
+                "cudnn_conv": True,
+                "gemm_calls": [{"target": "__cublas$lt$matmul"}],
+                "conv_calls": [{"target": "__cudnn$convForward"}],
+            },
+        },
+    )
+    pipe_rows = [
+        {"arrangement": a, "cost": c, "samples_per_s": s, "device_idle": i}
+        for c in (1, 16)
+        for a, s, i in (("sync", 1000, 0.7), ("overlapped", 3000, 0.1), ("device", 5000, 0.0))
+    ]
     _write(tmp_path, tag, "exp_pipeline", {"machine": m, "rows": pipe_rows})
-    inf_rows = [{"backend": b, "model": "cnn", "batch": n, "p50_ms": p, "p99_ms": 2 * p, "samples_per_s": s}
-                for b, n, p, s in (("gpu", 1, 0.3, 3000), ("gpu", 4096, 5.0, 800000), ("cpu", 1, 0.2, 5000),
-                                   ("cpu", 256, 40.0, 6000))]
+    inf_rows = [
+        {"backend": b, "model": "cnn", "batch": n, "p50_ms": p, "p99_ms": 2 * p, "samples_per_s": s}
+        for b, n, p, s in (
+            ("gpu", 1, 0.3, 3000),
+            ("gpu", 4096, 5.0, 800000),
+            ("cpu", 1, 0.2, 5000),
+            ("cpu", 256, 40.0, 6000),
+        )
+    ]
     _write(tmp_path, tag, "exp_inference", {"machine": m, "rows": inf_rows})
-    train_rows = [{"model": "cnn", "precision": p, "step_ms": ms, "finite": True, "test_accuracy": acc}
-                  for p, ms, acc in (("fp32", 4.0, 0.97), ("bf16", 2.0, 0.96))]
-    _write(tmp_path, tag, "exp_train", {"machine": m, "rows": train_rows, "failures": [
-        {"model": "gpt", "precision": "bf16", "error": "JaxRuntimeError: UNIMPLEMENTED"}]})
+    train_rows = [
+        {"model": "cnn", "precision": p, "step_ms": ms, "finite": True, "test_accuracy": acc}
+        for p, ms, acc in (("fp32", 4.0, 0.97), ("bf16", 2.0, 0.96))
+    ]
+    _write(
+        tmp_path,
+        tag,
+        "exp_train",
+        {
+            "machine": m,
+            "rows": train_rows,
+            "failures": [{"model": "gpt", "precision": "bf16", "error": "JaxRuntimeError: UNIMPLEMENTED"}],
+        },
+    )
     return tmp_path
 
 
@@ -234,9 +323,15 @@ def test_report_fills_gpu_column_and_marks_missing_cpu_not_measured(gpu_fixture)
     assert table_rows == ["| accelerator / host CPU, largest fp32 | not measured | 1000.00x |"]
     verdicts = dict(re.findall(r"\| \d\. ([^|]+) \| ([^|]+) \|", text))
     verdicts = {k.strip(): v.strip() for k, v in verdicts.items()}
-    assert verdicts == {"Parallel matrix work": "confirmed", "Latency": "confirmed", "Tensor cores": "confirmed",
-                        "Libraries": "confirmed", "Split the work": "refuted",
-                        "Big data, big batches": "not measured", "Inference": "confirmed"}
+    assert verdicts == {
+        "Parallel matrix work": "confirmed",
+        "Latency": "confirmed",
+        "Tensor cores": "confirmed",
+        "Libraries": "confirmed",
+        "Split the work": "refuted",
+        "Big data, big batches": "not measured",
+        "Inference": "confirmed",
+    }
     assert "| train cnn bf16: step speedup, quality (fp32's) | not measured | 2.00x; 0.960 (0.970) |" in text
     assert "| train gpt bf16: step speedup, quality (fp32's) | not measured | failed: JaxRuntimeError" in text
     # The numbers behind a verdict are the file's, not typed: 700000 / 50000 = 14x.
@@ -245,12 +340,22 @@ def test_report_fills_gpu_column_and_marks_missing_cpu_not_measured(gpu_fixture)
 
 def test_report_with_no_gpu_results_never_invents_gpu_figures(tmp_path):
     m = _machine("cpu-2core-avx512", "cpu", "cpu")
-    _write(tmp_path, "cpu-2core-avx512", "exp_matmul", {"machine": m, "rows": _mm_rows("cpu", {64: 1e-5, 2048: 0.08}),
-                                                        "peaks": {"cpu": {"gflops": 200.0}}})
+    _write(
+        tmp_path,
+        "cpu-2core-avx512",
+        "exp_matmul",
+        {"machine": m, "rows": _mm_rows("cpu", {64: 1e-5, 2048: 0.08}), "peaks": {"cpu": {"gflops": 200.0}}},
+    )
     text = report.build(tmp_path, tmp_path / "REPORT.md")
-    gpu_cells = [line.rsplit("|", 2)[1].strip() for line in text.splitlines()
-                 if line.startswith("| ") and "figure" not in line and "claim" not in line and "tag" not in line
-                 and not line.startswith("| `")]
+    gpu_cells = [
+        line.rsplit("|", 2)[1].strip()
+        for line in text.splitlines()
+        if line.startswith("| ")
+        and "figure" not in line
+        and "claim" not in line
+        and "tag" not in line
+        and not line.startswith("| `")
+    ]
     assert gpu_cells and set(gpu_cells) == {"not measured"}
     assert "No GPU results yet" in text
     assert re.search(r"\| 1\. Parallel matrix work \| not measured \|", text)

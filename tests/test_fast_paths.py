@@ -65,8 +65,11 @@ def test_conv_im2col_bf16_matches_xla(key):
 
 def test_conv_im2col_bf16_hlo_has_bf16_operands_f32_result(key):
     _, fast, params, x = _pair(CONV_CASES[0], key)
-    text = jax.jit(lambda p, x: fast.apply(p, x, policy=BF16)).lower(
-        BF16.cast_to_compute(params), x.astype(jnp.bfloat16)).as_text()
+    text = (
+        jax.jit(lambda p, x: fast.apply(p, x, policy=BF16))
+        .lower(BF16.cast_to_compute(params), x.astype(jnp.bfloat16))
+        .as_text()
+    )
     dots = re.findall(r"stablehlo\.dot_general.*", text)
     assert dots, "the im2col lowering must contract with a dot_general"
     assert all(re.search(r"\(tensor<[^>]*bf16>, tensor<[^>]*bf16>\) -> tensor<[^>]*f32>", d) for d in dots), dots
@@ -101,11 +104,11 @@ def test_max_pool_reshape_matches_reduce_window(window, shape, padding, dtype, k
     assert y_fast.dtype == dtype and y_fast.shape == y_ref.shape
     np.testing.assert_array_equal(np.asarray(y_fast, np.float32), np.asarray(y_ref, np.float32))
     cotangent = jax.random.normal(jax.random.key(seed), y_ref.shape, dtype=jnp.float32).astype(dtype)
+
     def grad(layer):
         return jax.grad(lambda x: jnp.vdot(layer.apply({}, x).astype(jnp.float32), cotangent))
 
-    np.testing.assert_array_equal(np.asarray(jax.jit(grad(fast))(x), np.float32),
-                                  np.asarray(grad(ref)(x), np.float32))
+    np.testing.assert_array_equal(np.asarray(jax.jit(grad(fast))(x), np.float32), np.asarray(grad(ref)(x), np.float32))
 
 
 def _distinct_values(rng, shape):
@@ -133,10 +136,13 @@ def test_conv_unknown_lowering():
         Conv(4, 3, lowering="fft")
 
 
-@pytest.mark.parametrize("spec, shape_a, shape_b", [
-    ("BTNH,BSNH->BNTS", (2, 5, 3, 8), (2, 6, 3, 8)),
-    ("BNTS,BSNH->BTNH", (2, 3, 5, 6), (2, 6, 3, 8)),
-])
+@pytest.mark.parametrize(
+    "spec, shape_a, shape_b",
+    [
+        ("BTNH,BSNH->BNTS", (2, 5, 3, 8), (2, 6, 3, 8)),
+        ("BNTS,BSNH->BTNH", (2, 3, 5, 6), (2, 6, 3, 8)),
+    ],
+)
 def test_half_attention_products_match_float32_and_run(spec, shape_a, shape_b, key):
     """The bf16 attention products (precision.einsum) give float32 einsum's values and gradients; their
     weight-side transposes once hit XLA's DotThunk on the CPU, which has no bf16 x bf16 -> f32."""
@@ -144,6 +150,7 @@ def test_half_attention_products_match_float32_and_run(spec, shape_a, shape_b, k
 
     a = jax.random.normal(key, shape_a).astype(jnp.bfloat16)
     b = jax.random.normal(jax.random.fold_in(key, 1), shape_b).astype(jnp.bfloat16)
+
     def half_product(a, b):
         return precision.einsum(spec, a, b)
 

@@ -22,7 +22,15 @@ from jaxnn.rundir import RunDirError, RunLock, StorageError
 
 pytestmark = pytest.mark.xdist_group("faults")  # one worker: the undisturbed reference run is computed once
 
-SETTINGS = {"steps": 40, "batch_size": 32, "log_every": 5, "ckpt_every": 10, "keep": 5, "progress": False, "plots": False}
+SETTINGS = {
+    "steps": 40,
+    "batch_size": 32,
+    "log_every": 5,
+    "ckpt_every": 10,
+    "keep": 5,
+    "progress": False,
+    "plots": False,
+}
 
 
 def model():
@@ -60,9 +68,16 @@ class StopAfter(Callback):
 def test_second_run_is_refused_naming_the_holder_and_a_stale_lock_is_taken_over(tmp_path, data, caplog, capsys):
     run = tmp_path / "run"
     run.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom jaxnn.rundir import RunLock\n"
-                               f"RunLock({str(run)!r}).acquire(); print('held', flush=True); time.sleep(120)"],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom jaxnn.rundir import RunLock\n"
+            f"RunLock({str(run)!r}).acquire(); print('held', flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(RunDirError, match=rf"run dir {run} is in use by process {holder.pid} on host "):
@@ -107,9 +122,28 @@ def test_signals_during_the_final_save_do_not_interrupt_it(tmp_path, data, refer
 
     monkeypatch.setattr(loop._Tracker, "log", log)
     monkeypatch.setattr(Checkpointer, "save", save)
-    code = cli.main(["train", "--model", "mlp", "--size", "small", "--steps", "40", "--batch-size", "16",
-                     "--ckpt-every", "10", "--log-every", "7", "--no-progress", "--no-plots", "--no-summary",
-                     "--run-dir", str(run)])
+    code = cli.main(
+        [
+            "train",
+            "--model",
+            "mlp",
+            "--size",
+            "small",
+            "--steps",
+            "40",
+            "--batch-size",
+            "16",
+            "--ckpt-every",
+            "10",
+            "--log-every",
+            "7",
+            "--no-progress",
+            "--no-plots",
+            "--no-summary",
+            "--run-dir",
+            str(run),
+        ]
+    )
     assert code == 128 + signal.SIGTERM  # the exit status names the signal that stopped the run
     err = capfd.readouterr().err
     assert err.count("received while stopping; finishing the checkpoint first") == 2
@@ -118,9 +152,30 @@ def test_signals_during_the_final_save_do_not_interrupt_it(tmp_path, data, refer
     assert sorted(p.name for p in (run / "ckpt").iterdir()) == ["10", "14"]  # complete, no temporary folder
     monkeypatch.setattr(Checkpointer, "save", real_save)
     monkeypatch.setattr(loop._Tracker, "log", real_log)
-    assert cli.main(["train", "--model", "mlp", "--size", "small", "--steps", "40", "--batch-size", "16",
-                     "--ckpt-every", "10", "--no-progress", "--no-plots", "--no-summary", "--run-dir", str(run),
-                     "--resume"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "--model",
+                "mlp",
+                "--size",
+                "small",
+                "--steps",
+                "40",
+                "--batch-size",
+                "16",
+                "--ckpt-every",
+                "10",
+                "--no-progress",
+                "--no-plots",
+                "--no-summary",
+                "--run-dir",
+                str(run),
+                "--resume",
+            ]
+        )
+        == 0
+    )
 
 
 def test_disk_full_while_checkpointing(tmp_path, data, reference, monkeypatch):
@@ -140,11 +195,17 @@ def test_disk_full_while_checkpointing(tmp_path, data, reference, monkeypatch):
     with pytest.raises(StorageError) as info:
         train(run, data)
     message = str(info.value)
-    assert message.startswith(f"[Errno {errno.ENOSPC}] saving checkpoint step 30 to {run / 'ckpt'} failed: No space "
-                              "left on device (free space there: ") and "\n" not in message
+    assert (
+        message.startswith(
+            f"[Errno {errno.ENOSPC}] saving checkpoint step 30 to {run / 'ckpt'} failed: No space "
+            "left on device (free space there: "
+        )
+        and "\n" not in message
+    )
     after = snapshot(run)
-    assert {k: v for k, v in after.items() if k.parts[0] == "ckpt"} == \
-           {k: v for k, v in before.items() if k.parts[0] == "ckpt"}  # earlier checkpoints untouched
+    assert {k: v for k, v in after.items() if k.parts[0] == "ckpt"} == {
+        k: v for k, v in before.items() if k.parts[0] == "ckpt"
+    }  # earlier checkpoints untouched
     assert after[pathlib.Path("metrics.jsonl")].startswith(before[pathlib.Path("metrics.jsonl")])
     monkeypatch.setattr(ocp.CheckpointManager, "save", real_save)  # space freed
     result = train(run, data, resume=True)
@@ -163,8 +224,11 @@ def test_disk_full_while_logging(tmp_path, data, reference, monkeypatch):
         return real_write(fd, payload)
 
     monkeypatch.setattr(rundir, "_write_all", write_all)
-    with pytest.raises(StorageError, match=rf"appending to {run / 'metrics.jsonl'} failed: No space left on device "
-                                           r"\(free space there: "):
+    with pytest.raises(
+        StorageError,
+        match=rf"appending to {run / 'metrics.jsonl'} failed: No space left on device "
+        r"\(free space there: ",
+    ):
         train(run, data)
     lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
     assert len(lines) == 3 and all(line.endswith("\n") and json.loads(line) for line in lines)  # no half line

@@ -25,17 +25,33 @@ def test_dense(key):
     np.testing.assert_allclose(L.Dense(5).apply(params, x), flax_y, **TOL)
 
 
-@pytest.mark.parametrize("kwargs, shape", [
-    ({"features": 4, "kernel_size": (3, 3), "strides": (2, 2), "padding": "SAME"}, (2, 9, 9, 3)),
-    ({"features": 4, "kernel_size": (3, 3), "kernel_dilation": (2, 2), "padding": "VALID", "feature_group_count": 2},
-     (2, 9, 9, 4)),
-    ({"features": 5, "kernel_size": (3,), "padding": "CAUSAL"}, (2, 11, 3)),
-    ({"features": 3, "kernel_size": (2, 3), "padding": ((1, 0), (2, 1))}, (2, 6, 7, 2)),
-])
+@pytest.mark.parametrize(
+    "kwargs, shape",
+    [
+        ({"features": 4, "kernel_size": (3, 3), "strides": (2, 2), "padding": "SAME"}, (2, 9, 9, 3)),
+        (
+            {
+                "features": 4,
+                "kernel_size": (3, 3),
+                "kernel_dilation": (2, 2),
+                "padding": "VALID",
+                "feature_group_count": 2,
+            },
+            (2, 9, 9, 4),
+        ),
+        ({"features": 5, "kernel_size": (3,), "padding": "CAUSAL"}, (2, 11, 3)),
+        ({"features": 3, "kernel_size": (2, 3), "padding": ((1, 0), (2, 1))}, (2, 6, 7, 2)),
+    ],
+)
 def test_conv(kwargs, shape, key):
-    ours = L.Conv(kwargs["features"], kwargs["kernel_size"], strides=kwargs.get("strides", 1),
-                  padding=kwargs["padding"], dilation=kwargs.get("kernel_dilation", 1),
-                  feature_group_count=kwargs.get("feature_group_count", 1))
+    ours = L.Conv(
+        kwargs["features"],
+        kwargs["kernel_size"],
+        strides=kwargs.get("strides", 1),
+        padding=kwargs["padding"],
+        dilation=kwargs.get("kernel_dilation", 1),
+        feature_group_count=kwargs.get("feature_group_count", 1),
+    )
     x = jax.random.normal(key, shape)
     params = random_like(ours.init(key, shape)[1], jax.random.key(1))
     flax_y = nn.Conv(**kwargs).apply({"params": {"kernel": params["w"], "bias": params["b"]}}, x)
@@ -57,10 +73,14 @@ def test_batch_norm(train, key):
     ours = L.BatchNorm(momentum=0.9)
     _, params, state = L.init_model(ours, key, x.shape)
     params = random_like(params, jax.random.key(1))
-    state = {"mean": jax.random.normal(jax.random.key(2), (3,)), "var": jax.random.uniform(jax.random.key(3), (3,)) + 0.5}
+    state = {
+        "mean": jax.random.normal(jax.random.key(2), (3,)),
+        "var": jax.random.uniform(jax.random.key(3), (3,)) + 0.5,
+    }
     y, new_state = ours.apply(params, x, state=state, train=train)
     flax_y, updates = nn.BatchNorm(use_running_average=not train, momentum=0.9).apply(
-        {"params": params, "batch_stats": state}, x, mutable=["batch_stats"])
+        {"params": params, "batch_stats": state}, x, mutable=["batch_stats"]
+    )
     np.testing.assert_allclose(y, flax_y, **TOL)
     expected_state = updates["batch_stats"] if train else state
     for name in ("mean", "var"):

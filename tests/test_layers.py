@@ -15,8 +15,11 @@ CASES = {
     "dense": (lambda: L.Dense(5), (3, 4), "float"),
     "dense_rank3": (lambda: L.Dense(5, use_bias=False), (2, 3, 4), "float"),
     "conv2d_strided": (lambda: L.Conv(4, 3, strides=2), (2, 7, 7, 3), "float"),
-    "conv2d_dilated_grouped": (lambda: L.Conv(4, (3, 3), dilation=2, feature_group_count=2, padding="VALID"),
-                               (2, 9, 9, 4), "float"),
+    "conv2d_dilated_grouped": (
+        lambda: L.Conv(4, (3, 3), dilation=2, feature_group_count=2, padding="VALID"),
+        (2, 9, 9, 4),
+        "float",
+    ),
     "conv2d_explicit_padding": (lambda: L.Conv(3, (2, 3), padding=((1, 0), (2, 1))), (2, 5, 6, 2), "float"),
     "conv1d_causal": (lambda: L.Conv(4, (3,), padding="CAUSAL", dilation=2), (2, 10, 3), "float"),
     "max_pool": (lambda: L.MaxPool(2), (2, 6, 6, 3), "float"),
@@ -149,9 +152,14 @@ def test_params_have_stable_readable_names(key):
     model = L.serial(L.Dense(4), L.Relu, L.residual(L.LayerNorm(), L.Dense(4)))
     _, params = model.init(key, (2, 3))
     paths = sorted(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0])
-    assert paths == ["['0_dense']['b']", "['0_dense']['w']", "['2_residual']['0_layer_norm']['bias']",
-                     "['2_residual']['0_layer_norm']['scale']", "['2_residual']['1_dense']['b']",
-                     "['2_residual']['1_dense']['w']"]
+    assert paths == [
+        "['0_dense']['b']",
+        "['0_dense']['w']",
+        "['2_residual']['0_layer_norm']['bias']",
+        "['2_residual']['0_layer_norm']['scale']",
+        "['2_residual']['1_dense']['b']",
+        "['2_residual']['1_dense']['w']",
+    ]
 
 
 def test_attention_padding_mask_hides_padded_keys(key):
@@ -174,8 +182,12 @@ def test_f32acc_attention_matches_jax_dot_product_attention(dtype, key):
     mask = jax.random.bernoulli(jax.random.key(4), 0.8, (3, 7)).at[:, 0].set(True)
     params = jax.tree.map(lambda p: p.astype(dtype), params)
     tol = 1e-5 if dtype == jnp.float32 else 3e-2
-    np.testing.assert_allclose(fast.apply(params, x, mask=mask).astype(jnp.float32),
-                               simple.apply(params, x, mask=mask).astype(jnp.float32), rtol=tol, atol=tol)
+    np.testing.assert_allclose(
+        fast.apply(params, x, mask=mask).astype(jnp.float32),
+        simple.apply(params, x, mask=mask).astype(jnp.float32),
+        rtol=tol,
+        atol=tol,
+    )
 
 
 def test_causal_attention_ignores_the_future(key):
@@ -183,40 +195,55 @@ def test_causal_attention_ignores_the_future(key):
     _, params = layer.init(key, (1, 6, 8))
     x = jax.random.normal(key, (1, 6, 8))
     future_changed = x.at[0, 3:].set(jax.random.normal(jax.random.key(9), (3, 8)))
-    np.testing.assert_allclose(layer.apply(params, future_changed)[0, :3], layer.apply(params, x)[0, :3],
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        layer.apply(params, future_changed)[0, :3], layer.apply(params, x)[0, :3], rtol=1e-5, atol=1e-5
+    )
 
 
-@pytest.mark.parametrize("layer, shape, message", [
-    (L.Dense(3), (), r"dense: expected input of rank >= 1 .* got shape \(\)"),
-    (L.Conv(3, 3), (2, 8, 8), r"conv: expected input of rank 4 \(NHWC\), got shape \(2, 8, 8\)"),
-    (L.Conv(3, (3,)), (2, 8, 8, 1), r"conv: expected input of rank 3 \(NWC\), got shape \(2, 8, 8, 1\)"),
-    (L.Conv(3, 5, padding="VALID"), (2, 3, 3, 1), r"conv: expected input large enough for kernel .* \(2, 3, 3, 1\)"),
-    (L.Conv(4, 3, feature_group_count=2), (2, 8, 8, 3), r"conv: .*divisible by feature_group_count 2.*\(2, 8, 8, 3\)"),
-    (L.MaxPool(2), (2, 8), r"max_pool: expected input of rank 4 .* got shape \(2, 8\)"),
-    (L.MultiHeadAttention(3), (2, 5, 8), r"attention: .*divisible by num_heads 3.*\(2, 5, 8\)"),
-    (L.PositionEmbedding(4), (2, 5, 8), r"pos_embed: expected input of rank 3 \(batch, time <= 4.*\(2, 5, 8\)"),
-    (L.serial(L.Flatten(), L.Conv(2, 3)), (2, 4, 4, 1), r"conv: expected input of rank 4 .* got shape \(2, 16\)"),
-])
+@pytest.mark.parametrize(
+    "layer, shape, message",
+    [
+        (L.Dense(3), (), r"dense: expected input of rank >= 1 .* got shape \(\)"),
+        (L.Conv(3, 3), (2, 8, 8), r"conv: expected input of rank 4 \(NHWC\), got shape \(2, 8, 8\)"),
+        (L.Conv(3, (3,)), (2, 8, 8, 1), r"conv: expected input of rank 3 \(NWC\), got shape \(2, 8, 8, 1\)"),
+        (
+            L.Conv(3, 5, padding="VALID"),
+            (2, 3, 3, 1),
+            r"conv: expected input large enough for kernel .* \(2, 3, 3, 1\)",
+        ),
+        (
+            L.Conv(4, 3, feature_group_count=2),
+            (2, 8, 8, 3),
+            r"conv: .*divisible by feature_group_count 2.*\(2, 8, 8, 3\)",
+        ),
+        (L.MaxPool(2), (2, 8), r"max_pool: expected input of rank 4 .* got shape \(2, 8\)"),
+        (L.MultiHeadAttention(3), (2, 5, 8), r"attention: .*divisible by num_heads 3.*\(2, 5, 8\)"),
+        (L.PositionEmbedding(4), (2, 5, 8), r"pos_embed: expected input of rank 3 \(batch, time <= 4.*\(2, 5, 8\)"),
+        (L.serial(L.Flatten(), L.Conv(2, 3)), (2, 4, 4, 1), r"conv: expected input of rank 4 .* got shape \(2, 16\)"),
+    ],
+)
 def test_wrong_input_shape_at_init_names_layer_and_shape(layer, shape, message, key):
     with pytest.raises(ValueError, match=message):
         layer.init(key, shape)
 
 
-@pytest.mark.parametrize("build, message", [
-    (lambda: L.Conv(3, 3, padding="FULL"), r"Conv: unknown padding mode 'FULL'"),
-    (lambda: L.MaxPool(2, padding="REFLECT"), r"MaxPool: unknown padding mode 'REFLECT'"),
-    (lambda: L.Dense(0), r"Dense: features must be a positive integer, got 0"),
-    (lambda: L.Conv(-2, 3), r"Conv: features must be a positive integer, got -2"),
-    (lambda: L.Conv(4, (3, 0)), r"Conv: kernel_size\[1\] must be a positive integer, got 0"),
-    (lambda: L.Embedding(10, 0), r"Embedding: features must be a positive integer"),
-    (lambda: L.MultiHeadAttention(0), r"MultiHeadAttention: num_heads must be a positive integer"),
-    (lambda: L.Dropout(1.0), r"Dropout: drop_prob must be in \[0, 1\), got 1.0"),
-    (lambda: L.Dropout(-0.1), r"Dropout: drop_prob must be in \[0, 1\), got -0.1"),
-    (lambda: L.TransformerBlock(2, drop_prob=1.5), r"Dropout: drop_prob must be in \[0, 1\)"),
-    (lambda: L.BatchNorm(momentum=1.0), r"BatchNorm: momentum must be in \[0, 1\)"),
-    (lambda: L.LayerNorm(eps=0), r"LayerNorm: eps must be positive"),
-])
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: L.Conv(3, 3, padding="FULL"), r"Conv: unknown padding mode 'FULL'"),
+        (lambda: L.MaxPool(2, padding="REFLECT"), r"MaxPool: unknown padding mode 'REFLECT'"),
+        (lambda: L.Dense(0), r"Dense: features must be a positive integer, got 0"),
+        (lambda: L.Conv(-2, 3), r"Conv: features must be a positive integer, got -2"),
+        (lambda: L.Conv(4, (3, 0)), r"Conv: kernel_size\[1\] must be a positive integer, got 0"),
+        (lambda: L.Embedding(10, 0), r"Embedding: features must be a positive integer"),
+        (lambda: L.MultiHeadAttention(0), r"MultiHeadAttention: num_heads must be a positive integer"),
+        (lambda: L.Dropout(1.0), r"Dropout: drop_prob must be in \[0, 1\), got 1.0"),
+        (lambda: L.Dropout(-0.1), r"Dropout: drop_prob must be in \[0, 1\), got -0.1"),
+        (lambda: L.TransformerBlock(2, drop_prob=1.5), r"Dropout: drop_prob must be in \[0, 1\)"),
+        (lambda: L.BatchNorm(momentum=1.0), r"BatchNorm: momentum must be in \[0, 1\)"),
+        (lambda: L.LayerNorm(eps=0), r"LayerNorm: eps must be positive"),
+    ],
+)
 def test_bad_construction_is_refused(build, message):
     with pytest.raises(ValueError, match=message):
         build()

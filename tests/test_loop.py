@@ -56,8 +56,13 @@ def test_custom_model_learns_digits_and_tensorboard_reads_its_events(tmp_path, d
 
 def start(run_dir, *extra):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user's run
-    return subprocess.Popen([sys.executable, str(REPO / "tests" / "custom_model.py"), str(run_dir), *extra],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "custom_model.py"), str(run_dir), *extra],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def checkpoints(run_dir):
@@ -104,7 +109,7 @@ def test_custom_model_killed_and_resumed_matches_uninterrupted(tmp_path):
 
 def test_every_data_form_trains(digits):
     (x, y), test = digits
-    batches = [{"x": x[i:i + 16], "y": y[i:i + 16]} for i in range(0, 16 * 12, 16)]
+    batches = [{"x": x[i : i + 16], "y": y[i : i + 16]} for i in range(0, 16 * 12, 16)]
     for data in ((x, y), {"x": x, "y": y}, batches, load_digits()):
         result = fit(mlp(), data, eval_data=test, **TINY)
         assert result.summary["step"] == 12 and np.isfinite(result.summary["eval_loss"])
@@ -126,21 +131,27 @@ def test_array_batches_are_a_function_of_seed_and_step(digits):
     np.testing.assert_array_equal(one[45]["y"], two[5]["y"])
     epoch = np.concatenate([one.batch(i)["y"] for i in range(one.steps_per_epoch)])
     assert len(epoch) == (len(y) // 32) * 32
-    seen = np.concatenate([np.sort(one.permutation(0)[i * 32:(i + 1) * 32]) for i in range(one.steps_per_epoch)])
+    seen = np.concatenate([np.sort(one.permutation(0)[i * 32 : (i + 1) * 32]) for i in range(one.steps_per_epoch)])
     np.testing.assert_array_equal(epoch, y[seen])  # each example at most once per epoch
 
 
-@pytest.mark.parametrize("data, settings, match", [
-    ("x", {}, DataError("expected (x, y) arrays")),
-    ({"x": np.zeros((10, 8, 8, 1)), "y": np.zeros(9)}, {}, DataError("must share their first")),
-    ((np.zeros((10, 8, 8, 1)), np.zeros(10, np.int32)), {"batch_size": 64},
-     DataError("batch size 64 is larger than the 10 training examples")),
-    ((np.zeros((32, 8, 8, 1)), np.zeros(32, np.int32)), {"stesp": 3}, ConfigError("unknown setting(s) ['stesp']")),
-    ((np.zeros((32, 8, 8, 1)), np.zeros(32, np.int32)), {"precision": "fp8"}, ConfigError("unknown precision")),
-    ((np.zeros((32, 8, 8, 1)), np.zeros((32, 3), np.int32)), {}, ConfigError("the model and loss cannot run")),
-    ((np.zeros((32, 5)), np.zeros(32, np.int32)), {"devices": 3}, ValueError("not divisible by the 3 devices")),
-    ((np.zeros((32, 5)), np.zeros(32, np.int32)), {"resume": True, "overwrite": True}, ConfigError("exclude")),
-])
+@pytest.mark.parametrize(
+    "data, settings, match",
+    [
+        ("x", {}, DataError("expected (x, y) arrays")),
+        ({"x": np.zeros((10, 8, 8, 1)), "y": np.zeros(9)}, {}, DataError("must share their first")),
+        (
+            (np.zeros((10, 8, 8, 1)), np.zeros(10, np.int32)),
+            {"batch_size": 64},
+            DataError("batch size 64 is larger than the 10 training examples"),
+        ),
+        ((np.zeros((32, 8, 8, 1)), np.zeros(32, np.int32)), {"stesp": 3}, ConfigError("unknown setting(s) ['stesp']")),
+        ((np.zeros((32, 8, 8, 1)), np.zeros(32, np.int32)), {"precision": "fp8"}, ConfigError("unknown precision")),
+        ((np.zeros((32, 8, 8, 1)), np.zeros((32, 3), np.int32)), {}, ConfigError("the model and loss cannot run")),
+        ((np.zeros((32, 5)), np.zeros(32, np.int32)), {"devices": 3}, ValueError("not divisible by the 3 devices")),
+        ((np.zeros((32, 5)), np.zeros(32, np.int32)), {"resume": True, "overwrite": True}, ConfigError("exclude")),
+    ],
+)
 def test_bad_input_refused_before_anything_is_written(tmp_path, data, settings, match):
     with pytest.raises(type(match), match=re.escape(str(match))):
         fit(mlp(), data, **{**TINY, "batch_size": 16, "run_dir": str(tmp_path / "run"), **settings})
@@ -155,14 +166,16 @@ def test_nonfinite_loss_stops_naming_the_step_and_never_checkpoints_it(tmp_path,
     assert summary["error"].startswith("the loss became") and not (tmp_path / "a" / "ckpt" / "30").exists()
     # Checkpointing every step: the save refuses non-finite parameters even before the loss is read.
     with pytest.raises(NonFiniteError, match=r"(the loss became|the parameters are not finite at) \w+"):
-        fit(mlp(), (x, y), optimizer=optax.sgd(1e12), run_dir=str(tmp_path / "b"), ckpt_every=1,
-            **{**TINY, "steps": 30})
+        fit(
+            mlp(), (x, y), optimizer=optax.sgd(1e12), run_dir=str(tmp_path / "b"), ckpt_every=1, **{**TINY, "steps": 30}
+        )
     from jaxnn.checkpoint import Checkpointer
     from jaxnn.train import create_train_state
 
     like = create_train_state(mlp(), optax.sgd(1e12), jax.random.key(0), (16, 8, 8, 1))
-    restored = Checkpointer(tmp_path / "b" / "ckpt").restore(like, json.loads((tmp_path / "b" / "config.json")
-                                                                              .read_text()))
+    restored = Checkpointer(tmp_path / "b" / "ckpt").restore(
+        like, json.loads((tmp_path / "b" / "config.json").read_text())
+    )
     if restored is not None:
         assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(restored[0].params))
 
@@ -185,8 +198,15 @@ def test_callbacks_early_stopping_and_learning_rate(digits):
     (x, y), test = digits
     schedule = make_schedule(1e-3, total_steps=40)
     stopper = EarlyStopping("accuracy", mode="max", patience=1, min_delta=2.0)  # no evaluation can improve by 2
-    result = fit(mlp(), (x, y), eval_data=test, eval_every=4, callbacks=[stopper, LearningRateLogger(schedule)],
-                 optimizer=optax.adam(schedule), **{**TINY, "steps": 40})
+    result = fit(
+        mlp(),
+        (x, y),
+        eval_data=test,
+        eval_every=4,
+        callbacks=[stopper, LearningRateLogger(schedule)],
+        optimizer=optax.adam(schedule),
+        **{**TINY, "steps": 40},
+    )
     assert result.summary["step"] == 8 and result.summary["stopped_by"].startswith("early stopping: eval accuracy")
     rows = [r for r in result.history if r["split"] == "train"]
     assert rows[0]["lr"] == pytest.approx(float(schedule(4)))
@@ -206,8 +226,9 @@ def test_readme_bring_your_own_model_runs_as_written(tmp_path):
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     assert len(section.strip().splitlines()) <= 20, "the section promises at most 20 lines"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     accuracy = float(re.search(r"test accuracy ([0-9.]+)", out.stdout).group(1))
     assert accuracy >= 0.9, out.stdout

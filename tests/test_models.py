@@ -16,7 +16,7 @@ def test_small_models_produce_logits(name, key):
     model = get_model(name, CONFIGS[name]().small())
     shape = SHAPES[name]
     out_shape, params, state = L.init_model(model, key, shape)
-    x = (jax.random.randint(key, shape, 0, 256) if name == "gpt" else jax.random.normal(key, shape))
+    x = jax.random.randint(key, shape, 0, 256) if name == "gpt" else jax.random.normal(key, shape)
     y, new_state = jax.jit(lambda p, s, x: L.run(model, p, x, state=s, train=True))(params, state, x)
     assert y.shape == tuple(out_shape) == ((2, 32, 256) if name == "gpt" else (2, 10))
     assert bool(jnp.all(jnp.isfinite(y)))
@@ -35,8 +35,9 @@ def test_gpt_predictions_do_not_see_future_bytes(key):
     _, params = model.init(key, (1, cfg.seq_len))
     ids = jax.random.randint(key, (1, cfg.seq_len), 0, 256)
     changed = ids.at[0, 20:].set((ids[0, 20:] + 7) % 256)
-    np.testing.assert_allclose(model.apply(params, changed)[0, :20], model.apply(params, ids)[0, :20],
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        model.apply(params, changed)[0, :20], model.apply(params, ids)[0, :20], rtol=1e-5, atol=1e-5
+    )
 
 
 def test_unknown_model_is_refused():

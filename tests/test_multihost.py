@@ -18,10 +18,36 @@ from jaxnn.models import MLP, MLPConfig
 from jaxnn.recipes import train
 from jaxnn.train import create_train_state, make_optimizer
 
-ARGS = ["--model", "mlp", "--size", "small", "--steps", "12", "--batch-size", "16", "--lr", "0.01", "--ckpt-every",
-        "6", "--no-progress", "--no-plots", "--no-summary", "--backend", "inline"]
-CFG = TrainConfig(model="mlp", size="small", steps=12, batch_size=16, lr=0.01, ckpt_every=6, progress=False,
-                  plots=False, backend="inline")
+ARGS = [
+    "--model",
+    "mlp",
+    "--size",
+    "small",
+    "--steps",
+    "12",
+    "--batch-size",
+    "16",
+    "--lr",
+    "0.01",
+    "--ckpt-every",
+    "6",
+    "--no-progress",
+    "--no-plots",
+    "--no-summary",
+    "--backend",
+    "inline",
+]
+CFG = TrainConfig(
+    model="mlp",
+    size="small",
+    steps=12,
+    batch_size=16,
+    lr=0.01,
+    ckpt_every=6,
+    progress=False,
+    plots=False,
+    backend="inline",
+)
 
 
 class StopAt(Callback):
@@ -50,8 +76,9 @@ def test_two_processes_resume_a_one_process_checkpoint_and_match_one_process(tmp
     half = train(dataclasses.replace(CFG, run_dir=str(two)), callbacks=[StopAt(6)])
     assert half["step"] == 6 and half["stopped_by"] == "test"
     # ... two processes (the `make train-multihost` launcher) resume it and train on to step 12 ...
-    code = multihost.main(["--run-dir", str(two), "--heartbeat-timeout", "10", "--timeout", "240", "--",
-                           *ARGS, "--resume"])
+    code = multihost.main(
+        ["--run-dir", str(two), "--heartbeat-timeout", "10", "--timeout", "240", "--", *ARGS, "--resume"]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "2 processes x 1 CPU device(s) on 127.0.0.1" in out and "params identical on every process" in out
@@ -63,34 +90,60 @@ def test_two_processes_resume_a_one_process_checkpoint_and_match_one_process(tmp
     assert abs(resumed["eval_loss"] - single["eval_loss"]) < 1e-4
     (a, step_a), (b, step_b) = restore_params(two), restore_params(one)
     assert step_a == step_b == 12
-    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=2e-6),
-                 a.params, b.params)
-    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=2e-6),
-                 a.opt_state, b.opt_state)
+    jax.tree.map(
+        lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=2e-6), a.params, b.params
+    )
+    jax.tree.map(
+        lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=2e-6),
+        a.opt_state,
+        b.opt_state,
+    )
 
 
 def test_survivor_stops_with_clear_error_when_a_peer_dies(tmp_path):
     t0 = time.monotonic()
-    results = multihost.launch_local(2, [*ARGS[:5], "200", *ARGS[6:], "--run-dir", str(tmp_path / "r"),
-                                         "--heartbeat-timeout", "5", "--fail-at", "1", "3"],
-                                     timeout_s=150, grace_s=60)
+    results = multihost.launch_local(
+        2,
+        [
+            *ARGS[:5],
+            "200",
+            *ARGS[6:],
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--heartbeat-timeout",
+            "5",
+            "--fail-at",
+            "1",
+            "3",
+        ],
+        timeout_s=150,
+        grace_s=60,
+    )
     elapsed = time.monotonic() - t0
     dead, survivor = results[1], results[0]
     assert dead.returncode == 17 and "exiting at step 3" in dead.stderr, dead.stderr[-2000:]
     # The survivor ended itself (it was not killed by the launcher: returncode None) with a clear error.
     assert survivor.returncode not in (0, None), survivor.stderr[-2000:]
-    assert ("detected fatal errors" in survivor.stderr or "another process has probably died" in survivor.stderr), \
+    assert "detected fatal errors" in survivor.stderr or "another process has probably died" in survivor.stderr, (
         survivor.stderr[-2000:]
+    )
     assert survivor.result is None
     assert elapsed < 120
 
 
 def test_configure_cpu_devices_in_fresh_process():
-    code = ("from jaxnn.mesh import configure_cpu_devices; configure_cpu_devices(4); import jax; "
-            "print(jax.device_count()); configure_cpu_devices(4)\n"
-            "try:\n configure_cpu_devices(2)\nexcept RuntimeError as e: print(e)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PATH": "/usr/bin:/bin"})
+    code = (
+        "from jaxnn.mesh import configure_cpu_devices; configure_cpu_devices(4); import jax; "
+        "print(jax.device_count()); configure_cpu_devices(4)\n"
+        "try:\n configure_cpu_devices(2)\nexcept RuntimeError as e: print(e)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
     assert lines[0] == "4"

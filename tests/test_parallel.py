@@ -15,8 +15,13 @@ TOL = {"rtol": 2e-5, "atol": 2e-5}
 
 def _batches(seed=1):
     rng = np.random.default_rng(seed)
-    return [{"x": rng.normal(size=(BATCH, FEATURES)).astype(np.float32) * 2 + 0.5,
-             "y": rng.integers(0, CLASSES, size=(BATCH,)).astype(np.int32)} for _ in range(STEPS)]
+    return [
+        {
+            "x": rng.normal(size=(BATCH, FEATURES)).astype(np.float32) * 2 + 0.5,
+            "y": rng.integers(0, CLASSES, size=(BATCH,)).astype(np.int32),
+        }
+        for _ in range(STEPS)
+    ]
 
 
 def _mlp():
@@ -71,8 +76,10 @@ def test_each_form_matches_one_device(form, key):
     state, losses, dp = _data_parallel(_mlp(), key, batches, form)
     assert dp.mesh.shape[parallel.DATA_AXIS] == 8
     assert int(state.step) == STEPS
-    assert not np.allclose(np.asarray(state.params["0_dense"]["w"]),
-                           np.asarray(create_train_state(_mlp(), _tx(), key, (BATCH, FEATURES)).params["0_dense"]["w"]))
+    assert not np.allclose(
+        np.asarray(state.params["0_dense"]["w"]),
+        np.asarray(create_train_state(_mlp(), _tx(), key, (BATCH, FEATURES)).params["0_dense"]["w"]),
+    )
     _assert_trees_close(state.params, ref.params)
     _assert_trees_close(state.opt_state, ref.opt_state)
     np.testing.assert_allclose(losses, ref_losses, **TOL)
@@ -122,7 +129,8 @@ def _per_shard(model: Layer, shards: int) -> Layer:
 
     def apply(params, x, *, state, **kwargs):
         y, new_state = jax.vmap(lambda xs: model.apply(params, xs, state=state, **kwargs))(
-            x.reshape(shards, -1, *x.shape[1:]))
+            x.reshape(shards, -1, *x.shape[1:])
+        )
         return y.reshape(-1, *y.shape[2:]), jax.tree.map(lambda s: s.mean(0), new_state)
 
     return Layer(model.init, apply, "per_shard", model.init_state)

@@ -87,7 +87,7 @@ def test_random_crop_and_flip():
     dy, dx = np.random.default_rng(1).integers(0, 5, size=(2, 16))
     padded = np.pad(x, ((0, 0), (2, 2), (2, 2), (0, 0)))
     for b in range(16):
-        np.testing.assert_array_equal(crop[b], padded[b, dy[b]:dy[b] + 5, dx[b]:dx[b] + 7])
+        np.testing.assert_array_equal(crop[b], padded[b, dy[b] : dy[b] + 5, dx[b] : dx[b] + 7])
     assert random_crop(x, rng, 0) is x
     flipped = random_flip(x, np.random.default_rng(2))
     which = np.random.default_rng(2).random(16) < 0.5
@@ -129,8 +129,7 @@ def test_eval_batches_count_each_test_example_once(data):
 def test_iterator_state(data):
     src = TrainBatches(data, PipelineConfig(batch_size=8, seed=9))
     state = iterator_state(17, src)
-    assert state == {"next_step": 17, "dataset": "toy", "num_train": 50, "batch_size": 8, "seed": 9,
-                     "ragged": "drop"}
+    assert state == {"next_step": 17, "dataset": "toy", "num_train": 50, "batch_size": 8, "seed": 9, "ragged": "drop"}
 
 
 @pytest.mark.parametrize("size", [0, 1, 2])

@@ -13,8 +13,10 @@ from jaxnn import layers as L
 from jaxnn import precision, train
 from jaxnn.models import CNN, GPT, CNNConfig, GPTConfig
 
-PRODUCT = re.compile(r"stablehlo\.(dot_general|convolution).*: \(tensor<[^>]*x(\w+)>, tensor<[^>]*x(\w+)>\) "
-                     r"-> tensor<[^>]*x(\w+)>")
+PRODUCT = re.compile(
+    r"stablehlo\.(dot_general|convolution).*: \(tensor<[^>]*x(\w+)>, tensor<[^>]*x(\w+)>\) "
+    r"-> tensor<[^>]*x(\w+)>"
+)
 
 
 def product_types(hlo_text: str) -> collections.Counter:
@@ -22,11 +24,14 @@ def product_types(hlo_text: str) -> collections.Counter:
     return collections.Counter(m.groups() for m in map(PRODUCT.search, hlo_text.splitlines()) if m)
 
 
-@pytest.mark.parametrize("layer, shape, op", [
-    (L.Dense(16), (4, 8), "dot_general"),
-    (L.Conv(8, 3, lowering="xla"), (2, 8, 8, 3), "convolution"),
-    (L.MultiHeadAttention(2, causal=True), (2, 6, 8), "dot_general"),
-])
+@pytest.mark.parametrize(
+    "layer, shape, op",
+    [
+        (L.Dense(16), (4, 8), "dot_general"),
+        (L.Conv(8, 3, lowering="xla"), (2, 8, 8, 3), "convolution"),
+        (L.MultiHeadAttention(2, causal=True), (2, 6, 8), "dot_general"),
+    ],
+)
 def test_bf16_products_have_bf16_operands_and_f32_results(layer, shape, op, key):
     _, params = layer.init(key, shape)
     x = jax.random.normal(key, shape)
@@ -68,6 +73,7 @@ def test_fp32_matmul_precision_is_explicit(key):
 def test_half_einsum_gradients_match_float32(key):
     a = jax.random.normal(key, (5, 7))
     b = jax.random.normal(jax.random.key(1), (7, 3))
+
     def loss(a, b):
         return jnp.sum(jnp.sin(precision.einsum("mk,kn->mn", a, b)))
 
@@ -96,7 +102,7 @@ def test_loss_scale_halves_on_overflow_and_doubles_after_period():
     scale = scale.adjust(jnp.array(True))
     assert float(scale.scale) == 8.0 and int(scale.good_steps) == 0
     defaults = precision.LossScale.create()
-    assert float(defaults.scale) == 2.0 ** 15 and int(defaults.period) == 2000
+    assert float(defaults.scale) == 2.0**15 and int(defaults.period) == 2000
 
 
 def test_fp16_step_skips_overflow_and_keeps_params(key):

@@ -22,10 +22,14 @@ def _init_params(model, key, in_shape):
     return jax.eval_shape(lambda k: L.init_model(model, k, in_shape)[1], key)
 
 
-@pytest.mark.parametrize("model, in_shape", [
-    (CNN(CNNConfig().small()), (2, 8, 8, 1)),
-    (GPT(GPTConfig().small()), (2, 32)),  # int token ids: summary must pick int32 for the Embedding
-], ids=["cnn", "gpt"])
+@pytest.mark.parametrize(
+    "model, in_shape",
+    [
+        (CNN(CNNConfig().small()), (2, 8, 8, 1)),
+        (GPT(GPTConfig().small()), (2, 32)),  # int token ids: summary must pick int32 for the Embedding
+    ],
+    ids=["cnn", "gpt"],
+)
 def test_rows_match_init_and_output_shape(model, in_shape, key):
     printed = []
     result = L.summary(model, in_shape, print_fn=printed.append)
@@ -38,7 +42,7 @@ def test_rows_match_init_and_output_shape(model, in_shape, key):
     assert result.total_bytes == 4 * result.total_params  # fp32 parameters
     for i, row in enumerate(result.rows):
         assert row.params == _size(params.get(row.path, {}))
-        assert row.out_shape == L.output_shape(L.serial(*children[:i + 1]), in_shape)
+        assert row.out_shape == L.output_shape(L.serial(*children[: i + 1]), in_shape)
     assert result.out_shape == L.output_shape(model, in_shape)
     assert result.total_flops > 0 and all(r.flops is not None for r in result.rows)
 
@@ -60,8 +64,16 @@ def test_dense_flops_match_matmul_count():
 
 
 def test_stateful_dropout_nested_and_parallel(key):
-    model = L.serial(L.Conv(4, 3), L.BatchNorm(), L.Relu, L.Dropout(0.5),
-                     L.residual(L.Dense(4), L.Dropout(0.1), name="res"), L.Flatten(), L.Dense(3), name="net")
+    model = L.serial(
+        L.Conv(4, 3),
+        L.BatchNorm(),
+        L.Relu,
+        L.Dropout(0.5),
+        L.residual(L.Dense(4), L.Dropout(0.1), name="res"),
+        L.Flatten(),
+        L.Dense(3),
+        name="net",
+    )
     in_shape = (2, 5, 5, 3)
     params = _init_params(model, key, in_shape)
     deep = L.summary(model, in_shape, depth=2, flops=False, print_fn=None)
@@ -79,8 +91,9 @@ def test_stateful_dropout_nested_and_parallel(key):
 def test_bf16_policy_and_explicit_dtype():
     result = L.summary(L.Dense(4), (2, 3), policy="bf16", flops=False, print_fn=None)
     assert result.in_dtype == "bfloat16" and result.policy == "bf16" and result.total_bytes == 4 * 16
-    ids = L.summary(L.serial(L.Lambda(lambda x: x % 5), L.Embedding(5, 2)), (2, 3), in_dtype="int32",
-                    flops=False, print_fn=None)
+    ids = L.summary(
+        L.serial(L.Lambda(lambda x: x % 5), L.Embedding(5, 2)), (2, 3), in_dtype="int32", flops=False, print_fn=None
+    )
     assert ids.out_shape == (2, 3, 2)
 
 
@@ -90,8 +103,11 @@ def test_input_dtype_found_without_names():
     assert renamed.in_dtype == "int32" and renamed.out_shape == (2, 4, 3)
     ids = L.summary(L.serial(L.Lambda(lambda x: x % 5), L.Embedding(5, 2)), (2, 3), flops=False, print_fn=None)
     assert ids.in_dtype == "int32"
-    two_tower = L.serial(L.parallel(L.Dense(2), L.Embedding(5, 2)),
-                         L.Lambda(lambda xs: xs[0] + xs[1].sum(1), shape_fn=lambda shapes: shapes[0]), name="tt")
+    two_tower = L.serial(
+        L.parallel(L.Dense(2), L.Embedding(5, 2)),
+        L.Lambda(lambda xs: xs[0] + xs[1].sum(1), shape_fn=lambda shapes: shapes[0]),
+        name="tt",
+    )
     tt = L.summary(two_tower, ((2, 4), (2, 6)), depth=2, flops=False, print_fn=None)
     assert tt.in_dtype == "('float32', 'int32')" and tt.out_shape == (2, 2)
     assert [r.path for r in tt.rows] == ["0_parallel.0_dense", "0_parallel.1_embed", "1_lambda"]
@@ -111,8 +127,13 @@ def test_layer_children():
 
 
 def test_format_bytes():
-    assert [format_bytes(n) for n in (0, 1023, 1536, 3 * 2 ** 20, 5 * 2 ** 30)] == \
-        ["0 B", "1023 B", "1.5 KiB", "3.0 MiB", "5.0 GiB"]
+    assert [format_bytes(n) for n in (0, 1023, 1536, 3 * 2**20, 5 * 2**30)] == [
+        "0 B",
+        "1023 B",
+        "1.5 KiB",
+        "3.0 MiB",
+        "5.0 GiB",
+    ]
 
 
 @pytest.mark.parametrize("in_shape", [(2, -1), (2, 0), (2.0, 3), (), "2,3", 4, (2, True), ((2, 3), 4)])

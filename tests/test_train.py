@@ -18,8 +18,9 @@ def test_golden_sgd_step_matches_numpy(key):
     model = L.Dense(3)
     tx = optax.sgd(0.5)
     state = train.create_train_state(model, tx, key, (6, 4))
-    state = state._replace(params={"w": jax.random.normal(jax.random.key(1), (4, 3)),
-                                   "b": jax.random.normal(jax.random.key(2), (3,))})
+    state = state._replace(
+        params={"w": jax.random.normal(jax.random.key(1), (4, 3)), "b": jax.random.normal(jax.random.key(2), (3,))}
+    )
     x = np.asarray(jax.random.normal(jax.random.key(3), (6, 4)), np.float64)
     y = np.array([0, 2, 1, 1, 0, 2])
     w, b = (np.asarray(state.params[k], np.float64) for k in ("w", "b"))
@@ -78,8 +79,10 @@ def test_batch_norm_statistics_travel_through_the_state(key):
     step = train.make_train_step(model, train.classification_loss, tx, donate=False)
     batch = {"x": jax.random.normal(key, (4, 8, 8, 3)) + 2.0, "y": jnp.array([0, 1, 2, 3])}
     new_state, _ = step(state, batch)
-    changed = [not np.array_equal(a, b) for a, b in
-               zip(jax.tree.leaves(state.model_state), jax.tree.leaves(new_state.model_state))]
+    changed = [
+        not np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(state.model_state), jax.tree.leaves(new_state.model_state))
+    ]
     assert changed and all(changed)
     evaluate = train.make_eval_step(model, train.classification_loss)
     # Eval mode uses the running statistics: the same input alone or inside a larger batch gives the same logits.
@@ -94,8 +97,11 @@ def test_weight_decay_mask_skips_biases_norm_scales_and_embeddings(key):
     model = L.serial(L.Embedding(10, 4), L.LayerNorm(), L.Dense(3))
     _, params = model.init(key, (2, 5))
     mask = train.weight_decay_mask(params)
-    assert mask == {"0_embed": {"table": False}, "1_layer_norm": {"scale": False, "bias": False},
-                    "2_dense": {"w": True, "b": False}}
+    assert mask == {
+        "0_embed": {"table": False},
+        "1_layer_norm": {"scale": False, "bias": False},
+        "2_dense": {"w": True, "b": False},
+    }
 
 
 def test_make_optimizer_refuses_bad_settings():
@@ -132,8 +138,9 @@ def test_grad_norm_metric_is_the_global_norm_and_can_be_left_out(key):
     batch = {"x": jax.random.normal(k_x, (6, 5)), "y": jax.random.randint(k_y, (6,), 0, 3)}
     state = train.create_train_state(model, tx, key, (6, 5))
     with_norm, metrics = train.make_train_step(model, train.classification_loss, tx, donate=False)(state, batch)
-    without, lean = train.make_train_step(model, train.classification_loss, tx, donate=False,
-                                          grad_norm=False)(state, batch)
+    without, lean = train.make_train_step(model, train.classification_loss, tx, donate=False, grad_norm=False)(
+        state, batch
+    )
 
     def loss(params):
         return train.classification_loss(L.run(model, params, batch["x"])[0], batch)[0]

@@ -18,16 +18,34 @@ import time
 
 from benchmarks.train_steps import PRECISIONS, SPECS
 
-PEERS = {"jaxnn": "peer_jaxnn", "jaxnn_metrics": "peer_jaxnn_metrics", "flax_linen": "peer_linen",
-         "flax_nnx": "peer_nnx", "equinox": "peer_equinox", "haiku": "peer_haiku", "pytorch": "peer_torch"}
+PEERS = {
+    "jaxnn": "peer_jaxnn",
+    "jaxnn_metrics": "peer_jaxnn_metrics",
+    "flax_linen": "peer_linen",
+    "flax_nnx": "peer_nnx",
+    "equinox": "peer_equinox",
+    "haiku": "peer_haiku",
+    "pytorch": "peer_torch",
+}
 JAX_PEERS = ("flax_linen", "flax_nnx", "equinox", "haiku")
 
 
 def run_peer(library: str, models, precisions, repeats: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
-    cmd = [sys.executable, "-m", f"benchmarks.peers.{PEERS[library]}", "--out", out, "--repeats", str(repeats),
-           "--models", *models, "--precisions", *precisions]
+    cmd = [
+        sys.executable,
+        "-m",
+        f"benchmarks.peers.{PEERS[library]}",
+        "--out",
+        out,
+        "--repeats",
+        str(repeats),
+        "--models",
+        *models,
+        "--precisions",
+        *precisions,
+    ]
     proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
     try:
         if proc.returncode:
@@ -44,8 +62,10 @@ def collect(results: list[dict]) -> dict:
     for res in results:
         for row in res["rows"]:
             times.setdefault((row["library"], row["model"], row["precision"]), []).append(row.get("step_ms"))
-    return {k: (statistics.median([v for v in vs if v is not None]) if any(v is not None for v in vs) else None)
-            for k, vs in times.items()}
+    return {
+        k: (statistics.median([v for v in vs if v is not None]) if any(v is not None for v in vs) else None)
+        for k, vs in times.items()
+    }
 
 
 def format_table(times: dict, libraries, models, precisions) -> str:
@@ -59,8 +79,9 @@ def format_table(times: dict, libraries, models, precisions) -> str:
                 if lib == "jaxnn":
                     continue
                 t = times.get((lib, model, prec))
-                cells.append(f"{'-':>19}" if t is None else
-                             f"{t:9.4g} ({t / ref:5.2f}x)" if ref else f"{t:9.4g}        ")
+                cells.append(
+                    f"{'-':>19}" if t is None else f"{t:9.4g} ({t / ref:5.2f}x)" if ref else f"{t:9.4g}        "
+                )
             lines.append(f"{model:6} {prec:5} {('-' if ref is None else f'{ref:.4g}'):>9} " + " ".join(cells))
     return "\n".join(lines)
 
@@ -87,17 +108,29 @@ def main(argv=None) -> int:
             res = run_peer(lib, args.models, args.precisions, args.repeats)
             res["round"] = r
             results.append(res)
-            print(f"round {r + 1}/{args.rounds}: {lib} done in {time.perf_counter() - t0:.0f} s"
-                  + (f" (failed: {res['error']})" if res.get("error") else ""), file=sys.stderr)
+            print(
+                f"round {r + 1}/{args.rounds}: {lib} done in {time.perf_counter() - t0:.0f} s"
+                + (f" (failed: {res['error']})" if res.get("error") else ""),
+                file=sys.stderr,
+            )
     times = collect(results)
     print(format_table(times, libraries, args.models, args.precisions))
     path = args.json or os.path.join("results", "bench", time.strftime("peers-%Y%m%dT%H%M%SZ.json", time.gmtime()))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"cpu_count": os.cpu_count(), "rounds": args.rounds, "repeats": args.repeats,
-                   "median_ms": [{"library": k[0], "model": k[1], "precision": k[2], "step_ms": v}
-                                 for k, v in sorted(times.items())],
-                   "runs": results}, f, indent=2)
+        json.dump(
+            {
+                "cpu_count": os.cpu_count(),
+                "rounds": args.rounds,
+                "repeats": args.repeats,
+                "median_ms": [
+                    {"library": k[0], "model": k[1], "precision": k[2], "step_ms": v} for k, v in sorted(times.items())
+                ],
+                "runs": results,
+            },
+            f,
+            indent=2,
+        )
     print(f"wrote {path}")
     return 0
 

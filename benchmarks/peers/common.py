@@ -29,14 +29,16 @@ def main(library: str, build: Callable[[str, str], Callable[[], object]], argv=N
                 t0 = time.perf_counter()
                 step = build(name, precision)
                 timing = time_fn(step, repeats=args.repeats)
-                row.update(step_ms=timing.median * 1e3, timing=timing.as_dict(),
-                           wall_s=time.perf_counter() - t0)
+                row.update(step_ms=timing.median * 1e3, timing=timing.as_dict(), wall_s=time.perf_counter() - t0)
             except Exception as err:  # one failing configuration must not hide the others' figures
                 row["error"] = f"{type(err).__name__}: {err}"[:300]
                 traceback.print_exc(file=sys.stderr)
             rows.append(row)
-            print(f"{library:12} {name:5} {precision:5} "
-                  + (f"{row['step_ms']:.4g} ms" if "step_ms" in row else row["error"]), file=sys.stderr)
+            print(
+                f"{library:12} {name:5} {precision:5} "
+                + (f"{row['step_ms']:.4g} ms" if "step_ms" in row else row["error"]),
+                file=sys.stderr,
+            )
     text = json.dumps({"library": library, "rows": rows}, indent=2)
     if args.out:
         with open(args.out, "w") as f:

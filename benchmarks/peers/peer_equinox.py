@@ -60,8 +60,9 @@ class Block(eqx.Module):
     def __init__(self, d, heads, key):
         k1, k2, k3 = jax.random.split(key, 3)
         self.ln1, self.ln2 = eqx.nn.LayerNorm(d, eps=1e-6), eqx.nn.LayerNorm(d, eps=1e-6)
-        self.attn = eqx.nn.MultiheadAttention(heads, d, use_query_bias=True, use_key_bias=True,
-                                              use_value_bias=True, use_output_bias=True, key=k1)
+        self.attn = eqx.nn.MultiheadAttention(
+            heads, d, use_query_bias=True, use_key_bias=True, use_value_bias=True, use_output_bias=True, key=k1
+        )
         self.fc = eqx.nn.Linear(d, 4 * d, key=k2)
         self.proj = eqx.nn.Linear(4 * d, d, key=k3)
 

@@ -35,7 +35,9 @@ def forward(name: str):
         mask = jnp.tril(jnp.ones((1, 1, t, t), bool))
         for _ in range(s["num_layers"]):
             h = hk.LayerNorm(-1, True, True, eps=1e-6)(x)
-            x = x + hk.MultiHeadAttention(s["num_heads"], d // s["num_heads"], w_init=hk.initializers.VarianceScaling(1.0))(h, h, h, mask=mask)
+            x = x + hk.MultiHeadAttention(
+                s["num_heads"], d // s["num_heads"], w_init=hk.initializers.VarianceScaling(1.0)
+            )(h, h, h, mask=mask)
             h = hk.LayerNorm(-1, True, True, eps=1e-6)(x)
             x = x + hk.Linear(d)(jax.nn.gelu(hk.Linear(4 * d)(h)))
         return hk.Linear(s["vocab"])(hk.LayerNorm(-1, True, True, eps=1e-6)(x))

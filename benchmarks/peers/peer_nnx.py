@@ -28,8 +28,9 @@ class MLP(nnx.Module):
 class CNN(nnx.Module):
     def __init__(self, image, widths, classes, dtype, rngs):
         chans = (image[-1], *widths)
-        self.convs = nnx.List([nnx.Conv(a, b, (3, 3), padding="SAME", dtype=dtype, rngs=rngs)
-                               for a, b in zip(chans, chans[1:])])
+        self.convs = nnx.List(
+            [nnx.Conv(a, b, (3, 3), padding="SAME", dtype=dtype, rngs=rngs) for a, b in zip(chans, chans[1:])]
+        )
         side = image[0] // 2 ** len(widths)
         self.out = nnx.Linear(side * side * widths[-1], classes, dtype=dtype, rngs=rngs)
 

@@ -25,8 +25,9 @@ class Block(nn.Module):
 
     def forward(self, x):
         B, T, D = x.shape
-        q, k, v = (t.view(B, T, self.heads, D // self.heads).transpose(1, 2)
-                   for t in self.qkv(self.ln1(x)).split(D, dim=2))
+        q, k, v = (
+            t.view(B, T, self.heads, D // self.heads).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(D, dim=2)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.out(y.transpose(1, 2).reshape(B, T, D))
         return x + self.mlp(self.ln2(x))
@@ -54,7 +55,9 @@ def make_model(name: str) -> nn.Module:
         return nn.Sequential(*layers, nn.Linear(widths[-1], s["classes"]))
     if s["kind"] == "cnn":
         chans = (s["image"][-1], *s["widths"])
-        layers = [m for a, b in zip(chans, chans[1:]) for m in (nn.Conv2d(a, b, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))]
+        layers = [
+            m for a, b in zip(chans, chans[1:]) for m in (nn.Conv2d(a, b, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+        ]
         side = s["image"][0] // 2 ** len(s["widths"])
         return nn.Sequential(*layers, nn.Flatten(), nn.Linear(side * side * s["widths"][-1], s["classes"]))
     return GPT(s["vocab"], s["seq_len"], s["d_model"], s["num_layers"], s["num_heads"])

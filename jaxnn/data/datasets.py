@@ -23,8 +23,14 @@ IMAGE_FORMATS = ("digits", "mnist", "fashion_mnist", "cifar10", "synthetic")
 FORMATS = IMAGE_FORMATS + ("text",)
 
 # The IDX dtype codes (third magic byte) this loader understands, mapped to big-endian numpy dtypes.
-_IDX_DTYPES = {0x08: np.dtype(">u1"), 0x09: np.dtype(">i1"), 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
-               0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
+_IDX_DTYPES = {
+    0x08: np.dtype(">u1"),
+    0x09: np.dtype(">i1"),
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+    0x0E: np.dtype(">f8"),
+}
 CIFAR_RECORD = 1 + 3 * 32 * 32  # one label byte, then the red, green and blue 32x32 planes
 
 
@@ -107,6 +113,7 @@ def load_digits() -> ImageDataset:
 
 # --- IDX (MNIST, Fashion-MNIST) -------------------------------------------------------------------------------
 
+
 def _read_bytes(path: pathlib.Path) -> bytes:
     if not path.is_file():
         raise DataError(f"{path}: file not found")
@@ -124,21 +131,27 @@ def read_idx(path, *, expected_ndim: int | None = None) -> np.ndarray:
     path = pathlib.Path(path)
     raw = _read_bytes(path)
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
-        raise DataError(f"{path}: bad IDX magic number {raw[:4].hex() or '(empty file)'}; expected 0000<dtype><ndim>"
-                        f" with dtype in {sorted(hex(k) for k in _IDX_DTYPES)}")
+        raise DataError(
+            f"{path}: bad IDX magic number {raw[:4].hex() or '(empty file)'}; expected 0000<dtype><ndim>"
+            f" with dtype in {sorted(hex(k) for k in _IDX_DTYPES)}"
+        )
     dtype, ndim = _IDX_DTYPES[raw[2]], raw[3]
     if expected_ndim is not None and ndim != expected_ndim:
         magic = int.from_bytes(raw[:4], "big")
-        raise DataError(f"{path}: magic number {magic} says {ndim} dimensions; expected {expected_ndim} "
-                        f"(magic {0x800 + expected_ndim})")
+        raise DataError(
+            f"{path}: magic number {magic} says {ndim} dimensions; expected {expected_ndim} "
+            f"(magic {0x800 + expected_ndim})"
+        )
     header = 4 + 4 * ndim
     if len(raw) < header:
         raise DataError(f"{path}: truncated header: {len(raw)} bytes, expected at least {header}")
     dims = tuple(int(d) for d in np.frombuffer(raw, ">i4", ndim, 4))
     expected = int(np.prod(dims)) * dtype.itemsize
     if len(raw) - header != expected:
-        raise DataError(f"{path}: {len(raw) - header} bytes of data, expected {expected} for shape {dims} "
-                        f"({'truncated' if len(raw) - header < expected else 'trailing bytes'})")
+        raise DataError(
+            f"{path}: {len(raw) - header} bytes of data, expected {expected} for shape {dims} "
+            f"({'truncated' if len(raw) - header < expected else 'trailing bytes'})"
+        )
     return np.frombuffer(raw, dtype, offset=header).reshape(dims).astype(dtype.newbyteorder("="))
 
 
@@ -163,8 +176,9 @@ def read_idx_split(directory, split: str = "t10k") -> tuple[np.ndarray, np.ndarr
     images = read_idx(paths["images"], expected_ndim=3)
     labels = read_idx(paths["labels"], expected_ndim=1)
     if len(images) != len(labels):
-        raise DataError(f"{paths['labels']}: {len(labels)} labels, expected {len(images)} to match "
-                        f"{paths['images'].name}")
+        raise DataError(
+            f"{paths['labels']}: {len(labels)} labels, expected {len(images)} to match {paths['images'].name}"
+        )
     return images, labels
 
 
@@ -178,23 +192,31 @@ def load_mnist(directory, name: str = "mnist") -> ImageDataset:
     x_test, y_test = read_idx_split(directory, "t10k")
     if _find_idx(directory, "train", "images") is None and _find_idx(directory, "train", "labels") is None:
         n_train = int(len(x_test) * 0.8)
-        log.warning("%s: no train-*-ubyte files; training on the first %d t10k images, testing on the other %d",
-                    directory, n_train, len(x_test) - n_train)
-        return make_image_dataset(name, x_test[:n_train], y_test[:n_train], x_test[n_train:], y_test[n_train:],
-                                  num_classes=10, scale=255.0)
+        log.warning(
+            "%s: no train-*-ubyte files; training on the first %d t10k images, testing on the other %d",
+            directory,
+            n_train,
+            len(x_test) - n_train,
+        )
+        return make_image_dataset(
+            name, x_test[:n_train], y_test[:n_train], x_test[n_train:], y_test[n_train:], num_classes=10, scale=255.0
+        )
     x_train, y_train = read_idx_split(directory, "train")
     return make_image_dataset(name, x_train, y_train, x_test, y_test, num_classes=10, scale=255.0)
 
 
 # --- CIFAR-10 binary --------------------------------------------------------------------------------------------
 
+
 def read_cifar_batch(path) -> tuple[np.ndarray, np.ndarray]:
     """One CIFAR-10 binary batch: records of a label byte then 3x32x32 bytes (CHW); returns NHWC uint8, labels."""
     path = pathlib.Path(path)
     raw = _read_bytes(path)
     if len(raw) == 0 or len(raw) % CIFAR_RECORD:
-        raise DataError(f"{path}: {len(raw)} bytes is not a whole number of {CIFAR_RECORD}-byte CIFAR-10 records "
-                        f"(truncated or not the binary version)")
+        raise DataError(
+            f"{path}: {len(raw)} bytes is not a whole number of {CIFAR_RECORD}-byte CIFAR-10 records "
+            f"(truncated or not the binary version)"
+        )
     records = np.frombuffer(raw, np.uint8).reshape(-1, CIFAR_RECORD)
     labels = records[:, 0].astype(np.int32)
     if labels.max() >= 10:
@@ -220,8 +242,15 @@ def load_cifar10(directory) -> ImageDataset:
         log.warning("%s: %d of the 5 CIFAR-10 training batches present", directory, len(train_paths))
     train = [read_cifar_batch(p) for p in train_paths]
     x_test, y_test = read_cifar_batch(directory / "test_batch.bin")
-    return make_image_dataset("cifar10", np.concatenate([x for x, _ in train]), np.concatenate([y for _, y in train]),
-                              x_test, y_test, num_classes=10, scale=255.0)
+    return make_image_dataset(
+        "cifar10",
+        np.concatenate([x for x, _ in train]),
+        np.concatenate([y for _, y in train]),
+        x_test,
+        y_test,
+        num_classes=10,
+        scale=255.0,
+    )
 
 
 # --- text -------------------------------------------------------------------------------------------------------
@@ -244,8 +273,11 @@ def load_text(directory=None, *, max_bytes: int = 8 << 20, test_fraction: float 
     else:
         root, suffixes, name = _check_dir(directory), TEXT_SUFFIXES, "text"
     skip = {"site-packages", "dist-packages", "__pycache__"}
-    paths = sorted(p for p in root.rglob("*") if p.suffix in suffixes and p.is_file()
-                   and not skip.intersection(p.relative_to(root).parts))
+    paths = sorted(
+        p
+        for p in root.rglob("*")
+        if p.suffix in suffixes and p.is_file() and not skip.intersection(p.relative_to(root).parts)
+    )
     chunks, total = [], 0
     for path in paths:
         if total >= max_bytes:
@@ -254,8 +286,9 @@ def load_text(directory=None, *, max_bytes: int = 8 << 20, test_fraction: float 
         chunks.append(data)
         total += len(data)
     if total < 1024:
-        raise DataError(f"{root}: {total} bytes of text in {len(chunks)} files ({', '.join(suffixes)}); "
-                        f"expected at least 1024")
+        raise DataError(
+            f"{root}: {total} bytes of text in {len(chunks)} files ({', '.join(suffixes)}); expected at least 1024"
+        )
     corpus = np.frombuffer(b"".join(chunks), np.uint8)
     n_test = max(int(total * test_fraction), 513)
     return TextCorpus(name, corpus[:-n_test], corpus[-n_test:], len(chunks))
@@ -263,18 +296,20 @@ def load_text(directory=None, *, max_bytes: int = 8 << 20, test_fraction: float 
 
 # --- synthetic --------------------------------------------------------------------------------------------------
 
-def synthetic(shape=(8, 8, 1), *, num_classes: int = 10, n_train: int = 2048, n_test: int = 512,
-              noise: float = 1.0, seed: int = 0) -> ImageDataset:
+
+def synthetic(
+    shape=(8, 8, 1), *, num_classes: int = 10, n_train: int = 2048, n_test: int = 512, noise: float = 1.0, seed: int = 0
+) -> ImageDataset:
     """Float images of any channels-last `shape`: a random prototype per class plus Gaussian noise (learnable)."""
     rng = np.random.default_rng(seed)
     prototypes = rng.normal(size=(num_classes, *shape)).astype(np.float32)
     y = rng.integers(0, num_classes, n_train + n_test)
     x = prototypes[y] + noise * rng.normal(size=(len(y), *shape)).astype(np.float32)
-    return make_image_dataset("synthetic", x[:n_train], y[:n_train], x[n_train:], y[n_train:],
-                              num_classes=num_classes)
+    return make_image_dataset("synthetic", x[:n_train], y[:n_train], x[n_train:], y[n_train:], num_classes=num_classes)
 
 
 # --- dispatch ---------------------------------------------------------------------------------------------------
+
 
 def _check_dir(directory) -> pathlib.Path:
     path = pathlib.Path(directory).expanduser()

@@ -109,11 +109,11 @@ class TrainBatches:
             return {"x": x, "y": y}
         epoch, j = divmod(step, self.steps_per_epoch)
         perm = self.permutation(epoch)
-        idx = perm[j * cfg.batch_size:(j + 1) * cfg.batch_size]
+        idx = perm[j * cfg.batch_size : (j + 1) * cfg.batch_size]
         mask = np.ones(cfg.batch_size, np.float32)
         if len(idx) < cfg.batch_size:
-            mask[len(idx):] = 0.0
-            idx = np.concatenate([idx, perm[:cfg.batch_size - len(idx)]])
+            mask[len(idx) :] = 0.0
+            idx = np.concatenate([idx, perm[: cfg.batch_size - len(idx)]])
         d = self.data
         x = normalise(d.x_train[idx], d.scale, d.mean, d.std)
         for _ in range(cfg.augment_repeats if (cfg.crop_pad or cfg.flip) else 0):
@@ -122,8 +122,9 @@ class TrainBatches:
         return {"x": x, "y": d.y_train[idx], "mask": mask}
 
 
-def eval_batches(data: ImageDataset | TextCorpus, batch_size: int, *, seq_len: int = 128, seed: int = 0,
-                 max_text_batches: int = 4) -> list[dict]:
+def eval_batches(
+    data: ImageDataset | TextCorpus, batch_size: int, *, seq_len: int = 128, seed: int = 0, max_text_batches: int = 4
+) -> list[dict]:
     """The test split as padded batches with a `mask` (images), or a fixed seeded set of windows (text)."""
     if isinstance(data, TextCorpus):
         rng = np.random.default_rng([seed, 2])
@@ -177,5 +178,11 @@ def iterator_state(next_step: int, source: TrainBatches) -> dict:
     """The JSON-able data-iterator state saved with a checkpoint: where to restart, and what it is valid for."""
     d = source.data
     size = len(d.train) if source.is_text else len(d.x_train)
-    return {"next_step": int(next_step), "dataset": d.name, "num_train": int(size),
-            "batch_size": source.cfg.batch_size, "seed": source.cfg.seed, "ragged": source.cfg.ragged}
+    return {
+        "next_step": int(next_step),
+        "dataset": d.name,
+        "num_train": int(size),
+        "batch_size": source.cfg.batch_size,
+        "seed": source.cfg.seed,
+        "ragged": source.cfg.ragged,
+    }

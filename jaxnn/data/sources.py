@@ -42,8 +42,9 @@ class ArrayBatches:
     Each epoch is a permutation seeded by `(seed, epoch)`; an epoch's last partial batch is dropped.
     """
 
-    def __init__(self, arrays: dict[str, np.ndarray], batch_size: int, seed: int = 0, start: int = 0,
-                 stop: int = 1 << 40):
+    def __init__(
+        self, arrays: dict[str, np.ndarray], batch_size: int, seed: int = 0, start: int = 0, stop: int = 1 << 40
+    ):
         self.arrays, self.batch_size, self.seed, self.start, self.stop = arrays, batch_size, seed, start, stop
         self.num_examples = len(next(iter(arrays.values())))
         if batch_size > self.num_examples:
@@ -68,12 +69,17 @@ class ArrayBatches:
 
     def batch(self, step: int) -> dict:
         epoch, j = divmod(step, self.steps_per_epoch)
-        idx = np.sort(self.permutation(epoch)[j * self.batch_size:(j + 1) * self.batch_size])
+        idx = np.sort(self.permutation(epoch)[j * self.batch_size : (j + 1) * self.batch_size])
         return {k: v[idx] for k, v in self.arrays.items()}
 
     def state(self, next_step: int) -> dict:
-        return {"next_step": int(next_step), "kind": "arrays", "num_train": self.num_examples,
-                "batch_size": self.batch_size, "seed": self.seed}
+        return {
+            "next_step": int(next_step),
+            "kind": "arrays",
+            "num_train": self.num_examples,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+        }
 
 
 class IterableBatches:
@@ -86,8 +92,10 @@ class IterableBatches:
     def example(self) -> dict:
         if self._first is None:
             if iter(self.iterable) is self.iterable:
-                raise DataError("data: a one-shot iterator cannot be inspected and then trained on; pass a list, "
-                                "a re-iterable object (with __iter__), arrays, or a jaxnn data set")
+                raise DataError(
+                    "data: a one-shot iterator cannot be inspected and then trained on; pass a list, "
+                    "a re-iterable object (with __iter__), arrays, or a jaxnn data set"
+                )
             try:
                 self._first = next(iter(self.iterable))
             except StopIteration:
@@ -108,8 +116,10 @@ class DatasetBatches:
         self.data, self.pipeline = data, pipeline
         self._source = TrainBatches(data, pipeline)
         if not self._source.is_text and pipeline.batch_size > len(data.x_train):
-            raise DataError(f"batch size {pipeline.batch_size} is larger than the {len(data.x_train)} training "
-                            f"examples of {data.name}")
+            raise DataError(
+                f"batch size {pipeline.batch_size} is larger than the {len(data.x_train)} training "
+                f"examples of {data.name}"
+            )
 
     def example(self) -> dict:
         return self._source.batch(0)
@@ -150,8 +160,10 @@ def as_train_source(data, pipeline: PipelineConfig | None, batch_size: int | Non
             return DatasetBatches(data, pipeline)
         return ArraySource(as_arrays(data, "data"), pipeline)
     if isinstance(data, (str, bytes)) or not hasattr(data, "__iter__"):
-        raise DataError(f"data: expected (x, y) arrays, a dict of arrays, a jaxnn data set or an iterable of batch "
-                        f"dicts, got {type(data).__name__}")
+        raise DataError(
+            f"data: expected (x, y) arrays, a dict of arrays, a jaxnn data set or an iterable of batch "
+            f"dicts, got {type(data).__name__}"
+        )
     return IterableBatches(data)
 
 
@@ -164,8 +176,9 @@ def as_eval_batches(data, batch_size: int, *, seq_len: int = 128, seed: int = 0)
     arrays = as_arrays(data, "eval_data")
     if arrays is None:
         if isinstance(data, (str, bytes)) or not hasattr(data, "__iter__"):
-            raise DataError(f"eval_data: expected arrays, a data set or an iterable of batches, got "
-                            f"{type(data).__name__}")
+            raise DataError(
+                f"eval_data: expected arrays, a data set or an iterable of batches, got {type(data).__name__}"
+            )
         return list(data)
     n = len(next(iter(arrays.values())))
     batches = []

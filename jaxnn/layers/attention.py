@@ -48,8 +48,14 @@ def _choose_implementation(implementation: str, dtype) -> str:
     return "xla"
 
 
-def MultiHeadAttention(num_heads: int, head_dim: int | None = None, *, causal: bool = False,
-                       implementation: str = "auto", name: str = "attention") -> Layer:
+def MultiHeadAttention(
+    num_heads: int,
+    head_dim: int | None = None,
+    *,
+    causal: bool = False,
+    implementation: str = "auto",
+    name: str = "attention",
+) -> Layer:
     """Self-attention over (B, T, D) inputs with `num_heads` heads of width `head_dim` (default D // num_heads).
 
     Params: `qkv` (one fused Dense producing queries, keys and values) and `out`. `apply(..., mask=)` takes a
@@ -61,7 +67,9 @@ def MultiHeadAttention(num_heads: int, head_dim: int | None = None, *, causal: b
     if head_dim is not None:
         check_positive("MultiHeadAttention", head_dim=head_dim)
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"MultiHeadAttention: unknown implementation {implementation!r}; choose one of {IMPLEMENTATIONS}")
+        raise ValueError(
+            f"MultiHeadAttention: unknown implementation {implementation!r}; choose one of {IMPLEMENTATIONS}"
+        )
 
     def dims(width):
         h = head_dim or width // num_heads
@@ -89,15 +97,23 @@ def MultiHeadAttention(num_heads: int, head_dim: int | None = None, *, causal: b
         if impl == "f32acc":
             o_BTNH = _attention_f32acc(q_BTNH, k_BTNH, v_BTNH, mask_B11S, causal, policy)
         else:
-            o_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTNH, v_BTNH, mask=mask_B11S, is_causal=causal,
-                                                  implementation=impl)
+            o_BTNH = jax.nn.dot_product_attention(
+                q_BTNH, k_BTNH, v_BTNH, mask=mask_B11S, is_causal=causal, implementation=impl
+            )
         return Dense(D).apply(params["out"], o_BTNH.reshape(B, T, inner), policy=policy)
 
     return Layer(init, apply, name)
 
 
-def TransformerBlock(num_heads: int, *, mlp_ratio: int = 4, drop_prob: float = 0.0, causal: bool = True,
-                     attention_implementation: str = "auto", name: str = "block") -> Layer:
+def TransformerBlock(
+    num_heads: int,
+    *,
+    mlp_ratio: int = 4,
+    drop_prob: float = 0.0,
+    causal: bool = True,
+    attention_implementation: str = "auto",
+    name: str = "block",
+) -> Layer:
     """Pre-norm transformer block: x + Attention(LN(x)), then x + MLP(LN(x)) with a GELU MLP of mlp_ratio * D."""
     check_positive("TransformerBlock", mlp_ratio=mlp_ratio)
 
@@ -108,12 +124,22 @@ def TransformerBlock(num_heads: int, *, mlp_ratio: int = 4, drop_prob: float = 0
 
     def build(width):
         return serial(
-            residual(LayerNorm(name="ln"), MultiHeadAttention(num_heads, causal=causal,
-                                                              implementation=attention_implementation),
-                     Dropout(drop_prob), name="attn"),
-            residual(LayerNorm(name="ln"), Dense(mlp_ratio * width, name="fc"), Gelu, Dense(width, name="proj"),
-                     Dropout(drop_prob), name="mlp"),
-            name=name)
+            residual(
+                LayerNorm(name="ln"),
+                MultiHeadAttention(num_heads, causal=causal, implementation=attention_implementation),
+                Dropout(drop_prob),
+                name="attn",
+            ),
+            residual(
+                LayerNorm(name="ln"),
+                Dense(mlp_ratio * width, name="fc"),
+                Gelu,
+                Dense(width, name="proj"),
+                Dropout(drop_prob),
+                name="mlp",
+            ),
+            name=name,
+        )
 
     def apply(params, x, **kwargs):
         return build(x.shape[-1]).apply(params, x, **kwargs)

@@ -31,8 +31,10 @@ def _normalise_padding(padding, rank: int, kernel: tuple[int, ...], dilation: tu
     if isinstance(padding, str):
         mode = padding.upper()
         if mode not in PADDING_MODES:
-            raise ValueError(f"{layer}: unknown padding mode {padding!r}; choose one of {PADDING_MODES}, "
-                             "an int, or (low, high) pairs")
+            raise ValueError(
+                f"{layer}: unknown padding mode {padding!r}; choose one of {PADDING_MODES}, "
+                "an int, or (low, high) pairs"
+            )
         if mode == "CAUSAL":
             if rank != 1:
                 raise ValueError(f"{layer}: CAUSAL padding is for 1-D convolutions only")
@@ -72,20 +74,36 @@ def im2col_patches(x, kernel, strides, pad, dilation):
     spatial = x.shape[1:-1]
     pads = _explicit_pads(pad, spatial, kernel, strides, dilation)
     x = jnp.pad(x, [(0, 0), *pads, (0, 0)])
-    out = [(n + lo + hi - (k - 1) * d - 1) // s + 1
-           for n, (lo, hi), k, d, s in zip(spatial, pads, kernel, dilation, strides)]
+    out = [
+        (n + lo + hi - (k - 1) * d - 1) // s + 1
+        for n, (lo, hi), k, d, s in zip(spatial, pads, kernel, dilation, strides)
+    ]
     taps = []
     for offsets in itertools.product(*(range(k) for k in kernel)):
         start = (0, *(o * d for o, d in zip(offsets, dilation)), 0)
-        limit = (x.shape[0], *(o * d + (n - 1) * s + 1 for o, d, n, s in zip(offsets, dilation, out, strides)),
-                 x.shape[-1])
+        limit = (
+            x.shape[0],
+            *(o * d + (n - 1) * s + 1 for o, d, n, s in zip(offsets, dilation, out, strides)),
+            x.shape[-1],
+        )
         taps.append(lax.slice(x, start, limit, (1, *strides, 1)))
     return taps[0] if len(taps) == 1 else jnp.concatenate(taps, axis=-1)
 
 
-def Conv(features: int, kernel_size: int | Sequence[int], *, strides=1, padding="SAME", dilation=1,
-         feature_group_count: int = 1, use_bias: bool = True, w_init=initializers.lecun_normal(),
-         b_init=initializers.zeros, lowering: str = "auto", name: str = "conv") -> Layer:
+def Conv(
+    features: int,
+    kernel_size: int | Sequence[int],
+    *,
+    strides=1,
+    padding="SAME",
+    dilation=1,
+    feature_group_count: int = 1,
+    use_bias: bool = True,
+    w_init=initializers.lecun_normal(),
+    b_init=initializers.zeros,
+    lowering: str = "auto",
+    name: str = "conv",
+) -> Layer:
     """Convolution with channels last; the rank (1 or 2) is the length of `kernel_size` (an int means 2-D).
 
     `w` has shape kernel_size + (in_channels // feature_group_count, features); products accumulate in float32.
@@ -123,8 +141,16 @@ def Conv(features: int, kernel_size: int | Sequence[int], *, strides=1, padding=
     def conv(x, w, policy=None):
         if use_im2col():
             return conv_im2col(x, w, strides, pad, dilation, policy)
-        return precision.conv(x, w, policy, window_strides=strides, padding=pad, rhs_dilation=dilation,
-                              dimension_numbers=dimension_numbers, feature_group_count=feature_group_count)
+        return precision.conv(
+            x,
+            w,
+            policy,
+            window_strides=strides,
+            padding=pad,
+            rhs_dilation=dilation,
+            dimension_numbers=dimension_numbers,
+            feature_group_count=feature_group_count,
+        )
 
     def init(key, in_shape):
         expected = f"of rank {rank + 2} ({dimension_numbers[0]})"

@@ -144,8 +144,9 @@ def serial(*layers: Layer, name: str = "serial") -> Layer:
         new_state = {}
         for i, (child_name, layer) in enumerate(zip(names, layers)):
             child_state = state.get(child_name) if state is not None else None
-            x, child_state = run(layer, params.get(child_name, {}), x, state=child_state,
-                                 key=_fold(key, i), train=train, policy=policy)
+            x, child_state = run(
+                layer, params.get(child_name, {}), x, state=child_state, key=_fold(key, i), train=train, policy=policy
+            )
             if layer.stateful:
                 new_state[child_name] = child_state
         return (x, new_state) if stateful else x
@@ -178,8 +179,9 @@ def parallel(*layers: Layer, name: str = "parallel") -> Layer:
         outs, new_state = [], {}
         for i, (child_name, layer, x) in enumerate(zip(names, layers, xs)):
             child_state = state.get(child_name) if state is not None else None
-            y, child_state = run(layer, params.get(child_name, {}), x, state=child_state,
-                                 key=_fold(key, i), train=train, policy=policy)
+            y, child_state = run(
+                layer, params.get(child_name, {}), x, state=child_state, key=_fold(key, i), train=train, policy=policy
+            )
             outs.append(y)
             if layer.stateful:
                 new_state[child_name] = child_state
@@ -197,8 +199,10 @@ def residual(*layers: Layer, name: str = "residual") -> Layer:
     def init(key, in_shape):
         out_shape, params = body.init(key, in_shape)
         if tuple(out_shape) != tuple(in_shape):
-            raise ValueError(f"{name}: the residual branch maps {tuple(in_shape)} to {tuple(out_shape)}; "
-                             "it must keep the input shape")
+            raise ValueError(
+                f"{name}: the residual branch maps {tuple(in_shape)} to {tuple(out_shape)}; "
+                "it must keep the input shape"
+            )
         return out_shape, params
 
     def apply(params, x, *, state=None, key=None, train=False, policy=None):

@@ -11,8 +11,14 @@ from jaxnn import precision
 from jaxnn.layers.core import Layer, along_last_axis, check_positive, shape_error
 
 
-def Dense(features: int, *, use_bias: bool = True, w_init=initializers.lecun_normal(),
-          b_init=initializers.zeros, name: str = "dense") -> Layer:
+def Dense(
+    features: int,
+    *,
+    use_bias: bool = True,
+    w_init=initializers.lecun_normal(),
+    b_init=initializers.zeros,
+    name: str = "dense",
+) -> Layer:
     """Affine map over the last axis: `y = x @ w + b`, `w` of shape (in, features), accumulated in float32."""
     check_positive("Dense", features=features)
 

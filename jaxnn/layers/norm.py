@@ -34,7 +34,9 @@ def LayerNorm(eps: float = 1e-6, name: str = "layer_norm") -> Layer:
         x32 = x.astype(accumulation_dtype(x.dtype))
         mean = jnp.mean(x32, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
-        y = (x32 - mean) * lax.rsqrt(var + eps) * along_last_axis(params["scale"], x.ndim) + along_last_axis(params["bias"], x.ndim)
+        y = (x32 - mean) * lax.rsqrt(var + eps) * along_last_axis(params["scale"], x.ndim) + along_last_axis(
+            params["bias"], x.ndim
+        )
         return y.astype(x.dtype)
 
     return Layer(_feature_init(name, True), apply, name)
@@ -52,8 +54,9 @@ def RMSNorm(eps: float = 1e-6, name: str = "rms_norm") -> Layer:
     return Layer(_feature_init(name, False), apply, name)
 
 
-def BatchNorm(momentum: float = 0.99, eps: float = 1e-5, axis_name: str | None = None,
-              name: str = "batch_norm") -> Layer:
+def BatchNorm(
+    momentum: float = 0.99, eps: float = 1e-5, axis_name: str | None = None, name: str = "batch_norm"
+) -> Layer:
     """Normalises each channel (last axis) over the batch and spatial axes.
 
     State: `{"mean", "var"}` running averages, updated in train mode as
@@ -81,12 +84,16 @@ def BatchNorm(momentum: float = 0.99, eps: float = 1e-5, axis_name: str | None =
             if axis_name is not None:
                 mean, mean_sq = lax.pmean((mean, mean_sq), axis_name)
             var = jnp.maximum(mean_sq - jnp.square(mean), 0.0)
-            state = {"mean": momentum * state["mean"] + (1 - momentum) * mean,
-                     "var": momentum * state["var"] + (1 - momentum) * var}
+            state = {
+                "mean": momentum * state["mean"] + (1 - momentum) * mean,
+                "var": momentum * state["var"] + (1 - momentum) * var,
+            }
         else:
             mean, var = state["mean"], state["var"]
         scale = lax.rsqrt(var + eps) * params["scale"]
-        y = (x32 - along_last_axis(mean, x.ndim)) * along_last_axis(scale, x.ndim) + along_last_axis(params["bias"], x.ndim)
+        y = (x32 - along_last_axis(mean, x.ndim)) * along_last_axis(scale, x.ndim) + along_last_axis(
+            params["bias"], x.ndim
+        )
         return y.astype(x.dtype), state
 
     return Layer(_feature_init(name, True), apply, name, init_state)

@@ -13,8 +13,9 @@ from jaxnn.precision import accumulation_dtype
 def _pool(kind: str, reducer, init_value, window, strides, padding, name):
     window = (window, window) if isinstance(window, int) else tuple(window)
     strides = window if strides is None else ((strides,) * len(window) if isinstance(strides, int) else tuple(strides))
-    check_positive(kind, **{f"window[{i}]": w for i, w in enumerate(window)},
-                   **{f"strides[{i}]": s for i, s in enumerate(strides)})
+    check_positive(
+        kind, **{f"window[{i}]": w for i, w in enumerate(window)}, **{f"strides[{i}]": s for i, s in enumerate(strides)}
+    )
     if padding not in ("SAME", "VALID"):
         raise ValueError(f"{kind}: unknown padding mode {padding!r}; choose 'SAME' or 'VALID'")
     rank = len(window)
@@ -54,8 +55,7 @@ def _max_over_tiles(x, window, padding):
     return x.reshape(*tiled, x.shape[-1]).max(axis=tuple(range(2, 2 * len(window) + 1, 2)))
 
 
-def MaxPool(window=2, strides=None, padding: str = "VALID", lowering: str = "auto",
-            name: str = "max_pool") -> Layer:
+def MaxPool(window=2, strides=None, padding: str = "VALID", lowering: str = "auto", name: str = "max_pool") -> Layer:
     """Maximum over windows (strides default to the window: non-overlapping).
 
     `lowering`: "reduce_window" is XLA's windowed reduction, whose gradient is a select-and-scatter; "reshape"
@@ -70,8 +70,10 @@ def MaxPool(window=2, strides=None, padding: str = "VALID", lowering: str = "aut
     reduce, init, window, strides = _pool("MaxPool", lax.max, lambda dt: -jnp.inf, window, strides, padding, name)
     tiles = strides == window
     if lowering == "reshape" and not tiles:
-        raise ValueError("MaxPool: the reshape lowering needs non-overlapping windows (strides == window); got "
-                         f"window={window}, strides={strides}")
+        raise ValueError(
+            "MaxPool: the reshape lowering needs non-overlapping windows (strides == window); got "
+            f"window={window}, strides={strides}"
+        )
     use_reshape = lowering == "reshape" or (lowering == "auto" and tiles and jax.default_backend() == "cpu")
 
     def apply(params, x, **_):

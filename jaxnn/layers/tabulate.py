@@ -15,8 +15,10 @@ from jaxnn.layers.core import Layer, _child_keys, run, splits_input
 from jaxnn.precision import Policy, get_policy
 
 _COLUMNS = ("Layer", "Output shape", "Params", "Param bytes", "FLOPs")
-_FOOTNOTE = ("FLOPs: XLA cost analysis of each layer compiled alone; the total compiles the whole model, "
-             "so fusion can make it differ from the sum.")
+_FOOTNOTE = (
+    "FLOPs: XLA cost analysis of each layer compiled alone; the total compiles the whole model, "
+    "so fusion can make it differ from the sum."
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +50,16 @@ class ModelSummary:
         return _table(self)
 
 
-def summary(model: Layer, in_shape, *, in_dtype=None, policy: Policy | str | None = "fp32", depth: int = 1,
-            flops: bool = True, print_fn: Callable[[str], Any] | None = print) -> ModelSummary:
+def summary(
+    model: Layer,
+    in_shape,
+    *,
+    in_dtype=None,
+    policy: Policy | str | None = "fp32",
+    depth: int = 1,
+    flops: bool = True,
+    print_fn: Callable[[str], Any] | None = print,
+) -> ModelSummary:
     """Summarises `model` for inputs of `in_shape` (batch dimension included; a tuple of shapes for `parallel`).
 
     Rows: one per child (`layer.children`) of a `serial`/`residual`/`parallel` model, children that are
@@ -70,8 +80,17 @@ def summary(model: Layer, in_shape, *, in_dtype=None, policy: Policy | str | Non
     rows = _rows(model, "", x, params, state, depth, policy, flops)
     out = jax.eval_shape(_forward(model, policy), params, state, x)
     total_flops = _flops(model, params, state, x, policy) if flops else None
-    result = ModelSummary(model.name, in_shape, _dtype_names(x), policy.name, tuple(rows), _shapes(out),
-                          _count(params), _nbytes(params), total_flops)
+    result = ModelSummary(
+        model.name,
+        in_shape,
+        _dtype_names(x),
+        policy.name,
+        tuple(rows),
+        _shapes(out),
+        _count(params),
+        _nbytes(params),
+        total_flops,
+    )
     if print_fn is not None:
         print_fn(str(result))
     return result
@@ -81,8 +100,10 @@ def _check_args(model, in_shape, depth) -> None:
     if not isinstance(model, Layer):
         raise TypeError(f"summary: model must be a jaxnn Layer, got {type(model).__name__}")
     if not _valid_shape(in_shape):
-        raise ValueError(f"summary: in_shape must be a tuple of positive ints (batch first), or a tuple of such "
-                         f"tuples for a parallel model; got {in_shape!r}")
+        raise ValueError(
+            f"summary: in_shape must be a tuple of positive ints (batch first), or a tuple of such "
+            f"tuples for a parallel model; got {in_shape!r}"
+        )
     if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
         raise ValueError(f"summary: depth must be a non-negative integer, got {depth!r}")
 
@@ -122,8 +143,10 @@ def _input_spec(model: Layer, in_shape, in_dtype, params, state, policy: Policy)
         while owner.children and not splits_input(owner):
             params, state, owner = _first_child(owner, params, state)
         if splits_input(owner) and len(owner.children) == len(in_shape):
-            return tuple(_input_spec(child, s, in_dtype, params.get(key, {}), (state or {}).get(key), policy)
-                         for (key, child), s in zip(_children(owner), in_shape))
+            return tuple(
+                _input_spec(child, s, in_dtype, params.get(key, {}), (state or {}).get(key), policy)
+                for (key, child), s in zip(_children(owner), in_shape)
+            )
         return tuple(_input_spec(owner, s, in_dtype or policy.compute_dtype, {}, None, policy) for s in in_shape)
     if in_dtype is None:
         return _guess_input(model, in_shape, params, state, policy)

@@ -15,5 +15,16 @@ def get_model(name: str, cfg=None):
     return BUILDERS[name](cfg if cfg is not None else CONFIGS[name]())
 
 
-__all__ = ["CNN", "CNNConfig", "GPT", "GPTConfig", "MLP", "MLPConfig", "ResNet", "ResNetConfig", "get_model",
-           "CONFIGS", "BUILDERS"]
+__all__ = [
+    "CNN",
+    "CNNConfig",
+    "GPT",
+    "GPTConfig",
+    "MLP",
+    "MLPConfig",
+    "ResNet",
+    "ResNetConfig",
+    "get_model",
+    "CONFIGS",
+    "BUILDERS",
+]

@@ -18,8 +18,9 @@ class CNNConfig:
 
 def CNN(cfg: CNNConfig = CNNConfig()):
     """Per width: a 3x3 convolution, ReLU and 2x2 max pooling; then a Dense classifier on the flattened map."""
-    stages = [layer for width in cfg.widths
-              for layer in (Conv(width, 3, padding="SAME"), Relu, MaxPool(2, padding="SAME"))]
+    stages = [
+        layer for width in cfg.widths for layer in (Conv(width, 3, padding="SAME"), Relu, MaxPool(2, padding="SAME"))
+    ]
     return serial(*stages, Flatten(), Dense(cfg.num_classes, name="logits"), name="cnn")
 
 
@@ -43,6 +44,7 @@ def _basic_block(width: int, bn):
 
 def ResNet(cfg: ResNetConfig = ResNetConfig()):
     """Stem conv, stages of residual basic blocks (a strided conv changes width between stages), global pooling."""
+
     def bn():
         return BatchNorm(axis_name=cfg.bn_axis_name)
 

@@ -31,14 +31,25 @@ def GPT(cfg: GPTConfig = GPTConfig()):
 
     Input: (B, T) integer byte ids; output: (B, T, vocab_size) logits for the next byte.
     """
-    blocks = [TransformerBlock(cfg.num_heads, drop_prob=cfg.drop_prob, causal=True,
-                               attention_implementation=cfg.attention_implementation) for _ in range(cfg.num_layers)]
-    return serial(Embedding(cfg.vocab_size, cfg.d_model, init_scale=0.02), PositionEmbedding(cfg.seq_len), *blocks,
-                  LayerNorm(name="ln_f"), Dense(cfg.vocab_size, name="logits"), name="gpt")
+    blocks = [
+        TransformerBlock(
+            cfg.num_heads, drop_prob=cfg.drop_prob, causal=True, attention_implementation=cfg.attention_implementation
+        )
+        for _ in range(cfg.num_layers)
+    ]
+    return serial(
+        Embedding(cfg.vocab_size, cfg.d_model, init_scale=0.02),
+        PositionEmbedding(cfg.seq_len),
+        *blocks,
+        LayerNorm(name="ln_f"),
+        Dense(cfg.vocab_size, name="logits"),
+        name="gpt",
+    )
 
 
-def sample(predict, params, model_state, prompt: bytes, n: int, seq_len: int, *, seed: int = 0,
-           temperature: float = 0.8) -> bytes:
+def sample(
+    predict, params, model_state, prompt: bytes, n: int, seq_len: int, *, seed: int = 0, temperature: float = 0.8
+) -> bytes:
     """Samples `n` bytes after `prompt` from a byte GPT, one compiled (1, seq_len) forward pass per byte.
 
     `predict` is `jaxnn.train.make_predict(model, policy)`; the context is the last `seq_len` bytes.
@@ -53,7 +64,7 @@ def sample(predict, params, model_state, prompt: bytes, n: int, seq_len: int, *,
     out = []
     for _ in range(n):
         window = np.zeros((1, seq_len), np.int32)
-        window[0, :len(context)] = context
+        window[0, : len(context)] = context
         logits = np.asarray(jax.device_get(predict(params, model_state, window)))[0, len(context) - 1]
         logits = logits.astype(np.float64) / temperature
         p = np.exp(logits - logits.max())
