@@ -308,7 +308,8 @@ def main(argv=None) -> int:
     if args.gpu:
         if jax.default_backend() != "gpu" and not args.dry_run:
             print(
-                f"bench --gpu: no GPU here (backend is {jax.default_backend()!r}); use --dry-run to check it on the CPU",
+                f"bench --gpu: no GPU here (backend is {jax.default_backend()!r}); "
+                "use --dry-run to check it on the CPU",
                 file=sys.stderr,
             )
             return 2
