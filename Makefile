@@ -12,11 +12,12 @@ DEVICES ?= 1
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test test-fast bench clean
+.PHONY: help install train test test-fast lint bench clean
 
 help:
 	@echo "make train        train the CNN on the bundled digits (MODEL=gpt, DATA=dir, DEVICES=8, ARGS='...')"
-	@echo "make test         run the test suite (installs .venv on first use)"
+	@echo "make test         lint, then run the test suite (installs .venv on first use)"
+	@echo "make lint         ruff (lint and format check) and mypy on jaxnn/"
 	@echo "make bench        time training steps of the benchmark models, fp32 and bf16"
 	@grep -hE '^[a-z][a-z0-9-]*:.*## ' mk/*.mk 2>/dev/null | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "make %-15s %s\n", $$1, $$2}'
 
@@ -33,8 +34,14 @@ train: $(STAMP)
 
 # -n 2: one pytest worker per core. Tests are spread one by one (loadgroup), except modules that mark a group
 # to share an expensive module-scoped fixture on one worker; --durations shows where the time goes.
-test: $(STAMP)
+test: lint
 	$(PY) -m pytest -n 2 --dist loadgroup --durations=15 tests
+
+# The same checks as .pre-commit-config.yaml, from the pinned versions in .venv.
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.train_steps $(ARGS)

@@ -17,6 +17,7 @@ import pathlib
 import shutil
 import signal
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -35,19 +36,19 @@ def _is_key(x) -> bool:
     return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def to_saveable(tree):
+def to_saveable(tree: Any) -> Any:
     """Typed PRNG keys become their raw uint32 data (orbax stores plain arrays)."""
     return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
 
 
-def from_saveable(tree, like):
+def from_saveable(tree: Any, like: Any) -> Any:
     """Inverse of `to_saveable`, using `like` (a tree of the original structure) to find the keys."""
     return jax.tree.map(
         lambda x, ref: jax.random.wrap_key_data(x, impl=jax.random.key_impl(ref)) if _is_key(ref) else x, tree, like
     )
 
 
-def state_digest(tree) -> str:
+def state_digest(tree: Any) -> str:
     """SHA-256 over every leaf's dtype, shape and bytes, in tree order."""
     h = hashlib.sha256()
     for leaf in jax.tree.leaves(to_saveable(tree)):
@@ -57,7 +58,9 @@ def state_digest(tree) -> str:
     return h.hexdigest()
 
 
-def config_differences(saved: dict, current: dict, ignore=(), *, saved_as: str = "checkpoint") -> list[str]:
+def config_differences(
+    saved: dict, current: dict, ignore: Iterable[str] = (), *, saved_as: str = "checkpoint"
+) -> list[str]:
     """Human-readable `field: checkpoint X, now Y` lines for the fields where two config dicts differ."""
     keys = sorted((set(saved) | set(current)) - set(ignore))
     missing = object()
@@ -74,7 +77,9 @@ class Checkpointer:
     `ignore` names config fields allowed to differ on restore (paths, logging cadence, device count).
     """
 
-    def __init__(self, directory, *, keep: int = 3, save_every: int = 0, ignore=()):
+    def __init__(
+        self, directory: str | os.PathLike[str], *, keep: int = 3, save_every: int = 0, ignore: Iterable[str] = ()
+    ):
         import orbax.checkpoint as ocp
 
         if keep < 1:
@@ -100,7 +105,7 @@ class Checkpointer:
     def should_save(self, step: int) -> bool:
         return self.save_every > 0 and step % self.save_every == 0
 
-    def save(self, step: int, state, *, data_state: dict, config: dict, force: bool = False) -> bool:
+    def save(self, step: int, state: Any, *, data_state: dict, config: dict, force: bool = False) -> bool:
         """Saves at `step` when it is a multiple of `save_every` or `force`d; returns whether it saved."""
         if not (force or self.should_save(step)):
             return False
@@ -190,7 +195,7 @@ class Checkpointer:
                 "optimizer it was saved with"
             )
 
-    def restore(self, like_state, config: dict) -> tuple[Any, dict, int] | None:
+    def restore(self, like_state: Any, config: dict) -> tuple[Any, dict, int] | None:
         """The newest good checkpoint as `(state, data_state, step)`, or None when the directory has none.
 
         `like_state` is a state of the right structure, shapes, dtypes and shardings (e.g. freshly initialised).
@@ -250,11 +255,11 @@ class StopSignal:
     handlers) it installs nothing and the flag stays False.
     """
 
-    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
+    def __init__(self, signals: Iterable[signal.Signals] = (signal.SIGTERM, signal.SIGINT)):
         self.signals = signals
         self.received: int | None = None
         self.ignored = 0
-        self._previous = {}
+        self._previous: dict[int, Any] = {}
 
     def __bool__(self) -> bool:
         return self.received is not None

@@ -14,8 +14,12 @@ import datetime
 import logging
 import pathlib
 import sys
+from typing import TYPE_CHECKING, Any
 
 from jaxnn.config import MODEL_DEFAULTS, TrainConfig
+
+if TYPE_CHECKING:
+    from jaxnn.callbacks import Callback
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -127,16 +131,17 @@ def default_run_dir(model: str, data: str | None, resume: bool) -> str:
     return str(base / datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
 
 
-def config_from_args(args) -> TrainConfig:
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
     defaults = dict(MODEL_DEFAULTS.get(args.model, {}))
     overrides = dict(defaults.pop("model_overrides", ()))
     for flag, field in (("d_model", "d_model"), ("layers", "num_layers")):
         if getattr(args, flag) is not None:
             overrides[field] = getattr(args, flag)
     if args.size == "small":  # the small config's own widths, unless asked otherwise
-        overrides = {k: v for k, v in overrides.items() if getattr(args, {"num_layers": "layers"}.get(k, k), None)}
+        flag_of: dict[str, str] = {"num_layers": "layers"}
+        overrides = {k: v for k, v in overrides.items() if getattr(args, flag_of.get(k) or k, None)}
 
-    def pick(name, fallback):
+    def pick(name: str, fallback: Any) -> Any:
         return getattr(args, name) if getattr(args, name) is not None else defaults.get(name, fallback)
 
     return TrainConfig(
@@ -192,7 +197,7 @@ def format_summary(s: dict) -> str:
     )
 
 
-def start_processes(args) -> bool:
+def start_processes(args: argparse.Namespace) -> bool:
     """Joins a multi-process run when flags, JAXNN_* variables or --cluster ask for one (before any jax work)."""
     import os
 
@@ -212,16 +217,16 @@ def start_processes(args) -> bool:
     )
 
 
-def callbacks_from_args(args, multi_process: bool) -> list:
+def callbacks_from_args(args: argparse.Namespace, multi_process: bool) -> list[Callback]:
     from jaxnn.callbacks import ExitAt, StepWatchdog
 
-    callbacks = [StepWatchdog(args.step_timeout)] if multi_process else []
+    callbacks: list[Callback] = [StepWatchdog(args.step_timeout)] if multi_process else []
     if args.fail_at:
         callbacks.append(ExitAt(args.fail_at[1], process_index=args.fail_at[0]))
     return callbacks
 
 
-def train_main(args) -> int:
+def train_main(args: argparse.Namespace) -> int:
     from jaxnn.callbacks import NonFiniteError
     from jaxnn.rundir import StorageError
 
@@ -255,7 +260,7 @@ def train_main(args) -> int:
     return 128 + summary["interrupted_by"] if summary.get("interrupted_by") else 0
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     if args.command == "train":

@@ -17,14 +17,18 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias
 
 import jax
 import numpy as np
+import optax
+from jax.sharding import Mesh
 
 from jaxnn.callbacks import Callback, NonFiniteError, NonFiniteGuard, RunInfo
 from jaxnn.checkpoint import Checkpointer, CheckpointError, StopSignal, config_differences, state_digest
 from jaxnn.config import ConfigError, FitConfig
+from jaxnn.data.datasets import ImageDataset, TextCorpus
+from jaxnn.data.pipeline import PipelineConfig
 from jaxnn.data.prefetch import DevicePrefetch
 from jaxnn.data.sources import as_eval_batches, as_train_source
 from jaxnn.layers.core import Layer
@@ -44,6 +48,9 @@ from jaxnn.train import (
 
 log = logging.getLogger(__name__)
 
+# What `fit` trains and evaluates on (see jaxnn.data.sources): arrays, a dict of arrays, a data set, batches.
+TrainData: TypeAlias = tuple[Any, Any] | dict[str, Any] | ImageDataset | TextCorpus | Iterable[dict[str, Any]]
+
 
 class FitResult(NamedTuple):
     state: TrainState  # the final train state (replicated over the mesh)
@@ -53,16 +60,16 @@ class FitResult(NamedTuple):
 
 def fit(
     model: Layer,
-    data,
+    data: TrainData,
     *,
     loss: LossFn = masked_classification_loss,
-    optimizer=None,
-    eval_data=None,
+    optimizer: optax.GradientTransformation | None = None,
+    eval_data: TrainData | None = None,
     callbacks: Iterable[Callback] = (),
-    mesh=None,
-    pipeline=None,
+    mesh: Mesh | None = None,
+    pipeline: PipelineConfig | None = None,
     config: dict | None = None,
-    **settings,
+    **settings: Any,
 ) -> FitResult:
     """Trains `model` on `data` and returns `FitResult(state, history, summary)`.
 
@@ -334,7 +341,7 @@ class _Tracker:
         now = time.perf_counter()
         dt = now - self.t_interval
         self.wait_total += wait
-        row = {
+        row: dict[str, Any] = {
             "split": "train",
             "step": step,
             **{k: v / max(self.n, 1) for k, v in self.sums.items()},

@@ -17,7 +17,7 @@ import pathlib
 from collections.abc import Iterable
 from typing import Protocol
 
-from jaxnn.rundir import append_line, repair_jsonl, storage_error
+from jaxnn.rundir import PathLike, append_line, repair_jsonl, storage_error
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def _json_safe(value):
 class JsonlWriter:
     """`metrics.jsonl`: one JSON object per line, appended whole; a line cut short by a crash is set aside."""
 
-    def __init__(self, path):
+    def __init__(self, path: PathLike):
         self.path = pathlib.Path(path)
         repair_jsonl(self.path)
 
@@ -51,7 +51,7 @@ class JsonlWriter:
         pass
 
 
-def read_jsonl(path) -> list[dict]:
+def read_jsonl(path: PathLike) -> list[dict]:
     """The rows of a metrics file; lines that do not parse are skipped with a warning naming file and line."""
     path = pathlib.Path(path)
     rows = []
@@ -69,7 +69,7 @@ class CsvWriter:
     """`metrics-<split>.csv`, one per split, one column per metric; a metric first seen late rewrites the file
     with the wider header (rows are few, and a spreadsheet wants one table per split)."""
 
-    def __init__(self, run_dir):
+    def __init__(self, run_dir: PathLike):
         self.run_dir = pathlib.Path(run_dir)
         self._columns: dict[str, list[str]] = {}
 
@@ -116,7 +116,7 @@ class CsvWriter:
 class TensorBoardWriter:
     """Event files under `<run_dir>/tensorboard`, one scalar per metric tagged `<split>/<metric>`."""
 
-    def __init__(self, run_dir):
+    def __init__(self, run_dir: PathLike):
         try:
             from tensorboardX import SummaryWriter
         except ImportError:
@@ -143,7 +143,7 @@ def check_writer_names(names: Iterable[str]) -> tuple[str, ...]:
     return names
 
 
-def make_writers(names: Iterable[str], run_dir) -> list[MetricWriter]:
+def make_writers(names: Iterable[str], run_dir: PathLike) -> list[MetricWriter]:
     """The writers named in `names` (JSON lines is always included) for `run_dir`."""
     names = check_writer_names(names)
     run_dir = pathlib.Path(run_dir)

@@ -143,7 +143,7 @@ def _parse(argv):
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.num_processes < 1 or args.devices_per_process < 1:
         print("jaxnn.multihost: error: --num-processes and --devices-per-process must be >= 1", file=sys.stderr)
@@ -176,11 +176,12 @@ def main(argv=None) -> int:
             )
         else:
             print(f"  process {r.process_id}: failed (exit {r.returncode}): {failure_reason(r.stderr)}")
-    if all(r.returncode == 0 and r.result for r in results):
+    reports = [r.result for r in results if r.returncode == 0 and r.result]
+    if len(reports) == len(results):
         summary = [line for line in results[0].stdout.splitlines() if " -> " in line]
         if summary:
             print("  " + summary[-1])
-        same = len({r.result["params"] for r in results}) == 1
+        same = len({report["params"] for report in reports}) == 1
         print("params identical on every process" if same else "PARAMS DIFFER between processes")
         return 0 if same else 1
     return 1

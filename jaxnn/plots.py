@@ -5,12 +5,13 @@ from __future__ import annotations
 import pathlib
 
 from jaxnn.metrics import read_jsonl
+from jaxnn.rundir import PathLike
 
 # (file name, metric): the first metric found for a file name wins.
 CURVES = (("loss", "loss"), ("accuracy", "accuracy"), ("accuracy", "bits_per_token"))
 
 
-def write_plots(metrics_path, out_dir) -> list[str]:
+def write_plots(metrics_path: PathLike, out_dir: PathLike) -> list[str]:
     """Writes loss.png and accuracy.png (bits per byte for text) into `out_dir`; returns the paths written."""
     import matplotlib
 

@@ -9,9 +9,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pathlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from jaxnn.config import ConfigError, TrainConfig
+
+if TYPE_CHECKING:
+    from jaxnn.callbacks import Callback
+    from jaxnn.data import ImageDataset, TextCorpus
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +43,7 @@ def resolve_dataset(cfg: TrainConfig) -> str:
     return name
 
 
-def load_data(cfg: TrainConfig):
+def load_data(cfg: TrainConfig) -> ImageDataset | TextCorpus:
     """The data set the config names, checked against the format (a DataError names the file otherwise)."""
     from jaxnn.data import DataError, detect_format, load_dataset
 
@@ -50,7 +55,7 @@ def load_data(cfg: TrainConfig):
     return load_dataset(name, cfg.data_dir)
 
 
-def model_config(cfg: TrainConfig, data):
+def model_config(cfg: TrainConfig, data: ImageDataset | TextCorpus) -> Any:
     """The built-in model's config: its default (or small) one with `cfg.model_overrides` and the data's sizes."""
     from jaxnn.data import TextCorpus
     from jaxnn.models import CONFIGS
@@ -69,7 +74,9 @@ def model_config(cfg: TrainConfig, data):
     return dataclasses.replace(mcfg, **overrides)
 
 
-def train(cfg: TrainConfig, *, callbacks: Iterable = (), print_summary=None) -> dict:
+def train(
+    cfg: TrainConfig, *, callbacks: Iterable[Callback] = (), print_summary: Callable[[str], Any] | None = None
+) -> dict:
     """Trains the built-in model `cfg` names through `jaxnn.fit`; returns the run's summary dict.
 
     `print_summary`, when given (e.g. `print`), receives the model's per-layer table before training.
@@ -99,7 +106,9 @@ def train(cfg: TrainConfig, *, callbacks: Iterable = (), print_summary=None) -> 
     schedule = make_schedule(cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup)
     tx = make_optimizer(cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup, weight_decay=cfg.weight_decay)
     if print_summary is not None and jax.process_index() == 0:
-        in_shape = (cfg.batch_size, cfg.seq_len) if is_text else (cfg.batch_size, *data.image_shape)
+        in_shape = (
+            (cfg.batch_size, cfg.seq_len) if isinstance(data, TextCorpus) else (cfg.batch_size, *data.image_shape)
+        )
         model_summary(model, in_shape, policy=cfg.precision, print_fn=print_summary)
     result = fit(
         model,

@@ -21,8 +21,15 @@ import pathlib
 import shutil
 import socket
 import time
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+
+if TYPE_CHECKING:
+    from jaxnn.config import FitConfig
+    from jaxnn.metrics import MetricWriter
 
 log = logging.getLogger(__name__)
+
+PathLike: TypeAlias = str | os.PathLike[str]
 
 LOCK_NAME = "run.lock"
 
@@ -35,13 +42,13 @@ class StorageError(OSError):
     """Writing to the run directory failed (disk full, permissions, ...); the message says where and why."""
 
 
-def free_space(path) -> str:
+def free_space(path: PathLike) -> str:
     """Free space of the file system holding `path` (or its nearest existing parent), human-readable."""
     path = pathlib.Path(path).absolute()
     while not path.exists() and path != path.parent:
         path = path.parent
     try:
-        free = shutil.disk_usage(path).free
+        free = float(shutil.disk_usage(path).free)
     except OSError:
         return "unknown"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -51,7 +58,7 @@ def free_space(path) -> str:
     return "unknown"
 
 
-def storage_error(operation: str, path, err: BaseException) -> StorageError:
+def storage_error(operation: str, path: PathLike, err: BaseException) -> StorageError:
     """One line: what failed, where, why, and how much space is left there."""
     if isinstance(err, OSError) and err.strerror:
         reason = err.strerror
@@ -62,7 +69,7 @@ def storage_error(operation: str, path, err: BaseException) -> StorageError:
     return StorageError(code, f"{operation} {path} failed: {reason} (free space there: {free_space(path)})")
 
 
-def check_writable(path) -> None:
+def check_writable(path: PathLike) -> None:
     """Refuses a path that is a file where a directory is needed, or whose nearest existing parent is read-only."""
     path = pathlib.Path(path)
     if path.exists() and not path.is_dir():
@@ -92,7 +99,7 @@ def _pid_alive(pid: int) -> bool:
 class RunLock:
     """Exclusive use of a run directory by one process; use as a context manager (or `acquire`/`release`)."""
 
-    def __init__(self, run_dir):
+    def __init__(self, run_dir: PathLike):
         self.path = pathlib.Path(run_dir) / LOCK_NAME
         self._fd: int | None = None
 
@@ -154,7 +161,7 @@ class RunLock:
     def __enter__(self) -> RunLock:
         return self.acquire()
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc: object) -> Literal[False]:
         self.release()
         return False
 
@@ -162,7 +169,7 @@ class RunLock:
 # ---------------------------------------------------------------------------------------------------- whole files
 
 
-def write_json_atomic(path, obj) -> None:
+def write_json_atomic(path: PathLike, obj: Any) -> None:
     """Writes `obj` as JSON so that `path` holds either its old contents or the whole new file, never a part."""
     path = pathlib.Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -177,7 +184,7 @@ def write_json_atomic(path, obj) -> None:
         raise storage_error("writing", path, err) from err
 
 
-def read_json(path) -> dict:
+def read_json(path: PathLike) -> dict:
     """A JSON file written by `write_json_atomic`; a damaged one raises RunDirError naming it."""
     path = pathlib.Path(path)
     try:
@@ -186,7 +193,7 @@ def read_json(path) -> dict:
         raise RunDirError(f"{path} is damaged ({err}); move it aside or pass --overwrite") from None
 
 
-def repair_jsonl(path) -> int:
+def repair_jsonl(path: PathLike) -> int:
     """Sets aside a partial last line (no trailing newline) of a JSON-lines file; returns the bytes moved.
 
     The fragment goes to `<name>.partial-<time>` beside the file, with a warning, so nothing is lost and the next
@@ -214,7 +221,7 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def append_line(path, line: str) -> None:
+def append_line(path: PathLike, line: str) -> None:
     """Appends one line; on an OS error the file is cut back to its previous length and StorageError raised."""
     path = pathlib.Path(path)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -241,17 +248,33 @@ class RunFiles:
     Without a run directory (`cfg.run_dir` None) every method does nothing, and nothing is checkpointed.
     """
 
-    def __init__(self, cfg, record: dict, *, is_main: bool = True):
+    def __init__(self, cfg: FitConfig, record: dict, *, is_main: bool = True):
         self.cfg, self.record, self.is_main = cfg, record, is_main
         self.run_dir = pathlib.Path(cfg.run_dir) if cfg.run_dir else None
         self.ckpt_dir = (
             (pathlib.Path(cfg.ckpt_dir) if cfg.ckpt_dir else self.run_dir / "ckpt") if self.run_dir else None
         )
         self._lock = RunLock(self.run_dir) if self.run_dir else None
-        self._writers: list = []
+        self._writers: list[MetricWriter] = []
         self._created = False
 
+    @property
+    def _root(self) -> pathlib.Path:
+        assert self.run_dir is not None, "only called with a run directory"
+        return self.run_dir
+
+    @property
+    def _ckpt(self) -> pathlib.Path:
+        assert self.ckpt_dir is not None, "only called with a run directory"
+        return self.ckpt_dir
+
+    @property
+    def _held(self) -> RunLock:
+        assert self._lock is not None, "only called with a run directory"
+        return self._lock
+
     def open(self) -> None:
+        """Checks, creates and locks the run directory and writes config.json (process 0); no-op without one."""
         if self.run_dir is None:
             return
         error = None
@@ -264,12 +287,12 @@ class RunFiles:
             raise error or RunDirError(f"process 0 refused the run directory {self.run_dir} (see its output)")
 
     def _open_main(self) -> None:
-        check_writable(self.run_dir)
-        check_writable(self.ckpt_dir)
-        self._created = not self.run_dir.exists()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        check_writable(self._root)
+        check_writable(self._ckpt)
+        self._created = not self._root.exists()
+        self._root.mkdir(parents=True, exist_ok=True)
         try:
-            self._lock.acquire()
+            self._held.acquire()
         except RunDirError:
             self._remove_if_created()
             raise
@@ -280,18 +303,18 @@ class RunFiles:
             self._write_config()
             from jaxnn.metrics import make_writers
 
-            self._writers = make_writers(self.cfg.metrics, self.run_dir)
+            self._writers = make_writers(self.cfg.metrics, self._root)
         except BaseException:
-            self._lock.release()
+            self._held.release()
             self._remove_if_created()
             raise
 
     def _remove_if_created(self) -> None:
-        if self._created and self.run_dir.is_dir() and not any(self.run_dir.iterdir()):
-            self.run_dir.rmdir()
+        if self._created and self._root.is_dir() and not any(self._root.iterdir()):
+            self._root.rmdir()
 
     def _saved_config(self) -> dict | None:
-        path = self.run_dir / "config.json"
+        path = self._root / "config.json"
         if not path.is_file():
             return None
         try:
@@ -303,25 +326,25 @@ class RunFiles:
         """Refuses a run directory holding another run, unless resume or overwrite says what to do with it."""
         from jaxnn.checkpoint import config_differences
 
-        used = [p for p in self.run_dir.iterdir() if p.name != LOCK_NAME]
+        used = [p for p in self._root.iterdir() if p.name != LOCK_NAME]
         if not used or self.cfg.overwrite:
             return
         saved = self._saved_config()
         diffs = config_differences(saved, self.record, saved_as="saved") if saved is not None else []
         if diffs:
             raise RunDirError(
-                f"run dir {self.run_dir} belongs to a different config ({'; '.join(diffs)}); "
+                f"run dir {self._root} belongs to a different config ({'; '.join(diffs)}); "
                 "resume it with the same settings, overwrite it, or choose another run dir"
             )
         if not self.cfg.resume:
             raise RunDirError(
-                f"run dir {self.run_dir} already holds a run; pass --resume (resume=True) to continue "
+                f"run dir {self._root} already holds a run; pass --resume (resume=True) to continue "
                 "it, --overwrite (overwrite=True) to replace it, or another run dir"
             )
 
     def _clear(self) -> None:
-        targets = [self.run_dir / name for name in RUN_FILES] + [self.ckpt_dir]
-        targets += list(self.run_dir.glob("metrics-*.csv")) + list(self.run_dir.glob("*.partial-*"))
+        targets = [self._root / name for name in RUN_FILES] + [self._ckpt]
+        targets += list(self._root.glob("metrics-*.csv")) + list(self._root.glob("*.partial-*"))
         for path in targets:
             if path.is_dir():
                 shutil.rmtree(path)
@@ -329,7 +352,7 @@ class RunFiles:
                 path.unlink()
 
     def _write_config(self) -> None:
-        path = self.run_dir / "config.json"
+        path = self._root / "config.json"
         if path.is_file() and self._saved_config() is None:
             aside = path.with_name(f"config.json.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
             path.rename(aside)
