@@ -10,6 +10,7 @@ a checkpoint written for a different config is refused with the differing fields
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -23,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxnn.rundir import storage_error
+from jaxnn.rundir import StorageError, quiet_storage_noise, storage_error
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class Checkpointer:
         )
         self._in_flight: int | None = None
         self._closed = False
+        quiet_storage_noise()
         self._bad: set[int] = set()  # steps a restore found damaged: a later save at that step replaces them
 
     def all_steps(self) -> list[int]:
@@ -114,16 +116,30 @@ class Checkpointer:
             self._bad.discard(step)
         elif step in self._manager.all_steps():
             return False
+        self.wait()
+        self._check_space(step, state)
         ocp = self._ocp
         meta = {"step": int(step), "config": config, "data": data_state, "digest": state_digest(state)}
         args = ocp.args.Composite(state=ocp.args.StandardSave(to_saveable(state)), meta=ocp.args.JsonSave(meta))
-        # orbax writes in the background: wait for the previous save first, so that its errors are reported
-        # against its own step (orbax's save would wait for it anyway).
-        self.wait()
+        # orbax writes in the background: the previous save was waited for above, so that its errors are
+        # reported against its own step (orbax's save would wait for it anyway).
         with self._storage_errors(step):
             self._manager.save(step, args=args, force=True)
         self._in_flight = step
         return True
+
+    def _check_space(self, step: int, state: Any) -> None:
+        """Refuses a save the disk cannot hold, before writing: a save that runs out of space half-way leaves
+        orbax's background threads to print pages of tracebacks."""
+        needed = sum(np.dtype(x.dtype).itemsize * int(np.prod(x.shape)) for x in jax.tree.leaves(state))
+        needed = int(needed * 1.1) + (1 << 20)  # orbax's metadata and the OCDBT index
+        free = shutil.disk_usage(self.directory).free
+        if free < needed:
+            raise StorageError(
+                errno.ENOSPC,
+                f"saving checkpoint step {step} to {self.directory} needs about {needed / 2**20:.1f} MiB, "
+                f"{free / 2**20:.1f} MiB free: No space left on device; free some space, then resume",
+            )
 
     @contextlib.contextmanager
     def _storage_errors(self, step: int):

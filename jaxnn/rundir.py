@@ -60,13 +60,40 @@ def free_space(path: PathLike) -> str:
 
 def storage_error(operation: str, path: PathLike, err: BaseException) -> StorageError:
     """One line: what failed, where, why, and how much space is left there."""
+    code = err.errno if isinstance(err, OSError) and err.errno else errno.EIO
     if isinstance(err, OSError) and err.strerror:
         reason = err.strerror
+    elif any(mark in str(err) for mark in _DISK_FULL_MARKS):  # tensorstore's wording of ENOSPC
+        code, reason = errno.ENOSPC, os.strerror(errno.ENOSPC)
     else:
         lines = str(err).strip().splitlines()
         reason = f"{type(err).__name__}: {lines[0][:200]}" if lines else type(err).__name__
-    code = err.errno if isinstance(err, OSError) and err.errno else errno.EIO
     return StorageError(code, f"{operation} {path} failed: {reason} (free space there: {free_space(path)})")
+
+
+_DISK_FULL_MARKS = ("No space left on device", "os_error_code='28'", "RESOURCE_EXHAUSTED")
+
+
+class _DropStorageNoise(logging.Filter):
+    """Drops the log records orbax's and asyncio's background threads emit for a write that failed for lack of
+    space: the save reports it as one StorageError line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            text += str(record.exc_info[1])
+        return not any(mark in text for mark in _DISK_FULL_MARKS)
+
+
+_NOISE_FILTER = _DropStorageNoise()
+
+
+def quiet_storage_noise() -> None:
+    """Installs the filter above on the absl and asyncio loggers (once)."""
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        if _NOISE_FILTER not in logger.filters:
+            logger.addFilter(_NOISE_FILTER)
 
 
 def check_writable(path: PathLike) -> None:

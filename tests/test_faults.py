@@ -212,6 +212,30 @@ def test_disk_full_while_checkpointing(tmp_path, data, reference, monkeypatch):
     assert result.summary["resumed_from"] == 20 and result.summary["param_digest"] == reference
 
 
+def test_a_save_the_disk_cannot_hold_is_refused_before_writing(tmp_path, data, monkeypatch):
+    import shutil
+
+    from jaxnn import checkpoint
+
+    run = tmp_path / "run"
+    real_usage = shutil.disk_usage
+    saves = []
+
+    def disk_usage(path):
+        usage = real_usage(path)
+        saves.append(path)
+        return usage._replace(free=100_000) if len(saves) >= 2 else usage  # full from the second checkpoint on
+
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", disk_usage)
+    with pytest.raises(
+        StorageError,
+        match=r"saving checkpoint step 20 to .* needs about [0-9.]+ MiB, 0.1 MiB free: "
+        r"No space left on device; free some space, then resume",
+    ):
+        train(run, data)
+    assert Checkpointer(run / "ckpt").all_steps() == [10] and not list((run / "ckpt").glob("*tmp*"))
+
+
 def test_disk_full_while_logging(tmp_path, data, reference, monkeypatch):
     run = tmp_path / "run"
     real_write, calls = rundir._write_all, []

@@ -11,19 +11,23 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import logging
+import os
 import pathlib
 import sysconfig
 import zlib
+from typing import Any, TypeAlias
 
 import numpy as np
 
 log = logging.getLogger(__name__)
 
+StrPath: TypeAlias = str | os.PathLike[str]
+
 IMAGE_FORMATS = ("digits", "mnist", "fashion_mnist", "cifar10", "synthetic")
 FORMATS = IMAGE_FORMATS + ("text",)
 
 # The IDX dtype codes (third magic byte) this loader understands, mapped to big-endian numpy dtypes.
-_IDX_DTYPES = {
+_IDX_DTYPES: dict[int, np.dtype[Any]] = {
     0x08: np.dtype(">u1"),
     0x09: np.dtype(">i1"),
     0x0B: np.dtype(">i2"),
@@ -72,7 +76,16 @@ class TextCorpus:
     vocab_size: int = 256
 
 
-def make_image_dataset(name, x_train, y_train, x_test, y_test, *, num_classes=None, scale=1.0) -> ImageDataset:
+def make_image_dataset(
+    name: str,
+    x_train: np.ndarray,
+    y_train: np.ndarray,
+    x_test: np.ndarray,
+    y_test: np.ndarray,
+    *,
+    num_classes: int | None = None,
+    scale: float = 1.0,
+) -> ImageDataset:
     """Checks shapes and labels, adds a channel axis to (N, H, W) images, and computes channel statistics."""
     x_train, x_test = (x if x.ndim == 4 else x[..., None] for x in (x_train, x_test))
     for split, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):
@@ -94,7 +107,9 @@ def make_image_dataset(name, x_train, y_train, x_test, y_test, *, num_classes=No
     return ImageDataset(name, x_train, y_train, x_test, y_test, num_classes, float(scale), mean, std)
 
 
-def split_dataset(name, x, y, *, test_fraction=0.2, seed=0, **kwargs) -> ImageDataset:
+def split_dataset(
+    name: str, x: np.ndarray, y: np.ndarray, *, test_fraction: float = 0.2, seed: int = 0, **kwargs: Any
+) -> ImageDataset:
     """A fixed, seeded train/test split of one labelled array (for sets that ship without one)."""
     order = np.random.default_rng(seed).permutation(len(x))
     n_test = max(1, int(round(len(x) * test_fraction)))
@@ -126,7 +141,7 @@ def _read_bytes(path: pathlib.Path) -> bytes:
         raise DataError(f"{path}: not a complete gzip file ({err})") from None
 
 
-def read_idx(path, *, expected_ndim: int | None = None) -> np.ndarray:
+def read_idx(path: StrPath, *, expected_ndim: int | None = None) -> np.ndarray:
     """Reads one IDX file (gzipped or raw): magic `00 00 <dtype> <ndim>`, big-endian int32 dims, then the data."""
     path = pathlib.Path(path)
     raw = _read_bytes(path)
@@ -165,24 +180,28 @@ def _find_idx(directory: pathlib.Path, split: str, kind: str) -> pathlib.Path | 
     return None
 
 
-def read_idx_split(directory, split: str = "t10k") -> tuple[np.ndarray, np.ndarray]:
+def _missing_idx(directory: pathlib.Path, split: str, kind: str) -> DataError:
+    ndim = 3 if kind == "images" else 1
+    return DataError(f"{directory}: no {split}-{kind}-idx{ndim}-ubyte[.gz] file (MNIST/Fashion-MNIST IDX)")
+
+
+def read_idx_split(directory: StrPath, split: str = "t10k") -> tuple[np.ndarray, np.ndarray]:
     """Images (N, 28, 28) uint8 and labels (N,) of one split ('train' or 't10k') of an IDX directory."""
     directory = _check_dir(directory)
-    paths = {kind: _find_idx(directory, split, kind) for kind in ("images", "labels")}
-    for kind, path in paths.items():
-        if path is None:
-            ndim = 3 if kind == "images" else 1
-            raise DataError(f"{directory}: no {split}-{kind}-idx{ndim}-ubyte[.gz] file (MNIST/Fashion-MNIST IDX)")
-    images = read_idx(paths["images"], expected_ndim=3)
-    labels = read_idx(paths["labels"], expected_ndim=1)
+    images_path = _find_idx(directory, split, "images")
+    labels_path = _find_idx(directory, split, "labels")
+    if images_path is None:
+        raise _missing_idx(directory, split, "images")
+    if labels_path is None:
+        raise _missing_idx(directory, split, "labels")
+    images = read_idx(images_path, expected_ndim=3)
+    labels = read_idx(labels_path, expected_ndim=1)
     if len(images) != len(labels):
-        raise DataError(
-            f"{paths['labels']}: {len(labels)} labels, expected {len(images)} to match {paths['images'].name}"
-        )
+        raise DataError(f"{labels_path}: {len(labels)} labels, expected {len(images)} to match {images_path.name}")
     return images, labels
 
 
-def load_mnist(directory, name: str = "mnist") -> ImageDataset:
+def load_mnist(directory: StrPath, name: str = "mnist") -> ImageDataset:
     """MNIST or Fashion-MNIST (same file names and format) from a directory of IDX files.
 
     A directory holding only the t10k split (like the shared MNIST test set) is split 8,000 / 2,000 with a
@@ -208,7 +227,7 @@ def load_mnist(directory, name: str = "mnist") -> ImageDataset:
 # --- CIFAR-10 binary --------------------------------------------------------------------------------------------
 
 
-def read_cifar_batch(path) -> tuple[np.ndarray, np.ndarray]:
+def read_cifar_batch(path: StrPath) -> tuple[np.ndarray, np.ndarray]:
     """One CIFAR-10 binary batch: records of a label byte then 3x32x32 bytes (CHW); returns NHWC uint8, labels."""
     path = pathlib.Path(path)
     raw = _read_bytes(path)
@@ -232,7 +251,7 @@ def _cifar_dir(directory: pathlib.Path) -> pathlib.Path:
     return nested if nested.is_dir() else directory
 
 
-def load_cifar10(directory) -> ImageDataset:
+def load_cifar10(directory: StrPath) -> ImageDataset:
     """CIFAR-10 from its binary version: data_batch_1..5.bin and test_batch.bin (never the pickled version)."""
     directory = _cifar_dir(_check_dir(directory))
     train_paths = sorted(directory.glob("data_batch_[0-9].bin"))
@@ -262,12 +281,13 @@ def stdlib_dir() -> pathlib.Path:
     return pathlib.Path(sysconfig.get_paths()["stdlib"])
 
 
-def load_text(directory=None, *, max_bytes: int = 8 << 20, test_fraction: float = 0.05) -> TextCorpus:
+def load_text(directory: StrPath | None = None, *, max_bytes: int = 8 << 20, test_fraction: float = 0.05) -> TextCorpus:
     """Concatenated bytes of the text files under `directory` (default: the Python standard library's *.py).
 
     Files are read in sorted path order until `max_bytes`, so the corpus is the same on every run; the last
     `test_fraction` of the bytes is the test split.
     """
+    suffixes: tuple[str, ...]
     if directory is None:
         root, suffixes, name = stdlib_dir(), (".py",), "stdlib"
     else:
@@ -278,7 +298,8 @@ def load_text(directory=None, *, max_bytes: int = 8 << 20, test_fraction: float 
         for p in root.rglob("*")
         if p.suffix in suffixes and p.is_file() and not skip.intersection(p.relative_to(root).parts)
     )
-    chunks, total = [], 0
+    chunks: list[bytes] = []
+    total = 0
     for path in paths:
         if total >= max_bytes:
             break
@@ -298,7 +319,13 @@ def load_text(directory=None, *, max_bytes: int = 8 << 20, test_fraction: float 
 
 
 def synthetic(
-    shape=(8, 8, 1), *, num_classes: int = 10, n_train: int = 2048, n_test: int = 512, noise: float = 1.0, seed: int = 0
+    shape: tuple[int, ...] = (8, 8, 1),
+    *,
+    num_classes: int = 10,
+    n_train: int = 2048,
+    n_test: int = 512,
+    noise: float = 1.0,
+    seed: int = 0,
 ) -> ImageDataset:
     """Float images of any channels-last `shape`: a random prototype per class plus Gaussian noise (learnable)."""
     rng = np.random.default_rng(seed)
@@ -311,14 +338,14 @@ def synthetic(
 # --- dispatch ---------------------------------------------------------------------------------------------------
 
 
-def _check_dir(directory) -> pathlib.Path:
+def _check_dir(directory: StrPath) -> pathlib.Path:
     path = pathlib.Path(directory).expanduser()
     if not path.is_dir():
         raise DataError(f"{path}: data directory not found")
     return path
 
 
-def detect_format(directory) -> str:
+def detect_format(directory: StrPath) -> str:
     """'mnist' for IDX files, 'cifar10' for CIFAR binary batches, 'text' for text files; else a DataError."""
     directory = _check_dir(directory)
     if _find_idx(directory, "t10k", "images") or _find_idx(directory, "train", "images"):
@@ -330,18 +357,18 @@ def detect_format(directory) -> str:
     raise DataError(f"{directory}: holds no MNIST/Fashion-MNIST IDX files, CIFAR-10 binary batches or text files")
 
 
-def load_dataset(name: str, directory=None):
+def load_dataset(name: str, directory: StrPath | None = None) -> ImageDataset | TextCorpus:
     """An ImageDataset or TextCorpus by format name; `directory` is needed for mnist, fashion_mnist and cifar10."""
     if name not in FORMATS:
         raise DataError(f"unknown data set {name!r}; choose one of {list(FORMATS)}")
-    if name in ("mnist", "fashion_mnist", "cifar10") and directory is None:
-        raise DataError(f"data set {name!r} needs a data directory (--data DIR)")
     if name == "digits":
         return load_digits()
     if name == "synthetic":
         return synthetic()
     if name == "text":
         return load_text(directory)
+    if directory is None:  # mnist, fashion_mnist and cifar10 are read from files
+        raise DataError(f"data set {name!r} needs a data directory (--data DIR)")
     if name == "cifar10":
         return load_cifar10(directory)
     return load_mnist(directory, name)

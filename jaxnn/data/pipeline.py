@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Iterator
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -48,7 +49,7 @@ class PipelineConfig:
     buffer: int = 4
     augment_repeats: int = 1
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.batch_size <= 0:
             raise ValueError(f"PipelineConfig: batch_size must be positive, got {self.batch_size}")
         if self.ragged not in ("drop", "pad"):
@@ -60,6 +61,14 @@ class PipelineConfig:
 
     def small(self) -> PipelineConfig:
         return dataclasses.replace(self, batch_size=16, seq_len=32)
+
+
+class BatchSource(Protocol):
+    """Grain's random-access source protocol, as `host_iterator` uses it: a length and batch number -> batch."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]: ...
 
 
 def steps_per_epoch(num_examples: int, batch_size: int, ragged: str = "drop") -> int:
@@ -75,13 +84,15 @@ class TrainBatches:
     Text batches: `x`, `y` int32 (B, T), random windows of the training bytes.
     """
 
-    def __init__(self, data: ImageDataset | TextCorpus, cfg: PipelineConfig, start: int = 0, stop: int = 1 << 40):
+    def __init__(
+        self, data: ImageDataset | TextCorpus, cfg: PipelineConfig, start: int = 0, stop: int = 1 << 40
+    ) -> None:
         self.data, self.cfg, self.start, self.stop = data, cfg, start, stop
         self.is_text = isinstance(data, TextCorpus)
         # Per instance (a cache on the method would keep every instance alive): an epoch's permutation is
         # computed once, not once per batch.
         self._permutation = functools.lru_cache(maxsize=2)(self._permutation_uncached)
-        if self.is_text:
+        if isinstance(data, TextCorpus):
             self.steps_per_epoch = max(len(data.train) // (cfg.batch_size * cfg.seq_len), 1)
         else:
             self.steps_per_epoch = steps_per_epoch(len(data.x_train), cfg.batch_size, cfg.ragged)
@@ -89,23 +100,37 @@ class TrainBatches:
     def __len__(self) -> int:
         return self.stop - self.start
 
-    def __getitem__(self, i: int) -> dict:
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         return self.batch(self.start + int(i))
 
     def __repr__(self) -> str:  # Grain logs its source; keep the arrays out of it
         return f"TrainBatches({self.data.name}, start={self.start}, stop={self.stop}, {self.cfg})"
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Grain's worker processes receive the source pickled; the per-instance cache (which wraps a bound method)
+        # cannot be pickled, so it is left out and rebuilt, empty, on the other side.
+        state = self.__dict__.copy()
+        del state["_permutation"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._permutation = functools.lru_cache(maxsize=2)(self._permutation_uncached)
+
     def permutation(self, epoch: int) -> np.ndarray:
         return self._permutation(epoch)
 
     def _permutation_uncached(self, epoch: int) -> np.ndarray:
+        if isinstance(self.data, TextCorpus):
+            raise TypeError(f"TrainBatches: text corpus {self.data.name!r} has no example order to permute")
         return np.random.default_rng([self.cfg.seed, 0, epoch]).permutation(len(self.data.x_train))
 
-    def batch(self, step: int) -> dict:
+    def batch(self, step: int) -> dict[str, np.ndarray]:
         cfg = self.cfg
         rng = np.random.default_rng([cfg.seed, 1, step])
-        if self.is_text:
-            x, y = text_windows(self.data.train, rng, cfg.batch_size, cfg.seq_len)
+        d = self.data
+        if isinstance(d, TextCorpus):
+            x, y = text_windows(d.train, rng, cfg.batch_size, cfg.seq_len)
             return {"x": x, "y": y}
         epoch, j = divmod(step, self.steps_per_epoch)
         perm = self.permutation(epoch)
@@ -114,7 +139,6 @@ class TrainBatches:
         if len(idx) < cfg.batch_size:
             mask[len(idx) :] = 0.0
             idx = np.concatenate([idx, perm[: cfg.batch_size - len(idx)]])
-        d = self.data
         x = normalise(d.x_train[idx], d.scale, d.mean, d.std)
         for _ in range(cfg.augment_repeats if (cfg.crop_pad or cfg.flip) else 0):
             x = random_crop(x, rng, cfg.crop_pad)
@@ -124,7 +148,7 @@ class TrainBatches:
 
 def eval_batches(
     data: ImageDataset | TextCorpus, batch_size: int, *, seq_len: int = 128, seed: int = 0, max_text_batches: int = 4
-) -> list[dict]:
+) -> list[dict[str, np.ndarray]]:
     """The test split as padded batches with a `mask` (images), or a fixed seeded set of windows (text)."""
     if isinstance(data, TextCorpus):
         rng = np.random.default_rng([seed, 2])
@@ -148,7 +172,7 @@ def _grain_available() -> bool:
     return True
 
 
-def host_iterator(source: TrainBatches, cfg: PipelineConfig) -> Iterator[dict]:
+def host_iterator(source: BatchSource, cfg: PipelineConfig) -> Iterator[dict[str, np.ndarray]]:
     """Iterates the batches of `source` in order, computed by Grain's workers or inline."""
     backend = cfg.backend
     if backend == "grain" and not _grain_available():
@@ -174,10 +198,10 @@ def host_iterator(source: TrainBatches, cfg: PipelineConfig) -> Iterator[dict]:
     return iter(loader)
 
 
-def iterator_state(next_step: int, source: TrainBatches) -> dict:
+def iterator_state(next_step: int, source: TrainBatches) -> dict[str, Any]:
     """The JSON-able data-iterator state saved with a checkpoint: where to restart, and what it is valid for."""
     d = source.data
-    size = len(d.train) if source.is_text else len(d.x_train)
+    size = len(d.train) if isinstance(d, TextCorpus) else len(d.x_train)
     return {
         "next_step": int(next_step),
         "dataset": d.name,

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import jax
+import numpy as np
 
 
 class DevicePrefetch:
@@ -21,18 +23,26 @@ class DevicePrefetch:
     run's `parallel.shard_batch`, which builds each global array from every process's local rows).
     """
 
-    def __init__(self, host_iter: Iterator[dict], sharding=None, size: int = 2, place=None):
+    def __init__(
+        self,
+        host_iter: Iterable[dict[str, np.ndarray]],
+        sharding: jax.sharding.Sharding | None = None,
+        size: int = 2,
+        place: Callable[[dict[str, np.ndarray]], dict[str, Any]] | None = None,
+    ) -> None:
         if size < 0:
             raise ValueError(f"DevicePrefetch: size must be >= 0, got {size}")
         self._host = iter(host_iter)
-        self._place = place or (lambda batch: jax.device_put(batch, sharding))
+        self._place: Callable[[dict[str, np.ndarray]], dict[str, Any]] = place or (
+            lambda batch: jax.device_put(batch, sharding)
+        )
         self._size = size
-        self._queue: collections.deque = collections.deque()
+        self._queue: collections.deque[dict[str, Any]] = collections.deque()
         self._done = False
         self.wait_s = 0.0  # accumulated since the last `take_wait()`
         self.batches = 0
 
-    def __iter__(self):
+    def __iter__(self) -> DevicePrefetch:
         return self
 
     def _fill(self, n: int) -> None:
@@ -44,7 +54,7 @@ class DevicePrefetch:
                 return
             self._queue.append(self._place(batch))
 
-    def __next__(self):
+    def __next__(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         self._fill(self._size + 1)
         if not self._queue:

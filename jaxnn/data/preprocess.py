@@ -5,14 +5,18 @@ Every random function takes an explicit `np.random.Generator`, so a batch is a p
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 
-def normalise(x_BHWC: np.ndarray, scale: float, mean, std) -> np.ndarray:
+def normalise(
+    x_BHWC: np.ndarray, scale: float, mean: Sequence[float] | np.ndarray, std: Sequence[float] | np.ndarray
+) -> np.ndarray:
     """float32 `(x / scale - mean) / std` per channel."""
-    mean = np.asarray(mean, np.float32)
-    inv_std = 1.0 / np.asarray(std, np.float32)
-    return (x_BHWC.astype(np.float32) * np.float32(1.0 / scale) - mean) * inv_std
+    mean_C = np.asarray(mean, np.float32)
+    inv_std_C = 1.0 / np.asarray(std, np.float32)
+    return (x_BHWC.astype(np.float32) * np.float32(1.0 / scale) - mean_C) * inv_std_C
 
 
 def random_crop(x_BHWC: np.ndarray, rng: np.random.Generator, pad: int) -> np.ndarray:
@@ -33,7 +37,9 @@ def random_flip(x_BHWC: np.ndarray, rng: np.random.Generator, prob: float = 0.5)
     return np.where(flip[:, None, None, None], x_BHWC[:, :, ::-1], x_BHWC)
 
 
-def text_windows(corpus: np.ndarray, rng: np.random.Generator, batch: int, seq_len: int):
+def text_windows(
+    corpus: np.ndarray, rng: np.random.Generator, batch: int, seq_len: int
+) -> tuple[np.ndarray, np.ndarray]:
     """`batch` random windows of `seq_len + 1` bytes: inputs `x` (B, T) and next-byte targets `y` (B, T), int32."""
     if len(corpus) <= seq_len + 1:
         raise ValueError(f"text_windows: corpus of {len(corpus)} bytes is too short for seq_len {seq_len}")

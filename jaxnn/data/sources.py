@@ -21,7 +21,7 @@ from jaxnn.data.datasets import DataError, ImageDataset, TextCorpus
 from jaxnn.data.pipeline import PipelineConfig, TrainBatches, eval_batches, host_iterator, iterator_state
 
 
-def as_arrays(data, role: str = "data") -> dict[str, np.ndarray] | None:
+def as_arrays(data: object, role: str = "data") -> dict[str, np.ndarray] | None:
     """`(x, y)` or a dict of arrays as a dict of numpy arrays checked to share their first axis; None otherwise."""
     if isinstance(data, tuple) and len(data) == 2 and all(hasattr(a, "shape") for a in data):
         data = {"x": data[0], "y": data[1]}
@@ -44,7 +44,7 @@ class ArrayBatches:
 
     def __init__(
         self, arrays: dict[str, np.ndarray], batch_size: int, seed: int = 0, start: int = 0, stop: int = 1 << 40
-    ):
+    ) -> None:
         self.arrays, self.batch_size, self.seed, self.start, self.stop = arrays, batch_size, seed, start, stop
         self.num_examples = len(next(iter(arrays.values())))
         if batch_size > self.num_examples:
@@ -55,11 +55,22 @@ class ArrayBatches:
     def __len__(self) -> int:
         return self.stop - self.start
 
-    def __getitem__(self, i: int) -> dict:
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         return self.batch(self.start + int(i))
 
     def __repr__(self) -> str:
         return f"ArrayBatches({self.num_examples} examples, batch {self.batch_size}, start={self.start})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Grain's worker processes receive the source pickled; the per-instance cache (which wraps a bound method)
+        # cannot be pickled, so it is left out and rebuilt, empty, on the other side.
+        state = self.__dict__.copy()
+        del state["_permutation"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._permutation = functools.lru_cache(maxsize=2)(self._permutation_uncached)
 
     def permutation(self, epoch: int) -> np.ndarray:
         return self._permutation(epoch)
@@ -67,12 +78,12 @@ class ArrayBatches:
     def _permutation_uncached(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, 0, epoch]).permutation(self.num_examples)
 
-    def batch(self, step: int) -> dict:
+    def batch(self, step: int) -> dict[str, np.ndarray]:
         epoch, j = divmod(step, self.steps_per_epoch)
         idx = np.sort(self.permutation(epoch)[j * self.batch_size : (j + 1) * self.batch_size])
         return {k: v[idx] for k, v in self.arrays.items()}
 
-    def state(self, next_step: int) -> dict:
+    def state(self, next_step: int) -> dict[str, Any]:
         return {
             "next_step": int(next_step),
             "kind": "arrays",
@@ -85,11 +96,11 @@ class ArrayBatches:
 class IterableBatches:
     """Batches from any iterable, in order; the state is the number of batches consumed."""
 
-    def __init__(self, iterable: Iterable[dict]):
+    def __init__(self, iterable: Iterable[dict[str, Any]]) -> None:
         self.iterable = iterable
-        self._first: dict | None = None
+        self._first: dict[str, Any] | None = None
 
-    def example(self) -> dict:
+    def example(self) -> dict[str, Any]:
         if self._first is None:
             if iter(self.iterable) is self.iterable:
                 raise DataError(
@@ -102,63 +113,70 @@ class IterableBatches:
                 raise DataError("data: the iterable yields no batches") from None
         return self._first
 
-    def iterator(self, start: int, stop: int) -> Iterator[dict]:
+    def iterator(self, start: int, stop: int) -> Iterator[dict[str, Any]]:
         return itertools.islice(iter(self.iterable), start, stop)
 
-    def state(self, next_step: int) -> dict:
+    def state(self, next_step: int) -> dict[str, Any]:
         return {"next_step": int(next_step), "kind": "iterable"}
 
 
 class DatasetBatches:
     """A jaxnn data set through the host pipeline (`TrainBatches`, Grain workers or inline)."""
 
-    def __init__(self, data: ImageDataset | TextCorpus, pipeline: PipelineConfig):
+    def __init__(self, data: ImageDataset | TextCorpus, pipeline: PipelineConfig) -> None:
         self.data, self.pipeline = data, pipeline
         self._source = TrainBatches(data, pipeline)
-        if not self._source.is_text and pipeline.batch_size > len(data.x_train):
+        if isinstance(data, ImageDataset) and pipeline.batch_size > len(data.x_train):
             raise DataError(
                 f"batch size {pipeline.batch_size} is larger than the {len(data.x_train)} training "
                 f"examples of {data.name}"
             )
 
-    def example(self) -> dict:
+    def example(self) -> dict[str, np.ndarray]:
         return self._source.batch(0)
 
-    def iterator(self, start: int, stop: int) -> Iterator[dict]:
+    def iterator(self, start: int, stop: int) -> Iterator[dict[str, np.ndarray]]:
         return host_iterator(TrainBatches(self.data, self.pipeline, start, stop), self.pipeline)
 
-    def state(self, next_step: int) -> dict:
+    def state(self, next_step: int) -> dict[str, Any]:
         return iterator_state(next_step, self._source)
 
 
 class ArraySource:
     """`ArrayBatches` behind the same interface as the other sources."""
 
-    def __init__(self, arrays: dict[str, np.ndarray], pipeline: PipelineConfig):
+    def __init__(self, arrays: dict[str, np.ndarray], pipeline: PipelineConfig) -> None:
         self.pipeline = pipeline
         self._batches = ArrayBatches(arrays, pipeline.batch_size, pipeline.seed)
 
-    def example(self) -> dict:
+    def example(self) -> dict[str, np.ndarray]:
         return self._batches.batch(0)
 
-    def iterator(self, start: int, stop: int) -> Iterator[dict]:
+    def iterator(self, start: int, stop: int) -> Iterator[dict[str, np.ndarray]]:
         b = self._batches
         return host_iterator(ArrayBatches(b.arrays, b.batch_size, b.seed, start, stop), self.pipeline)
 
-    def state(self, next_step: int) -> dict:
+    def state(self, next_step: int) -> dict[str, Any]:
         return self._batches.state(next_step)
 
 
-def as_train_source(data, pipeline: PipelineConfig | None, batch_size: int | None, seed: int):
+def _default_pipeline(pipeline: PipelineConfig | None, batch_size: int | None, seed: int) -> PipelineConfig:
+    if pipeline is not None:
+        return pipeline
+    if batch_size is None:
+        raise DataError("data: arrays and data sets need a batch_size")
+    return PipelineConfig(batch_size=batch_size, seed=seed, backend="inline")
+
+
+def as_train_source(
+    data: object, pipeline: PipelineConfig | None, batch_size: int | None, seed: int
+) -> DatasetBatches | ArraySource | IterableBatches:
     """The source for `data` (see the module docstring); bad data raises DataError before anything runs."""
-    if isinstance(data, (ImageDataset, TextCorpus)) or as_arrays(data, "data") is not None:
-        if pipeline is None:
-            if batch_size is None:
-                raise DataError("data: arrays and data sets need a batch_size")
-            pipeline = PipelineConfig(batch_size=batch_size, seed=seed, backend="inline")
-        if isinstance(data, (ImageDataset, TextCorpus)):
-            return DatasetBatches(data, pipeline)
-        return ArraySource(as_arrays(data, "data"), pipeline)
+    if isinstance(data, (ImageDataset, TextCorpus)):
+        return DatasetBatches(data, _default_pipeline(pipeline, batch_size, seed))
+    arrays = as_arrays(data, "data")
+    if arrays is not None:
+        return ArraySource(arrays, _default_pipeline(pipeline, batch_size, seed))
     if isinstance(data, (str, bytes)) or not hasattr(data, "__iter__"):
         raise DataError(
             f"data: expected (x, y) arrays, a dict of arrays, a jaxnn data set or an iterable of batch "
@@ -167,7 +185,7 @@ def as_train_source(data, pipeline: PipelineConfig | None, batch_size: int | Non
     return IterableBatches(data)
 
 
-def as_eval_batches(data, batch_size: int, *, seq_len: int = 128, seed: int = 0) -> list[dict] | None:
+def as_eval_batches(data: object, batch_size: int, *, seq_len: int = 128, seed: int = 0) -> list[dict[str, Any]] | None:
     """Evaluation batches of `batch_size` rows: arrays padded with `mask` 0, data sets' test splits, or as given."""
     if data is None:
         return None
