@@ -19,11 +19,12 @@ import shutil
 import signal
 import threading
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
+from jaxnn.pytree import path_name
 from jaxnn.rundir import StorageError, quiet_storage_noise, storage_error
 
 log = logging.getLogger(__name__)
@@ -119,7 +120,13 @@ class Checkpointer:
         self.wait()
         self._check_space(step, state)
         ocp = self._ocp
-        meta = {"step": int(step), "config": config, "data": data_state, "digest": state_digest(state)}
+        meta = {
+            "step": int(step),
+            "config": config,
+            "data": data_state,
+            "digest": state_digest(state),
+            "digests": _part_digests(state),
+        }
         args = ocp.args.Composite(state=ocp.args.StandardSave(to_saveable(state)), meta=ocp.args.JsonSave(meta))
         # orbax writes in the background: the previous save was waited for above, so that its errors are
         # reported against its own step (orbax's save would wait for it anyway).
@@ -257,9 +264,96 @@ class Checkpointer:
         raise CheckpointError(f"{self.directory}: no readable checkpoint ({'; '.join(problems)})")
 
 
-def _dotted(path) -> str:
+def _dotted(path: Any) -> str:
     """A pytree path as orbax names the array it saves for it (`opt_state.1.0.mu.1_dense.w`)."""
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+    return path_name(path)
+
+
+# The parts of a train state that `load_params` reads back alone, each with its own digest.
+REUSABLE_PARTS = ("params", "model_state")
+
+
+def _part_digests(state: Any) -> dict[str, str]:
+    return {part: state_digest(getattr(state, part)) for part in REUSABLE_PARTS if hasattr(state, part)}
+
+
+class LoadedParams(NamedTuple):
+    params: Any  # nested dicts of jax arrays, as the model's init made them
+    model_state: Any  # e.g. BatchNorm statistics; {} when the model has none
+    step: int
+    config: dict  # the run's config as saved with the checkpoint (model config included)
+    directory: pathlib.Path
+
+
+def checkpoint_dir(path: str | os.PathLike[str]) -> pathlib.Path:
+    """The checkpoint directory for a run directory (its `ckpt/`), a checkpoint directory, or one step folder."""
+    path = pathlib.Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such run or checkpoint directory")
+    if (path / "ckpt").is_dir():
+        return path / "ckpt"
+    return path.parent if path.name.isdigit() and (path / "state").is_dir() else path
+
+
+def load_params(path: str | os.PathLike[str], *, step: int | None = None) -> LoadedParams:
+    """The parameters and model state of a jaxnn checkpoint, without its optimizer state, config or a template.
+
+    `path` is a run directory, its checkpoint directory or one step's folder; without `step` (or a step folder)
+    the newest checkpoint whose parameters read back and match their saved digest is used; damaged ones are
+    reported and skipped, never changed. Arrays come back on the first local device.
+    """
+    import orbax.checkpoint as ocp
+
+    path = pathlib.Path(path)
+    directory = checkpoint_dir(path)
+    if step is None and path.name.isdigit() and (path / "state").is_dir():
+        step = int(path.name)
+    steps = (
+        [step]
+        if step is not None
+        else sorted((int(p.name) for p in directory.iterdir() if p.name.isdigit()), reverse=True)
+    )
+    if not steps:
+        raise CheckpointError(f"{directory}: holds no checkpoint")
+    problems = []
+    with ocp.CheckpointManager(directory.absolute()) as manager:
+        for s in steps:
+            try:
+                return _load_parts(manager, directory, s)
+            except Exception as err:  # noqa: BLE001 - damaged files raise many types; the next step may be good
+                problems.append(f"step {s}: {type(err).__name__}: {str(err).strip().splitlines()[0][:200]}")
+                log.warning("checkpoint %s: %s; trying the previous one", directory / str(s), problems[-1])
+    raise CheckpointError(f"{directory}: no readable parameters ({'; '.join(problems)})")
+
+
+def _load_parts(manager: Any, directory: pathlib.Path, step: int) -> LoadedParams:
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    saved = ocp.StandardCheckpointHandler().metadata(epath.Path(directory.absolute() / str(step) / "state"))
+    saved = getattr(saved, "tree", saved)
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    is_array = lambda x: hasattr(x, "shape") and hasattr(x, "dtype")  # noqa: E731
+    target = {
+        part: jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved[part], is_leaf=is_array
+        )
+        for part in REUSABLE_PARTS
+        if part in saved
+    }
+    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+    restored = manager.restore(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
+        ),
+    )["state"]
+    parts = {part: restored.get(part, {}) for part in REUSABLE_PARTS}
+    for part, digest in meta.get("digests", {}).items():
+        if part in parts and state_digest(parts[part]) != digest:
+            raise CheckpointError(f"its {part} do not match their saved digest (corrupted)")
+    return LoadedParams(parts["params"], parts["model_state"], step, meta.get("config", {}), directory)
 
 
 class StopSignal:

@@ -69,6 +69,8 @@ def fit(
     mesh: Mesh | None = None,
     pipeline: PipelineConfig | None = None,
     config: dict | None = None,
+    params: Any = None,
+    model_state: Any = None,
     **settings: Any,
 ) -> FitResult:
     """Trains `model` on `data` and returns `FitResult(state, history, summary)`.
@@ -83,6 +85,8 @@ def fit(
       processes in a multi-process run). pipeline: a `PipelineConfig` for jaxnn data sets (workers, augmentation).
     config: JSON-able facts about the run (model and optimizer settings) saved in config.json and the
       checkpoints; a resume with different facts is refused, naming them.
+    params, model_state: start from these (e.g. `jaxnn.finetune.load_into` of a trained model's) instead of the
+      model's initialisation; they must have the shapes the model's init gives, and their digest joins the record.
     settings: the fields of `jaxnn.config.FitConfig` (steps, batch_size, precision, run_dir, resume, ...).
     """
     cfg = FitConfig.from_settings(settings)
@@ -96,11 +100,10 @@ def fit(
     tx = optimizer if optimizer is not None else make_optimizer(1e-3, total_steps=cfg.steps)
     mesh = mesh if mesh is not None else make_mesh(None if jax.process_count() > 1 else _devices(cfg.devices))
     check_batch_divisible(batch_size, mesh)
-    state = create_sharded_state(
-        lambda: create_train_state(model, tx, jax.random.key(cfg.seed), example["x"].shape, cfg.precision), mesh
-    )
+    start_from = _starting_point(model, example["x"].shape, params, model_state)
+    state = create_sharded_state(lambda: _initial_state(model, tx, cfg, example["x"].shape, params, model_state), mesh)
     _check_step_runs(model, loss, tx, cfg.precision, state, example)
-    record = _json_record({**cfg.record(), **(config or {}), **_model_record(state.params)})
+    record = _json_record({**cfg.record(), **(config or {}), **_model_record(state.params), **start_from})
 
     files = RunFiles(cfg, record, is_main=jax.process_index() == 0)
     files.open()  # the run dir is checked and locked here; nothing was written before
@@ -171,6 +174,43 @@ def _batch_size(batch: dict) -> int:
             f"{type(batch).__name__}{' with keys ' + str(sorted(batch)) if isinstance(batch, dict) else ''}"
         )
     return int(np.shape(batch["x"])[0])
+
+
+def _starting_point(model: Layer, in_shape: Any, params: Any, model_state: Any) -> dict:
+    """Checks given starting params/state against the model's own; their digest for the run's record."""
+    if params is None and model_state is None:
+        return {}
+    from jaxnn.layers.core import init_model
+    from jaxnn.pytree import shapes
+
+    _, init_params, init_state = jax.eval_shape(lambda k: init_model(model, k, in_shape), jax.random.key(0))
+    record = {}
+    for part, given, own in (("params", params, init_params), ("model_state", model_state, init_state)):
+        if given is None:
+            continue
+        theirs, ours = shapes(given), shapes(own)
+        diffs = [
+            f"{n}: given {theirs.get(n, '-')}, model {ours.get(n, '-')}"
+            for n in sorted(set(theirs) | set(ours))
+            if theirs.get(n) != ours.get(n)
+        ]
+        if diffs:
+            raise ConfigError(
+                f"fit: the {part} given do not fit the model ({len(diffs)} differ: "
+                f"{'; '.join(diffs[:4])}{'; ...' if len(diffs) > 4 else ''})"
+            )
+        record[f"initial_{part}"] = state_digest(given)[:16]
+    return record
+
+
+def _initial_state(model: Layer, tx: Any, cfg: FitConfig, in_shape: Any, params: Any, model_state: Any) -> Any:
+    state = create_train_state(model, tx, jax.random.key(cfg.seed), in_shape, cfg.precision)
+    if params is not None:
+        params = get_policy(cfg.precision).cast_to_param(params)
+        state = state._replace(params=params, opt_state=tx.init(params))
+    if model_state is not None:
+        state = state._replace(model_state=model_state)
+    return state
 
 
 def _check_step_runs(model, loss, tx, precision, state, example) -> None:
