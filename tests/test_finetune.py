@@ -1,12 +1,12 @@
 """Reuse: parameters of a `jaxnn train` checkpoint loaded alone, partly loaded into a new model by path patterns,
 some frozen, and trained on with another optimizer through `jaxnn.fit`."""
 
+import custom_model
 import jax
 import numpy as np
 import optax
 import pytest
 
-import custom_model
 from jaxnn import cli, fit
 from jaxnn import layers as L
 from jaxnn.checkpoint import CheckpointError, load_params
