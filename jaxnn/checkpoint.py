@@ -77,10 +77,18 @@ class Checkpointer:
     """Saves every `save_every` steps (and when forced), keeps the newest `keep`, restores the newest good one.
 
     `ignore` names config fields allowed to differ on restore (paths, logging cadence, device count).
+    `async_save`: orbax writes in background threads while training goes on (the default), or `save` returns
+    only once the checkpoint is on disk.
     """
 
     def __init__(
-        self, directory: str | os.PathLike[str], *, keep: int = 3, save_every: int = 0, ignore: Iterable[str] = ()
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        keep: int = 3,
+        save_every: int = 0,
+        ignore: Iterable[str] = (),
+        async_save: bool = True,
     ):
         import orbax.checkpoint as ocp
 
@@ -92,7 +100,9 @@ class Checkpointer:
         self._ocp = ocp
         self._manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True),
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep, create=True, cleanup_tmp_directories=True, enable_async_checkpointing=async_save
+            ),
         )
         self._in_flight: int | None = None
         self._closed = False

@@ -53,6 +53,7 @@ class FitConfig:
     form: (run) data-parallel form, "jit" or "shard_map" (see jaxnn.parallel).
     prefetch: (run) batches placed on the devices ahead of the step.
     guard_nonfinite: (run) stop at the first NaN/Inf loss (fp16: report long runs of skipped steps instead).
+    async_checkpoints: (run) write checkpoints in the background while training goes on (orbax's async save).
     name: (run) label for the progress bar and summary.
     """
 
@@ -75,6 +76,7 @@ class FitConfig:
     form: str = "jit"
     prefetch: int = 2
     guard_nonfinite: bool = True
+    async_checkpoints: bool = True
     name: str = "fit"
 
     RUN_ONLY = (
@@ -93,6 +95,7 @@ class FitConfig:
         "form",
         "prefetch",
         "guard_nonfinite",
+        "async_checkpoints",
         "name",
     )
 

@@ -115,7 +115,11 @@ def fit(
 
 def _train(model, loss, tx, cfg, source, evals, mesh, state, record, files, callbacks) -> FitResult:
     dp = data_parallel_train_step(model, loss, tx, cfg.precision, mesh=mesh, form=cfg.form)
-    ckpt = Checkpointer(files.ckpt_dir, keep=cfg.keep, save_every=cfg.ckpt_every) if files.ckpt_dir else None
+    ckpt = (
+        Checkpointer(files.ckpt_dir, keep=cfg.keep, save_every=cfg.ckpt_every, async_save=cfg.async_checkpoints)
+        if files.ckpt_dir
+        else None
+    )
     state, start = _restore(ckpt, state, record, source, cfg, files)
     if start >= cfg.steps:
         return _already_finished(ckpt, state, start, files)

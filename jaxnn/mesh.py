@@ -76,19 +76,20 @@ def check_batch_divisible(global_batch: int, mesh: Mesh) -> None:
         raise ValueError(f"batch size {global_batch} is not divisible by the {n} devices of the data axis")
 
 
-def _leading_size(batch) -> int:
-    sizes = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
-    if len(sizes) != 1 or None in sizes:
+def _leading_size(batch: Any) -> int:
+    sizes: set[int | None] = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
+    size = next(iter(sizes)) if len(sizes) == 1 else None
+    if size is None:
         raise ValueError(
             f"batch leaves must share one leading (batch) axis, got leading sizes {sorted(map(str, sizes))}"
         )
-    return sizes.pop()
+    return size
 
 
 # --------------------------------------------------------------------------------------------------- placement
 
 
-def shard_batch(batch, mesh: Mesh):
+def shard_batch(batch: Any, mesh: Mesh) -> Any:
     """Places this process's part of a global batch straight onto the `data` sharding of `mesh`.
 
     With one process `batch` is the whole global batch; with several, each passes its own equal slice (the
@@ -101,11 +102,11 @@ def shard_batch(batch, mesh: Mesh):
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch)
 
 
-def _is_key(x) -> bool:
+def _is_key(x: Any) -> bool:
     return jnp.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key)
 
 
-def _put_leaf(x, sharding):
+def _put_leaf(x: Any, sharding: NamedSharding) -> Any:
     if _is_key(x):
         data = _put_leaf(jax.random.key_data(x), sharding)
         return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
@@ -114,7 +115,7 @@ def _put_leaf(x, sharding):
     return jax.device_put(x, sharding)
 
 
-def replicate(tree, mesh: Mesh):
+def replicate(tree: Any, mesh: Mesh) -> Any:
     """Copies `tree` (every process passing the same values) onto every device of `mesh`."""
     sharding = replicated(mesh)
     return jax.tree.map(lambda x: _put_leaf(x, sharding), tree)
@@ -165,8 +166,10 @@ def initialize_distributed(
             f"num_processes and process_id, by flag or {ENV_COORDINATOR}/{ENV_NUM_PROCESSES}/"
             f"{ENV_PROCESS_ID}, or none of them for cluster auto-detection)"
         )
-    if num_processes is not None and not 0 <= process_id < num_processes:
-        raise ValueError(f"initialize_distributed: process_id {process_id} is not in [0, {num_processes})")
+    if num_processes is not None:
+        assert process_id is not None  # given num_processes, the check above made process_id given too
+        if not 0 <= process_id < num_processes:
+            raise ValueError(f"initialize_distributed: process_id {process_id} is not in [0, {num_processes})")
     # CPU processes exchange data through gloo (over TCP); GPUs and TPUs ignore this setting.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
@@ -208,7 +211,11 @@ def process_slice(global_batch_size: int, mesh: Mesh) -> slice:
     """The rows of each global batch that this process loads: the rows its devices hold under `shard_batch`."""
     check_batch_divisible(global_batch_size, mesh)
     index_map = batch_sharding(mesh).addressable_devices_indices_map((global_batch_size,))
-    starts, stops = zip(*((idx[0].start or 0, idx[0].stop or global_batch_size) for idx in index_map.values()))
+    starts, stops = [], []
+    for idx in index_map.values():
+        assert idx is not None  # a NamedSharding gives every device an index
+        starts.append(idx[0].start or 0)
+        stops.append(idx[0].stop or global_batch_size)
     rows = slice(min(starts), max(stops))
     if (rows.stop - rows.start) * jax.process_count() != global_batch_size:
         raise ValueError(

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -44,14 +45,15 @@ from jaxnn.mesh import (
     replicated,
     shard_batch,
 )
-from jaxnn.train import LossFn, TrainState, train_step_fn
+from jaxnn.precision import Policy
+from jaxnn.train import Batch, LossFn, Metrics, StepFn, TrainState, train_step_fn
 
 log = logging.getLogger(__name__)
 
 FORMS = ("jit", "shard_map", "pmap")
 
 
-def _stack_for_pmap(tree, mesh: Mesh):
+def _stack_for_pmap(tree: Any, mesh: Mesh) -> Any:
     # pmap (a shard_map over a 1-D mesh of these devices) reads this layout without moving anything.
     n = mesh.shape[DATA_AXIS]
     sharding = batch_sharding(mesh)
@@ -64,7 +66,7 @@ def _stack_for_pmap(tree, mesh: Mesh):
     return jax.tree.map(stack, tree)
 
 
-def _split_for_pmap(batch, mesh: Mesh):
+def _split_for_pmap(batch: Any, mesh: Mesh) -> Any:
     n = mesh.shape[DATA_AXIS]
     check_batch_divisible(_leading_size(batch), mesh)
     sharding = batch_sharding(mesh)
@@ -97,11 +99,11 @@ def _check_form(form: str) -> None:
         raise ValueError(f"unknown data-parallel form {form!r}; choose one of {FORMS}")
 
 
-def _is_float(x) -> bool:
+def _is_float(x: Any) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
 
-def _pmean_floats(tree, axis_name: str):
+def _pmean_floats(tree: Any, axis_name: str) -> Any:
     return jax.tree.map(lambda x: lax.pmean(x, axis_name) if _is_float(x) else x, tree)
 
 
@@ -136,7 +138,13 @@ def _share_of_global_mean(loss_fn: LossFn, axis_name: str) -> LossFn:
     return loss
 
 
-def per_device_step_fn(model: Layer, loss_fn: LossFn, tx, policy="fp32", axis_name: str = DATA_AXIS):
+def per_device_step_fn(
+    model: Layer,
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    policy: Policy | str = "fp32",
+    axis_name: str = DATA_AXIS,
+) -> StepFn:
     """The step one device runs inside `shard_map`/`pmap` over `axis_name`: `(state, local_batch) -> (state, metrics)`.
 
     The gradient is the explicit average over devices of each device's gradient of its local mean loss. It is
@@ -149,7 +157,7 @@ def per_device_step_fn(model: Layer, loss_fn: LossFn, tx, policy="fp32", axis_na
     """
     step = train_step_fn(_grads_summed_over(model, axis_name), _share_of_global_mean(loss_fn, axis_name), tx, policy)
 
-    def per_device(state: TrainState, batch):
+    def per_device(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         device_key = jax.random.fold_in(state.key, lax.axis_index(axis_name))
         new_state, metrics = step(state._replace(key=device_key), batch)
         new_state = new_state._replace(key=state.key, model_state=_pmean_floats(new_state.model_state, axis_name))
@@ -181,8 +189,8 @@ class DataParallelStep(NamedTuple):
 def data_parallel_train_step(
     model: Layer,
     loss_fn: LossFn,
-    tx,
-    policy="fp32",
+    tx: optax.GradientTransformation,
+    policy: Policy | str = "fp32",
     *,
     mesh: Mesh | None = None,
     form: str = "jit",
@@ -245,7 +253,7 @@ def data_parallel_train_step(
     return DataParallelStep(step, lambda s: replicate(s, mesh), lambda b: shard_batch(b, mesh), lambda s: s, mesh, form)
 
 
-def _check_pmap_batch(batch, mesh: Mesh) -> None:
+def _check_pmap_batch(batch: Any, mesh: Mesh) -> None:
     # A pmap batch carries the device axis in front: (devices, per-device batch, ...).
     n = mesh.shape[DATA_AXIS]
     if not all(np.ndim(x) >= 2 and np.shape(x)[0] == n for x in jax.tree.leaves(batch)):

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import DTypeLike
+
+Tree = TypeVar("Tree")  # a pytree of arrays; the casts below keep its structure and change leaf dtypes only
 
 # The float32 matmul precisions a policy can ask for, by name. "highest" is exact fp32; "tensorfloat32" lets GPUs
 # use TF32 tensor cores (a 10-bit mantissa); the CPU computes both exactly.
@@ -37,29 +40,29 @@ class Policy:
     loss_scaling: bool = False
     name: str = "fp32"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(
                 f"Policy: unknown matmul_precision {self.matmul_precision!r}; choose one of {sorted(MATMUL_PRECISIONS)}"
             )
 
-    def cast_to_compute(self, tree):
+    def cast_to_compute(self, tree: Tree) -> Tree:
         """Casts the floating-point leaves of `tree` to the compute dtype (integers, e.g. token ids, stay)."""
         return _cast_floats(tree, self.compute_dtype)
 
-    def cast_to_param(self, tree):
+    def cast_to_param(self, tree: Tree) -> Tree:
         return _cast_floats(tree, self.param_dtype)
 
-    def cast_to_output(self, tree):
+    def cast_to_output(self, tree: Tree) -> Tree:
         return _cast_floats(tree, self.output_dtype)
 
-    def dot_precision(self, dtype) -> lax.Precision | None:
+    def dot_precision(self, dtype: DTypeLike) -> lax.Precision | None:
         """The `precision=` argument for a product whose operands have `dtype`."""
         return MATMUL_PRECISIONS[self.matmul_precision] if jnp.dtype(dtype) == jnp.float32 else None
 
 
-def _cast_floats(tree, dtype):
-    def cast(x):
+def _cast_floats(tree: Tree, dtype: DTypeLike) -> Tree:
+    def cast(x: Any) -> Any:
         return x.astype(dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x
 
     return jax.tree.map(cast, tree)
@@ -84,12 +87,12 @@ def get_policy(policy: Policy | str | None) -> Policy:
     return PRESETS[policy]
 
 
-def accumulation_dtype(dtype) -> jnp.dtype:
+def accumulation_dtype(dtype: DTypeLike) -> jnp.dtype:
     """The dtype products, sums and statistics are computed in: float32, or wider if the input is (float64)."""
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def product_kwargs(x_dtype, policy: Policy | None) -> dict:
+def product_kwargs(x_dtype: DTypeLike, policy: Policy | None) -> dict[str, Any]:
     """Keyword arguments for lax products: fp32 (or wider) accumulation always, and the policy's fp32 precision."""
     policy = policy or FP32
     return {"precision": policy.dot_precision(x_dtype), "preferred_element_type": accumulation_dtype(x_dtype)}
@@ -111,10 +114,10 @@ class LossScale(NamedTuple):
     def create(cls, initial_scale: float = 2.0**15, period: int = 2000) -> LossScale:
         return cls(jnp.asarray(initial_scale, jnp.float32), jnp.zeros((), jnp.int32), jnp.asarray(period, jnp.int32))
 
-    def scale_loss(self, loss):
+    def scale_loss(self, loss: jax.Array) -> jax.Array:
         return loss * self.scale.astype(loss.dtype)
 
-    def unscale(self, grads):
+    def unscale(self, grads: Tree) -> Tree:
         return jax.tree.map(lambda g: g.astype(jnp.float32) / self.scale, grads)
 
     def adjust(self, grads_finite: jax.Array) -> LossScale:
@@ -125,7 +128,7 @@ class LossScale(NamedTuple):
         return LossScale(scale, good, self.period)
 
 
-def all_finite(tree) -> jax.Array:
+def all_finite(tree: Any) -> jax.Array:
     return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
@@ -137,7 +140,7 @@ def all_finite(tree) -> jax.Array:
 # the compute dtype instead, so that the backward products take the same bf16 x bf16 -> f32 form as the forward.
 
 
-def _is_half(dtype) -> bool:
+def _is_half(dtype: DTypeLike) -> bool:
     return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -184,7 +187,7 @@ def _half_einsum_bwd(spec, residuals, g):
 _half_einsum.defvjp(_half_einsum_fwd, _half_einsum_bwd)
 
 
-def einsum(spec: str, a, b, policy: Policy | None = None):
+def einsum(spec: str, a: jax.Array, b: jax.Array, policy: Policy | None = None) -> jax.Array:
     """A two-operand einsum (no ellipsis; every index in exactly two of the operands and output) that
     accumulates in float32 or wider; half-precision operands get half-precision gradient products too."""
     if _is_half(a.dtype) and a.dtype == b.dtype:
@@ -192,7 +195,7 @@ def einsum(spec: str, a, b, policy: Policy | None = None):
     return jnp.einsum(spec, a, b, **product_kwargs(a.dtype, policy))
 
 
-def conv(lhs, rhs, policy: Policy | None = None, **conv_kwargs):
+def conv(lhs: jax.Array, rhs: jax.Array, policy: Policy | None = None, **conv_kwargs: Any) -> jax.Array:
     """`lax.conv_general_dilated` accumulating in float32 or wider. For half-precision operands the backward
     convolutions take a half-precision cotangent (cuDNN accumulates those in float32; XLA's CPU convolution runs
     at the same rate in either form)."""

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 # Every timing warms up first (compilation and caches), waits for the result with `block_until_ready`, repeats,
 # and reports the median and the spread, because the machines these run on are shared and noisy. Rates are meant
@@ -32,7 +33,7 @@ class Timing:
     repeats: int
     number: int
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
@@ -100,15 +101,15 @@ class stepper:  # noqa: N801 (used like a function: `time_fn(stepper(step, state
 
     __slots__ = ("step_fn", "state", "batch")
 
-    def __init__(self, step_fn: Callable[[Any, Any], tuple[Any, Any]], state, batch):
+    def __init__(self, step_fn: Callable[[Any, Any], tuple[Any, Any]], state: Any, batch: Any) -> None:
         self.step_fn, self.state, self.batch = step_fn, state, batch
 
-    def __call__(self):
+    def __call__(self) -> Any:
         self.state, _ = self.step_fn(self.state, self.batch)
         return self.state
 
 
-def compiled_flops(jitted: Callable, *args) -> float | None:
+def compiled_flops(jitted: jax.stages.Wrapped, *args: Any) -> float | None:
     """FLOPs of one call of a jitted function, from XLA's cost analysis of the compiled program (None if absent)."""
     try:
         compiled = jitted.lower(*args).compile()
@@ -117,7 +118,7 @@ def compiled_flops(jitted: Callable, *args) -> float | None:
     return flops_of(compiled)
 
 
-def flops_of(compiled) -> float | None:
+def flops_of(compiled: jax.stages.Compiled) -> float | None:
     """FLOPs of one call of an already compiled (`jit(f).lower(...).compile()`) program, or None."""
     try:
         cost = compiled.cost_analysis()
@@ -133,7 +134,9 @@ def matmul_flops(m: int, k: int, n: int) -> float:
     return 2.0 * m * k * n
 
 
-def measure_matmul_peak(size: int = 2048, dtype=jnp.bfloat16, device=None, repeats: int = 5) -> dict:
+def measure_matmul_peak(
+    size: int = 2048, dtype: DTypeLike = jnp.bfloat16, device: jax.Device | None = None, repeats: int = 5
+) -> dict[str, Any]:
     """The achieved GFLOP/s of one large square matmul accumulated in float32 (the rate models are compared with)."""
     device = device or jax.devices()[0]
     key_a, key_b = jax.random.split(jax.random.key(0))

@@ -8,30 +8,42 @@ same dropout masks as an uninterrupted one.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from jaxnn.layers.core import Layer, init_model, run
+from jaxnn.layers.core import Layer, Params, PRNGKey, Shape, State, init_model, run
 from jaxnn.precision import LossScale, Policy, all_finite, get_policy
 
-LossFn = Callable[[jax.Array, dict], tuple[jax.Array, dict]]
+Batch: TypeAlias = dict[str, Any]  # "x" inputs, "y" targets, optionally "mask": arrays with a leading batch axis
+Metrics: TypeAlias = dict[str, jax.Array]
+LossFn: TypeAlias = Callable[[jax.Array, Batch], tuple[jax.Array, Metrics]]
 
 
 class TrainState(NamedTuple):
     """Everything a training run carries from step to step; a pytree, so it is jitted, sharded and saved whole."""
 
-    params: Any
-    model_state: Any  # e.g. BatchNorm running statistics; {} for stateless models
+    params: Params
+    model_state: State  # e.g. BatchNorm running statistics; {} for stateless models
     opt_state: optax.OptState
     step: jax.Array
     key: jax.Array  # raw uint32 key data (`jax.random.key_data`), not a typed key: see create_train_state
     loss_scale: LossScale | None  # fp16's dynamic loss scale; None for policies that need none
 
 
-def create_train_state(model: Layer, tx: optax.GradientTransformation, key, in_shape, policy="fp32") -> TrainState:
+# A train step `(state, batch) -> (state, metrics)`, as train_step_fn returns it (jitted, it is a jax.stages.Wrapped).
+StepFn: TypeAlias = Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
+
+
+def create_train_state(
+    model: Layer,
+    tx: optax.GradientTransformation,
+    key: PRNGKey,
+    in_shape: Shape,
+    policy: Policy | str = "fp32",
+) -> TrainState:
     """Initialises parameters (in the policy's parameter dtype), model state and optimizer state."""
     policy = get_policy(policy)
     init_key, train_key = jax.random.split(key)
@@ -49,7 +61,7 @@ def create_train_state(model: Layer, tx: optax.GradientTransformation, key, in_s
     return TrainState(params, model_state, tx.init(params), jnp.zeros((), jnp.int32), train_key, loss_scale)
 
 
-def classification_loss(logits, batch) -> tuple[jax.Array, dict]:
+def classification_loss(logits: jax.Array, batch: Batch) -> tuple[jax.Array, Metrics]:
     """Mean softmax cross-entropy against integer labels `batch["y"]`, with accuracy as a metric."""
     labels = batch["y"]
     loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
@@ -57,7 +69,7 @@ def classification_loss(logits, batch) -> tuple[jax.Array, dict]:
     return loss, {"accuracy": accuracy}
 
 
-def masked_classification_loss(logits, batch) -> tuple[jax.Array, dict]:
+def masked_classification_loss(logits: jax.Array, batch: Batch) -> tuple[jax.Array, Metrics]:
     """Softmax cross-entropy and accuracy over the rows whose `batch["mask"]` is 1 (all rows without a mask).
 
     Padding rows (mask 0, e.g. an epoch's or the test set's last partial batch) count for nothing; `count` in the
@@ -72,24 +84,24 @@ def masked_classification_loss(logits, batch) -> tuple[jax.Array, dict]:
     return (per_example * mask).sum() / count, {"accuracy": (correct * mask).sum() / count, "count": mask.sum()}
 
 
-def language_model_loss(logits_BTV, batch) -> tuple[jax.Array, dict]:
+def language_model_loss(logits_BTV: jax.Array, batch: Batch) -> tuple[jax.Array, Metrics]:
     """Next-token cross-entropy: `batch["y"]` holds the inputs shifted by one; reports bits per byte too."""
     loss = optax.softmax_cross_entropy_with_integer_labels(logits_BTV.astype(jnp.float32), batch["y"]).mean()
     return loss, {"bits_per_token": loss / jnp.log(2.0)}
 
 
-def lm_loss(logits_BTV, batch) -> tuple[jax.Array, dict]:
+def lm_loss(logits_BTV: jax.Array, batch: Batch) -> tuple[jax.Array, Metrics]:
     """`language_model_loss` with `count` (the sequences in the batch) for evaluation's weighting."""
     loss, metrics = language_model_loss(logits_BTV, batch)
     return loss, {**metrics, "count": jnp.asarray(batch["y"].shape[0], jnp.float32)}
 
 
-def weight_decay_mask(params):
+def weight_decay_mask(params: Params) -> Any:
     """True for kernels (leaves named "w"), False for biases, norm scales and embedding tables."""
     return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], "key", None) == "w", params)
 
 
-def make_schedule(learning_rate: float = 1e-3, *, total_steps: int = 1000, warmup_steps: int = 0):
+def make_schedule(learning_rate: float = 1e-3, *, total_steps: int = 1000, warmup_steps: int = 0) -> optax.Schedule:
     """Linear warm-up from 0 to `learning_rate` over `warmup_steps`, then cosine decay to 0 at `total_steps`."""
     if not learning_rate > 0:
         raise ValueError(f"learning_rate must be positive, got {learning_rate!r}")
@@ -114,7 +126,16 @@ def make_optimizer(
     return optax.chain(optax.clip_by_global_norm(clip_norm), adamw) if clip_norm else adamw
 
 
-def _forward(model, policy, params, model_state, batch, *, key, train):
+def _forward(
+    model: Layer,
+    policy: Policy,
+    params: Params,
+    model_state: State,
+    batch: Batch,
+    *,
+    key: PRNGKey | None,
+    train: bool,
+) -> tuple[Any, State]:
     logits, model_state = run(
         model,
         policy.cast_to_compute(params),
@@ -128,32 +149,39 @@ def _forward(model, policy, params, model_state, batch, *, key, train):
 
 
 def train_step_fn(
-    model: Layer, loss_fn: LossFn, tx: optax.GradientTransformation, policy="fp32", *, grad_norm: bool = True
-):
+    model: Layer,
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    policy: Policy | str = "fp32",
+    *,
+    grad_norm: bool = True,
+) -> StepFn:
     """The un-jitted pure step `(state, batch) -> (state, metrics)`; jit it, scan it, or shard_map it.
 
     Metrics: the loss, what `loss_fn` returns besides it, and (unless `grad_norm=False`) the global gradient
     norm, which costs a reduction over every gradient and one more output: with the accuracy, ~11% of the
     benchmark MLP's step and ~27% of a tiny model's (docs/performance.md, "What the metrics cost").
     """
-    policy: Policy = get_policy(policy)
+    policy = get_policy(policy)
 
-    def step(state: TrainState, batch) -> tuple[TrainState, dict]:
+    def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         key = jax.random.fold_in(state.key, state.step)
+        # The state's loss scale when the policy scales the loss (None otherwise, even if the state has one).
+        scale = _loss_scale_of(state, policy) if policy.loss_scaling else None
 
-        def scaled_loss(params):
+        def scaled_loss(params: Params) -> tuple[jax.Array, tuple[jax.Array, Metrics, State]]:
             logits, model_state = _forward(model, policy, params, state.model_state, batch, key=key, train=True)
             loss, metrics = loss_fn(logits, batch)
-            scaled = state.loss_scale.scale_loss(loss) if policy.loss_scaling else loss
+            scaled = scale.scale_loss(loss) if scale is not None else loss
             return scaled, (loss, metrics, model_state)
 
         grads, (loss, metrics, model_state) = jax.grad(scaled_loss, has_aux=True)(state.params)
-        if policy.loss_scaling:  # without it, skip the multiply and divide: small models pay for every op
-            grads = state.loss_scale.unscale(grads)
+        if scale is not None:  # without it, skip the multiply and divide: small models pay for every op
+            grads = scale.unscale(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         loss_scale = state.loss_scale
-        if policy.loss_scaling:
+        if scale is not None:
             # An overflowing fp16 step changes nothing but the scale (halved); the step counter still advances.
             finite = all_finite(grads)
 
@@ -163,7 +191,7 @@ def train_step_fn(
             params = keep_new(params, state.params)
             opt_state = keep_new(opt_state, state.opt_state)
             model_state = keep_new(model_state, state.model_state)
-            loss_scale = loss_scale.adjust(finite)
+            loss_scale = scale.adjust(finite)
             metrics = {**metrics, "grads_finite": finite, "loss_scale": loss_scale.scale}
         metrics = {**metrics, "loss": loss}
         if grad_norm:
@@ -173,16 +201,25 @@ def train_step_fn(
     return step
 
 
+def _loss_scale_of(state: TrainState, policy: Policy) -> LossScale:
+    if state.loss_scale is None:
+        raise ValueError(
+            f"policy {policy.name!r} scales the loss, but the TrainState has no loss_scale; "
+            "create the state with the policy it is trained with (create_train_state(..., policy))"
+        )
+    return state.loss_scale
+
+
 def make_train_step(
     model: Layer,
     loss_fn: LossFn,
     tx: optax.GradientTransformation,
-    policy="fp32",
+    policy: Policy | str = "fp32",
     *,
     donate: bool = True,
     grad_norm: bool = True,
-    **jit_kwargs,
-):
+    **jit_kwargs: Any,
+) -> jax.stages.Wrapped:
     """The jitted train step; the incoming state's buffers are donated (reused for the new state)."""
     step = train_step_fn(model, loss_fn, tx, policy, grad_norm=grad_norm)
     return jax.jit(step, donate_argnums=(0,) if donate else (), **jit_kwargs)
@@ -192,12 +229,12 @@ def make_multi_step(
     model: Layer,
     loss_fn: LossFn,
     tx: optax.GradientTransformation,
-    policy="fp32",
+    policy: Policy | str = "fp32",
     *,
     donate: bool = True,
     grad_norm: bool = True,
-    **jit_kwargs,
-):
+    **jit_kwargs: Any,
+) -> jax.stages.Wrapped:
     """K steps per call: `(state, batches) -> (state, metrics)` where every leaf of `batches` has a leading K axis.
 
     One dispatch runs K steps inside a `lax.scan`, which takes Python dispatch off the critical path for small
@@ -205,17 +242,19 @@ def make_multi_step(
     """
     step = train_step_fn(model, loss_fn, tx, policy, grad_norm=grad_norm)
 
-    def multi_step(state, batches):
+    def multi_step(state: TrainState, batches: Batch) -> tuple[TrainState, Metrics]:
         return jax.lax.scan(step, state, batches)
 
     return jax.jit(multi_step, donate_argnums=(0,) if donate else (), **jit_kwargs)
 
 
-def make_eval_step(model: Layer, loss_fn: LossFn, policy="fp32", **jit_kwargs):
+def make_eval_step(
+    model: Layer, loss_fn: LossFn, policy: Policy | str = "fp32", **jit_kwargs: Any
+) -> jax.stages.Wrapped:
     """The jitted eval step `(state, batch) -> metrics`: eval mode (no dropout, BatchNorm running statistics)."""
     policy = get_policy(policy)
 
-    def eval_step(state: TrainState, batch) -> dict:
+    def eval_step(state: TrainState, batch: Batch) -> Metrics:
         logits, _ = _forward(model, policy, state.params, state.model_state, batch, key=None, train=False)
         loss, metrics = loss_fn(logits, batch)
         return {**metrics, "loss": loss}
@@ -223,11 +262,11 @@ def make_eval_step(model: Layer, loss_fn: LossFn, policy="fp32", **jit_kwargs):
     return jax.jit(eval_step, **jit_kwargs)
 
 
-def make_predict(model: Layer, policy="fp32", **jit_kwargs):
+def make_predict(model: Layer, policy: Policy | str = "fp32", **jit_kwargs: Any) -> jax.stages.Wrapped:
     """The jitted inference function `(params, model_state, x) -> logits` in eval mode."""
     policy = get_policy(policy)
 
-    def predict(params, model_state, x):
+    def predict(params: Params, model_state: State, x: jax.Array) -> Any:
         return _forward(model, policy, params, model_state, {"x": x}, key=None, train=False)[0]
 
     return jax.jit(predict, **jit_kwargs)

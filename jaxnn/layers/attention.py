@@ -97,7 +97,9 @@ def MultiHeadAttention(
         if impl == "f32acc":
             o_BTNH = _attention_f32acc(q_BTNH, k_BTNH, v_BTNH, mask_B11S, causal, policy)
         else:
-            o_BTNH = jax.nn.dot_product_attention(
+            # jax's overloads take implementation as Literal["xla", "cudnn"] | None; impl is a str checked against
+            # IMPLEMENTATIONS at construction, so no overload matches the plain str.
+            o_BTNH = jax.nn.dot_product_attention(  # type: ignore[call-overload]
                 q_BTNH, k_BTNH, v_BTNH, mask=mask_B11S, is_causal=causal, implementation=impl
             )
         return Dense(D).apply(params["out"], o_BTNH.reshape(B, T, inner), policy=policy)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -12,13 +13,17 @@ from jax.nn import initializers
 
 from jaxnn import precision
 from jaxnn.layers.core import Layer, along_last_axis, check_positive, shape_error
+from jaxnn.precision import Policy
+
+# What lax takes as padding: "SAME", "VALID", or one (low, high) pair per spatial axis.
+Padding: TypeAlias = str | Sequence[tuple[int, int]]
 
 _DIMENSION_NUMBERS = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC")}
 PADDING_MODES = ("SAME", "VALID", "CAUSAL")
 LOWERINGS = ("auto", "xla", "im2col")
 
 
-def _as_tuple(value, rank: int, arg: str, layer: str) -> tuple[int, ...]:
+def _as_tuple(value: int | Sequence[int], rank: int, arg: str, layer: str) -> tuple[int, ...]:
     values = (value,) * rank if isinstance(value, int) else tuple(value)
     if len(values) != rank:
         raise ValueError(f"{layer}: {arg} needs {rank} values, got {value!r}")
@@ -26,7 +31,13 @@ def _as_tuple(value, rank: int, arg: str, layer: str) -> tuple[int, ...]:
     return values
 
 
-def _normalise_padding(padding, rank: int, kernel: tuple[int, ...], dilation: tuple[int, ...], layer: str):
+def _normalise_padding(
+    padding: str | int | Sequence[tuple[int, int]],
+    rank: int,
+    kernel: tuple[int, ...],
+    dilation: tuple[int, ...],
+    layer: str,
+) -> Padding:
     """Returns padding in the form lax accepts: "SAME", "VALID", or a list of (low, high) pairs."""
     if isinstance(padding, str):
         mode = padding.upper()
@@ -45,7 +56,7 @@ def _normalise_padding(padding, rank: int, kernel: tuple[int, ...], dilation: tu
     pairs = [tuple(p) for p in padding]
     if len(pairs) != rank or any(len(p) != 2 or min(p) < 0 for p in pairs):
         raise ValueError(f"{layer}: padding must be {rank} non-negative (low, high) pairs, got {padding!r}")
-    return pairs
+    return [(low, high) for low, high in pairs]
 
 
 def _explicit_pads(pad, in_spatial, kernel, strides, dilation):
@@ -55,7 +66,14 @@ def _explicit_pads(pad, in_spatial, kernel, strides, dilation):
     return list(lax.padtype_to_pads(in_spatial, dilated, strides, pad))
 
 
-def conv_im2col(x, w, strides, pad, dilation, policy=None):
+def conv_im2col(
+    x: jax.Array,
+    w: jax.Array,
+    strides: Sequence[int],
+    pad: Padding,
+    dilation: Sequence[int],
+    policy: Policy | None = None,
+) -> jax.Array:
     """A channels-last convolution (no feature groups) as one matmul: the kernel_size taps of the padded input
     are sliced out and concatenated along channels (im2col), then contracted with `w` reshaped to
     (taps * in_channels, features). Gives what `lax.conv_general_dilated` gives, up to summation order.
@@ -69,7 +87,9 @@ def conv_im2col(x, w, strides, pad, dilation, policy=None):
     return y.reshape(*patches.shape[:-1], w_flat.shape[1])
 
 
-def im2col_patches(x, kernel, strides, pad, dilation):
+def im2col_patches(
+    x: jax.Array, kernel: Sequence[int], strides: Sequence[int], pad: Padding, dilation: Sequence[int]
+) -> jax.Array:
     """The kernel taps of the padded input, concatenated along channels: (N, *out_spatial, taps * channels)."""
     spatial = x.shape[1:-1]
     pads = _explicit_pads(pad, spatial, kernel, strides, dilation)
@@ -94,13 +114,13 @@ def Conv(
     features: int,
     kernel_size: int | Sequence[int],
     *,
-    strides=1,
-    padding="SAME",
-    dilation=1,
+    strides: int | Sequence[int] = 1,
+    padding: str | int | Sequence[tuple[int, int]] = "SAME",
+    dilation: int | Sequence[int] = 1,
     feature_group_count: int = 1,
     use_bias: bool = True,
-    w_init=initializers.lecun_normal(),
-    b_init=initializers.zeros,
+    w_init: initializers.Initializer = initializers.lecun_normal(),
+    b_init: initializers.Initializer = initializers.zeros,
     lowering: str = "auto",
     name: str = "conv",
 ) -> Layer:

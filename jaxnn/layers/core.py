@@ -23,46 +23,85 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, TypeAlias
 
 import jax
 
-Shape = tuple[int, ...]
+from jaxnn.precision import Policy
+
+Shape: TypeAlias = tuple[int, ...]
+Params: TypeAlias = Any  # a pytree of arrays: nested dicts with stable names, e.g. {"0_conv": {"w": ..., "b": ...}}
+State: TypeAlias = Any  # a pytree of arrays a layer updates itself in training (BatchNorm statistics); {} if none
+PRNGKey: TypeAlias = jax.Array  # a typed key (`jax.random.key`) or raw key data
+
+
+class InitFn(Protocol):
+    """`init(key, in_shape) -> (out_shape, params)`: parameters for an input of `in_shape` (batch axis first)."""
+
+    def __call__(self, key: PRNGKey, in_shape: Shape, /) -> tuple[Shape, Params]: ...
+
+
+class ApplyFn(Protocol):
+    """`apply(params, x, *, key, train, state, policy) -> y`, or `(y, state)` for a stateful layer."""
+
+    def __call__(
+        self,
+        params: Params,
+        x: Any,
+        /,
+        *,
+        key: PRNGKey | None = ...,
+        train: bool = ...,
+        state: State = ...,
+        policy: Policy | None = ...,
+    ) -> Any: ...
+
+
+InitStateFn: TypeAlias = Callable[[Shape], State]
 
 
 class Layer(NamedTuple):
     """A neural-network layer as pure functions; see the module docstring for the calling convention."""
 
-    init: Callable[..., tuple[Shape, Any]]
-    apply: Callable[..., Any]
+    init: InitFn
+    apply: ApplyFn
     name: str
-    init_state: Callable[[Shape], Any] | None = None
-    children: tuple = ()  # a combinator's child layers in order; their params keys are "<index>_<name>"
+    init_state: InitStateFn | None = None
+    children: tuple[Layer, ...] = ()  # a combinator's child layers in order; params keys are "<index>_<name>"
 
     @property
     def stateful(self) -> bool:
         return self.init_state is not None
 
 
-def run(layer: Layer, params, x, *, state=None, key=None, train=False, policy=None):
+def run(
+    layer: Layer,
+    params: Params,
+    x: Any,
+    *,
+    state: State = None,
+    key: PRNGKey | None = None,
+    train: bool = False,
+    policy: Policy | None = None,
+) -> tuple[Any, State]:
     """Applies any layer and returns `(y, state)`, whether or not the layer is stateful."""
     if layer.stateful:
         return layer.apply(params, x, state=state, key=key, train=train, policy=policy)
     return layer.apply(params, x, key=key, train=train, policy=policy), state
 
 
-def init_model(layer: Layer, key, in_shape: Shape):
+def init_model(layer: Layer, key: PRNGKey, in_shape: Shape) -> tuple[Shape, Params, State]:
     """Returns `(out_shape, params, state)` for any layer; `state` is `{}` for stateless models."""
     out_shape, params = layer.init(key, tuple(in_shape))
-    state = layer.init_state(tuple(in_shape)) if layer.stateful else {}
+    state = layer.init_state(tuple(in_shape)) if layer.init_state is not None else {}
     return out_shape, params, state
 
 
 def output_shape(layer: Layer, in_shape: Shape) -> Shape:
     """The output shape of `layer` for `in_shape`, computed abstractly (no parameter memory is allocated)."""
-    shapes = []
+    shapes: list[Shape] = []
 
-    def init_only(key):
+    def init_only(key: PRNGKey) -> Params:
         out_shape, params = layer.init(key, tuple(in_shape))
         shapes.append(out_shape)
         return params
@@ -71,7 +110,7 @@ def output_shape(layer: Layer, in_shape: Shape) -> Shape:
     return shapes[0]
 
 
-def along_last_axis(v, ndim: int):
+def along_last_axis(v: jax.Array, ndim: int) -> jax.Array:
     """Reshapes a per-feature vector to broadcast explicitly against a rank-`ndim` array (no rank promotion)."""
     return v.reshape((1,) * (ndim - 1) + (-1,))
 
@@ -93,7 +132,7 @@ def _child_keys(layers: Sequence[Layer]) -> list[str]:
 
 
 # The init functions of the layers `parallel` built, held weakly: see `splits_input`.
-_PARALLEL_INITS: weakref.WeakSet = weakref.WeakSet()
+_PARALLEL_INITS: weakref.WeakSet[InitFn] = weakref.WeakSet()
 
 
 def splits_input(layer: Layer) -> bool:
@@ -102,11 +141,11 @@ def splits_input(layer: Layer) -> bool:
     return bool(layer.children) and layer.init in _PARALLEL_INITS
 
 
-def _fold(key, i):
+def _fold(key: PRNGKey | None, i: int) -> PRNGKey | None:
     return None if key is None else jax.random.fold_in(key, i)
 
 
-def Lambda(fn: Callable, name: str = "lambda", shape_fn: Callable[[Shape], Shape] | None = None) -> Layer:
+def Lambda(fn: Callable[[Any], Any], name: str = "lambda", shape_fn: Callable[[Shape], Shape] | None = None) -> Layer:
     """A parameter-free layer applying `fn(x)`; `shape_fn` maps the input shape (identity by default)."""
 
     def init(key, in_shape):
@@ -135,7 +174,7 @@ def serial(*layers: Layer, name: str = "serial") -> Layer:
     def init_state(in_shape):
         state, shape = {}, tuple(in_shape)
         for child_name, layer in zip(names, layers):
-            if layer.stateful:
+            if layer.init_state is not None:
                 state[child_name] = layer.init_state(shape)
             shape = output_shape(layer, shape)
         return state
@@ -173,7 +212,11 @@ def parallel(*layers: Layer, name: str = "parallel") -> Layer:
         return tuple(out_shapes), params
 
     def init_state(in_shapes):
-        return {n: layer.init_state(tuple(s)) for n, layer, s in zip(names, layers, in_shapes) if layer.stateful}
+        return {
+            n: layer.init_state(tuple(s))
+            for n, layer, s in zip(names, layers, in_shapes)
+            if layer.init_state is not None
+        }
 
     def apply(params, xs, *, state=None, key=None, train=False, policy=None):
         outs, new_state = [], {}

@@ -15,8 +15,8 @@ def Dense(
     features: int,
     *,
     use_bias: bool = True,
-    w_init=initializers.lecun_normal(),
-    b_init=initializers.zeros,
+    w_init: initializers.Initializer = initializers.lecun_normal(),
+    b_init: initializers.Initializer = initializers.zeros,
     name: str = "dense",
 ) -> Layer:
     """Affine map over the last axis: `y = x @ w + b`, `w` of shape (in, features), accumulated in float32."""

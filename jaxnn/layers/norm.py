@@ -73,7 +73,7 @@ def BatchNorm(
         channels = in_shape[-1]
         return {"mean": jnp.zeros((channels,), jnp.float32), "var": jnp.ones((channels,), jnp.float32)}
 
-    def apply(params, x, *, state, train=False, **_):
+    def apply(params, x, *, state=None, train=False, **_):
         if state is None:
             raise ValueError(f"{name}: apply needs state= (from init_state or the previous apply)")
         x32 = x.astype(accumulation_dtype(x.dtype))

@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxnn.layers.core import Layer, check_positive, shape_error
+from jaxnn.layers.core import InitFn, Layer, check_positive, shape_error
 from jaxnn.precision import accumulation_dtype
 
 
-def _pool(kind: str, reducer, init_value, window, strides, padding, name):
+def _pool(
+    kind: str,
+    reducer: Callable[[Any, Any], Any],
+    init_value: Callable[[Any], float],
+    window: int | Sequence[int],
+    strides: int | Sequence[int] | None,
+    padding: str,
+    name: str,
+) -> tuple[Callable[[jax.Array], jax.Array], InitFn, tuple[int, ...], tuple[int, ...]]:
     window = (window, window) if isinstance(window, int) else tuple(window)
     strides = window if strides is None else ((strides,) * len(window) if isinstance(strides, int) else tuple(strides))
     check_positive(
@@ -55,7 +66,13 @@ def _max_over_tiles(x, window, padding):
     return x.reshape(*tiled, x.shape[-1]).max(axis=tuple(range(2, 2 * len(window) + 1, 2)))
 
 
-def MaxPool(window=2, strides=None, padding: str = "VALID", lowering: str = "auto", name: str = "max_pool") -> Layer:
+def MaxPool(
+    window: int | Sequence[int] = 2,
+    strides: int | Sequence[int] | None = None,
+    padding: str = "VALID",
+    lowering: str = "auto",
+    name: str = "max_pool",
+) -> Layer:
     """Maximum over windows (strides default to the window: non-overlapping).
 
     `lowering`: "reduce_window" is XLA's windowed reduction, whose gradient is a select-and-scatter; "reshape"
@@ -82,7 +99,12 @@ def MaxPool(window=2, strides=None, padding: str = "VALID", lowering: str = "aut
     return Layer(init, apply, name)
 
 
-def AvgPool(window=2, strides=None, padding: str = "VALID", name: str = "avg_pool") -> Layer:
+def AvgPool(
+    window: int | Sequence[int] = 2,
+    strides: int | Sequence[int] | None = None,
+    padding: str = "VALID",
+    name: str = "avg_pool",
+) -> Layer:
     """Mean over windows; with SAME padding, border windows average only the real elements."""
     reduce, init, _, _ = _pool("AvgPool", lax.add, lambda dt: 0.0, window, strides, padding, name)
 

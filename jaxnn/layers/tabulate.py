@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
-from jaxnn.layers.core import Layer, _child_keys, run, splits_input
+from jaxnn.layers.core import Layer, Params, State, _child_keys, run, splits_input
 from jaxnn.precision import Policy, get_policy
 
 _COLUMNS = ("Layer", "Output shape", "Params", "Param bytes", "FLOPs")
@@ -52,9 +53,9 @@ class ModelSummary:
 
 def summary(
     model: Layer,
-    in_shape,
+    in_shape: Sequence[int] | Sequence[Sequence[int]],
     *,
-    in_dtype=None,
+    in_dtype: DTypeLike | None = None,
     policy: Policy | str | None = "fp32",
     depth: int = 1,
     flops: bool = True,
@@ -177,9 +178,10 @@ def _guess_input(layer: Layer, in_shape, params, state, policy: Policy):
     return candidates[0]
 
 
-def _abstract_init(model: Layer, in_shape, policy: Policy):
+def _abstract_init(model: Layer, in_shape: Any, policy: Policy) -> tuple[Params, State]:
     params = jax.eval_shape(lambda key: policy.cast_to_param(model.init(key, in_shape)[1]), jax.random.key(0))
-    state = jax.eval_shape(lambda: model.init_state(in_shape)) if model.stateful else {}
+    init_state = model.init_state
+    state = jax.eval_shape(lambda: init_state(in_shape)) if init_state is not None else {}
     return params, state
 
 
@@ -243,11 +245,12 @@ def _dtype_names(x) -> str:
 
 def format_bytes(n: int) -> str:
     """`n` bytes in B, KiB, MiB or GiB."""
+    size: float = n
     for unit in ("B", "KiB", "MiB"):
-        if n < 1024:
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
+        if size < 1024:
+            return f"{size} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
 
 
 def _cells(path, out_shape, params, nbytes, flops) -> tuple[str, ...]:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
-from jaxnn.layers import BatchNorm, Conv, Dense, Flatten, GlobalAvgPool, MaxPool, Relu, residual, serial
+from jaxnn.layers import BatchNorm, Conv, Dense, Flatten, GlobalAvgPool, Layer, MaxPool, Relu, residual, serial
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,7 +17,7 @@ class CNNConfig:
         return dataclasses.replace(self, widths=(8, 16))
 
 
-def CNN(cfg: CNNConfig = CNNConfig()):
+def CNN(cfg: CNNConfig = CNNConfig()) -> Layer:
     """Per width: a 3x3 convolution, ReLU and 2x2 max pooling; then a Dense classifier on the flattened map."""
     stages = [
         layer for width in cfg.widths for layer in (Conv(width, 3, padding="SAME"), Relu, MaxPool(2, padding="SAME"))
@@ -38,14 +39,14 @@ class ResNetConfig:
         return dataclasses.replace(self, widths=(8, 16), blocks_per_stage=1)
 
 
-def _basic_block(width: int, bn):
+def _basic_block(width: int, bn: Callable[[], Layer]) -> Layer:
     return serial(residual(Conv(width, 3), bn(), Relu, Conv(width, 3), bn(), name="block"), Relu, name="basic")
 
 
-def ResNet(cfg: ResNetConfig = ResNetConfig()):
+def ResNet(cfg: ResNetConfig = ResNetConfig()) -> Layer:
     """Stem conv, stages of residual basic blocks (a strided conv changes width between stages), global pooling."""
 
-    def bn():
+    def bn() -> Layer:
         return BatchNorm(axis_name=cfg.bn_axis_name)
 
     layers = [Conv(cfg.widths[0], 3, name="stem"), bn(), Relu]

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
-from jaxnn.layers import Dense, Embedding, LayerNorm, PositionEmbedding, TransformerBlock, serial
+import numpy as np
+
+from jaxnn.layers import Dense, Embedding, Layer, LayerNorm, Params, PositionEmbedding, State, TransformerBlock, serial
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +30,7 @@ class GPTConfig:
         return self.vocab_size * d * 2 + self.seq_len * d + self.num_layers * per_block + 2 * d + self.vocab_size
 
 
-def GPT(cfg: GPTConfig = GPTConfig()):
+def GPT(cfg: GPTConfig = GPTConfig()) -> Layer:
     """Token and position embeddings, `num_layers` causal pre-norm blocks, a final LayerNorm and byte logits.
 
     Input: (B, T) integer byte ids; output: (B, T, vocab_size) logits for the next byte.
@@ -48,14 +52,21 @@ def GPT(cfg: GPTConfig = GPTConfig()):
 
 
 def sample(
-    predict, params, model_state, prompt: bytes, n: int, seq_len: int, *, seed: int = 0, temperature: float = 0.8
+    predict: Callable[[Params, State, np.ndarray], Any],
+    params: Params,
+    model_state: State,
+    prompt: bytes,
+    n: int,
+    seq_len: int,
+    *,
+    seed: int = 0,
+    temperature: float = 0.8,
 ) -> bytes:
     """Samples `n` bytes after `prompt` from a byte GPT, one compiled (1, seq_len) forward pass per byte.
 
     `predict` is `jaxnn.train.make_predict(model, policy)`; the context is the last `seq_len` bytes.
     """
     import jax
-    import numpy as np
 
     if temperature <= 0:
         raise ValueError(f"sample: temperature must be positive, got {temperature!r}")

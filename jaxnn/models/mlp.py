@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxnn.layers import Dense, Flatten, Relu, serial
+from jaxnn.layers import Dense, Flatten, Layer, Relu, serial
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,7 +16,7 @@ class MLPConfig:
         return dataclasses.replace(self, hidden=(64,))
 
 
-def MLP(cfg: MLPConfig = MLPConfig()):
+def MLP(cfg: MLPConfig = MLPConfig()) -> Layer:
     """Flatten, then Dense + ReLU per hidden width, then a Dense classifier producing logits."""
     hidden = [layer for width in cfg.hidden for layer in (Dense(width), Relu)]
     return serial(Flatten(), *hidden, Dense(cfg.num_classes, name="logits"), name="mlp")
