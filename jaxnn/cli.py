@@ -110,7 +110,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="metric writers besides metrics.jsonl: CSV files, TensorBoard event files (<run-dir>/tensorboard)",
     )
     a("--no-summary", action="store_true", help="do not print the model's per-layer table at the start")
+    add_export_parser(sub)
     return parser
+
+
+def add_export_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "export",
+        help="export a trained model for inference without jaxnn",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Write a run's checkpoint as model.jaxexport (a serialized jax.export program with a symbolic "
+        "batch size), weights.safetensors and export.json (shapes, dtypes, how to call it).",
+    )
+    p.add_argument("--run-dir", required=True, help="run directory of `jaxnn train` (or its ckpt/ or a step folder)")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory (files in it are replaced)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest readable one)")
+    p.add_argument(
+        "--platforms", nargs="+", default=["cpu"], choices=("cpu", "cuda", "rocm", "tpu"), help="platforms to lower for"
+    )
+    p.add_argument("--safetensors-only", action="store_true", help="write only weights.safetensors")
 
 
 def set_cpu_devices(n: int) -> None:
@@ -260,11 +278,32 @@ def train_main(args: argparse.Namespace) -> int:
     return 128 + summary["interrupted_by"] if summary.get("interrupted_by") else 0
 
 
+def export_main(args: argparse.Namespace) -> int:
+    from jaxnn.export import export_run
+    from jaxnn.rundir import StorageError
+
+    try:
+        out = export_run(
+            args.run_dir, args.out, platforms=args.platforms, step=args.step, safetensors_only=args.safetensors_only
+        )
+    except StorageError as err:
+        print(f"jaxnn: error: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    except ValueError as err:  # CheckpointError, ConfigError, DataError: no run, or not one of a built-in model
+        print(f"jaxnn: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    what = "weights" if args.safetensors_only else f"model for {', '.join(args.platforms)}"
+    print(f"jaxnn: exported the {what} of {args.run_dir} -> {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     if args.command == "train":
         return train_main(args)
+    if args.command == "export":
+        return export_main(args)
     return EXIT_USAGE
 
 

@@ -17,6 +17,7 @@ from jaxnn.config import ConfigError, TrainConfig
 if TYPE_CHECKING:
     from jaxnn.callbacks import Callback
     from jaxnn.data import ImageDataset, TextCorpus
+    from jaxnn.layers import Layer
 
 log = logging.getLogger(__name__)
 
@@ -164,3 +165,31 @@ def _sample(model, state, cfg: TrainConfig) -> str:
         seed=cfg.seed,
     )
     return (prompt + text).decode("utf-8", "replace")
+
+
+def model_from_config(config: dict) -> tuple[Layer, Any]:
+    """The built-in model and its config dataclass from a saved run config (`LoadedParams.config`, config.json).
+
+    `config` needs "model" (a name in `jaxnn.models.CONFIGS`) and "model_config" (the dataclass's fields as JSON);
+    lists come back as tuples where the field's default is a tuple, since JSON has no tuples.
+    """
+    from jaxnn.models import CONFIGS, get_model
+
+    name, saved = config.get("model"), config.get("model_config")
+    if not isinstance(name, str) or not isinstance(saved, dict):
+        raise ConfigError(
+            "model_from_config: the config needs 'model' (a built-in model name) and 'model_config' (a dict); "
+            f"got keys {sorted(config)}"
+        )
+    if name not in CONFIGS:
+        raise ConfigError(f"model_from_config: unknown model {name!r}; choose one of {sorted(CONFIGS)}")
+    default = CONFIGS[name]()
+    unknown = set(saved) - {f.name for f in dataclasses.fields(default)}
+    if unknown:
+        raise ConfigError(f"model_from_config: model {name!r} has no config field(s) {sorted(unknown)}")
+    values = {
+        key: tuple(value) if isinstance(value, list) and isinstance(getattr(default, key), tuple) else value
+        for key, value in saved.items()
+    }
+    mcfg = dataclasses.replace(default, **values)
+    return get_model(name, mcfg), mcfg
