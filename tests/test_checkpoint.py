@@ -13,21 +13,28 @@ import pytest
 
 from jaxnn.checkpoint import Checkpointer, CheckpointError, StopSignal, config_differences, state_digest
 from jaxnn.models import MLP, MLPConfig
-from jaxnn.train import create_train_state, make_optimizer
+from jaxnn.train import classification_loss, create_train_state, make_optimizer, make_train_step
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = {"model": "mlp", "lr": 0.001, "batch_size": 16}
 
 
 def make_state(seed):
+    """A state no other seed shares in any leaf: random parameters, then `seed + 1` real optimizer steps, so the
+    Adam moments are non-zero and the step counts differ (a restore that returned the template's optimizer state
+    or step would not pass)."""
     model = MLP(MLPConfig().small())
     tx = make_optimizer(1e-3, total_steps=10)
     state = create_train_state(model, tx, jax.random.key(seed), (4, 8, 8, 1))
-    # Perturb every float leaf randomly so a restore of the wrong bytes cannot pass by accident.
     leaves, treedef = jax.tree.flatten(state.params)
     rng = np.random.default_rng(seed)
     leaves = [x + rng.normal(size=x.shape).astype(x.dtype) for x in leaves]
-    return state._replace(params=jax.tree.unflatten(treedef, leaves))
+    state = state._replace(params=jax.tree.unflatten(treedef, leaves))
+    step = make_train_step(model, classification_loss, tx, donate=False)
+    for _ in range(seed + 1):
+        batch = {"x": rng.normal(size=(4, 8, 8, 1)).astype(np.float32), "y": rng.integers(0, 10, 4).astype(np.int32)}
+        state, _ = step(state, batch)
+    return state
 
 
 def assert_same(a, b):
@@ -54,6 +61,7 @@ def test_roundtrip_bitwise_and_keep_last(tmp_path):
     assert ckpt.all_steps() == [2, 3]
     state, data_state, step = ckpt.restore(make_state(0), CONFIG)
     assert step == 3 and data_state == {"next_step": 3}
+    assert int(state.step) == 4 and any(np.any(np.asarray(m) != 0) for m in jax.tree.leaves(state.opt_state))
     assert_same(state, states[3])
     assert not ckpt.save(3, states[3], data_state={}, config=CONFIG, force=True)  # already there
     assert not Checkpointer(tmp_path / "empty").should_save(5)
