@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.nn import initializers
 
 from jaxnn import precision
@@ -37,15 +38,57 @@ def _attention_f32acc(q_BTNH, k_BSNH, v_BSNH, mask_B11S, causal, policy):
     return precision.einsum("BNTS,BSNH->BTNH", probs_BNTS, v_BSNH, policy).astype(v_BSNH.dtype)
 
 
+def _is_half(dtype) -> bool:
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
 def _choose_implementation(implementation: str, dtype) -> str:
+    """The implementation for every lowering platform but CUDA (where "auto" may take cuDNN, `_cudnn_traces`)."""
     if implementation != "auto":
         return implementation
-    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    if jax.default_backend() == "gpu" and half:
-        return "cudnn"  # the fused flash-attention kernel
-    if half or jnp.dtype(dtype) == jnp.float64:
-        return "f32acc"  # jax's XLA path would compute float64 softmax in float32
+    if _is_half(dtype) or jnp.dtype(dtype) == jnp.float64:
+        return "f32acc"  # jax's XLA path would compute float64 softmax in float32, and half-precision p @ v in half
     return "xla"
+
+
+def _cudnn_traces(q_BTNH, k_BSNH, v_BSNH, mask_B11S, causal) -> bool:
+    """Whether jax's cuDNN attention can be traced for these operands in this process.
+
+    jax checks for cuDNN (through its CUDA plugin) and the shape limits of the kernel (head width a multiple of 8,
+    at most 128 or 256) when it traces, not when it lowers: on a CPU-only jax, even `jax.export(...,
+    platforms=["cuda"])` of `implementation="cudnn"` fails with "cuDNN is not detected". So "auto" offers the cuDNN
+    branch only where it can be traced; elsewhere the CUDA lowering gets the f32-accumulating path.
+    """
+
+    def spec(a):
+        return None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype)
+
+    def cudnn(q, k, v, mask):
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="cudnn")
+
+    try:
+        jax.eval_shape(cudnn, spec(q_BTNH), spec(k_BSNH), spec(v_BSNH), spec(mask_B11S))
+    except (RuntimeError, NotImplementedError, ValueError):
+        return False
+    return True
+
+
+def _attention(
+    impl: str,
+    q_BTNH: jax.Array,
+    k_BSNH: jax.Array,
+    v_BSNH: jax.Array,
+    mask_B11S: jax.Array | None,
+    causal: bool,
+    policy: precision.Policy | None,
+) -> jax.Array:
+    if impl == "f32acc":
+        return _attention_f32acc(q_BTNH, k_BSNH, v_BSNH, mask_B11S, causal, policy)
+    # jax's overloads take implementation as Literal["xla", "cudnn"] | None; impl is a str checked against
+    # IMPLEMENTATIONS at construction, so no overload matches the plain str.
+    return jax.nn.dot_product_attention(  # type: ignore[call-overload]
+        q_BTNH, k_BSNH, v_BSNH, mask=mask_B11S, is_causal=causal, implementation=impl
+    )
 
 
 def MultiHeadAttention(
@@ -60,8 +103,10 @@ def MultiHeadAttention(
 
     Params: `qkv` (one fused Dense producing queries, keys and values) and `out`. `apply(..., mask=)` takes a
     (B, T) boolean padding mask, True for real tokens; `causal=True` lets position t see positions <= t only.
-    `implementation`: "auto" uses cuDNN's fused kernel on GPUs for bf16/fp16 and the f32-accumulating path for
-    half precision elsewhere; "xla" and "cudnn" go through `jax.nn.dot_product_attention` as named.
+    `implementation`: "auto" uses cuDNN's fused kernel for bf16/fp16 when the computation is lowered for CUDA and
+    jax can trace cuDNN attention here (a CUDA jax with cuDNN, and shapes the kernel takes), the f32-accumulating
+    path for half precision and float64 otherwise, and jax's XLA path for float32; "xla", "cudnn" and "f32acc" force
+    one. The platform is the one jax lowers for (`lax.platform_dependent`), not the process's default backend.
     """
     check_positive("MultiHeadAttention", num_heads=num_heads)
     if head_dim is not None:
@@ -94,14 +139,23 @@ def MultiHeadAttention(
         q_BTNH, k_BTNH, v_BTNH = (t.reshape(B, T, num_heads, H) for t in jnp.split(qkv, 3, axis=-1))
         mask_B11S = None if mask is None else mask.astype(bool)[:, None, None, :]
         impl = _choose_implementation(implementation, x_BTD.dtype)
-        if impl == "f32acc":
-            o_BTNH = _attention_f32acc(q_BTNH, k_BTNH, v_BTNH, mask_B11S, causal, policy)
-        else:
-            # jax's overloads take implementation as Literal["xla", "cudnn"] | None; impl is a str checked against
-            # IMPLEMENTATIONS at construction, so no overload matches the plain str.
-            o_BTNH = jax.nn.dot_product_attention(  # type: ignore[call-overload]
-                q_BTNH, k_BTNH, v_BTNH, mask=mask_B11S, is_causal=causal, implementation=impl
+        if (
+            implementation == "auto"
+            and _is_half(x_BTD.dtype)
+            and _cudnn_traces(q_BTNH, k_BTNH, v_BTNH, mask_B11S, causal)
+        ):
+            # cuDNN's fused flash-attention kernel where the computation is lowered for CUDA; the choice follows the
+            # platform jax lowers for (a program traced here can be exported for another), not the default backend.
+            o_BTNH = lax.platform_dependent(
+                q_BTNH,
+                k_BTNH,
+                v_BTNH,
+                mask_B11S,
+                cuda=lambda q, k, v, mask: _attention("cudnn", q, k, v, mask, causal, policy),
+                default=lambda q, k, v, mask: _attention(impl, q, k, v, mask, causal, policy),
             )
+        else:
+            o_BTNH = _attention(impl, q_BTNH, k_BTNH, v_BTNH, mask_B11S, causal, policy)
         return Dense(D).apply(params["out"], o_BTNH.reshape(B, T, inner), policy=policy)
 
     return Layer(init, apply, name)

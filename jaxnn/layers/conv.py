@@ -128,9 +128,11 @@ def Conv(
 
     `w` has shape kernel_size + (in_channels // feature_group_count, features); products accumulate in float32.
     `lowering`: "xla" is XLA's convolution op; "im2col" computes it as one matmul over the concatenated kernel
-    taps (no feature groups); "auto" takes im2col on the CPU (no feature groups), where it measures as fast or
-    faster and avoids a slow path of XLA's convolution gradients inside `lax.scan`, and XLA's convolution on
-    accelerators, whose convolution kernels are the fast path there.
+    taps (no feature groups); "auto" takes im2col when the computation is lowered for the CPU (no feature groups),
+    where it measures as fast or faster and avoids a slow path of XLA's convolution gradients inside `lax.scan`,
+    and XLA's convolution when it is lowered for an accelerator, whose convolution kernels are the fast path there.
+    The platform is the one jax lowers for (`lax.platform_dependent`), so `jax.export(..., platforms=["cuda"])` on
+    a CPU machine gets XLA's convolution.
     """
     check_positive("Conv", features=features, feature_group_count=feature_group_count)
     if lowering not in LOWERINGS:
@@ -149,18 +151,7 @@ def Conv(
         raise ValueError(f"Conv: features {features} is not divisible by feature_group_count {feature_group_count}")
     dimension_numbers = _DIMENSION_NUMBERS[rank]
 
-    def use_im2col():
-        if lowering == "auto":
-            # On the CPU (measured, docs/performance.md "Convolution lowerings"): as fast as XLA's convolution in a
-            # jitted step (2x faster for a 3-channel stem), 20x and more faster inside lax.scan (make_multi_step),
-            # where XLA's weight-gradient convolution falls off a cliff; and in half precision its dots keep every
-            # backward product bf16 x bf16 -> f32 (precision.einsum), which XLA's convolution transposes cannot.
-            return feature_group_count == 1 and jax.default_backend() == "cpu"
-        return lowering == "im2col"
-
-    def conv(x, w, policy=None):
-        if use_im2col():
-            return conv_im2col(x, w, strides, pad, dilation, policy)
+    def xla_conv(x, w, policy):
         return precision.conv(
             x,
             w,
@@ -170,6 +161,26 @@ def Conv(
             rhs_dilation=dilation,
             dimension_numbers=dimension_numbers,
             feature_group_count=feature_group_count,
+        )
+
+    def conv(x, w, policy=None):
+        if lowering == "im2col":
+            return conv_im2col(x, w, strides, pad, dilation, policy)
+        if lowering == "xla" or feature_group_count != 1:
+            return xla_conv(x, w, policy)
+        # "auto": im2col where the computation is lowered for the CPU, XLA's convolution on every other platform.
+        # On the CPU (measured, docs/performance.md "Convolution lowerings"): as fast as XLA's convolution in a
+        # jitted step (2x faster for a 3-channel stem), 20x and more faster inside lax.scan (make_multi_step),
+        # where XLA's weight-gradient convolution falls off a cliff; and in half precision its dots keep every
+        # backward product bf16 x bf16 -> f32 (precision.einsum), which XLA's convolution transposes cannot.
+        # The choice follows the platform the computation is lowered for, not this process's default backend, so
+        # that a program traced here and exported for a GPU (jax.export) gets the GPU's lowering; both branches
+        # are traced, only the lowering platform's is lowered (docs/performance.md "Lowering for another platform").
+        return lax.platform_dependent(
+            x,
+            w,
+            cpu=lambda x, w: conv_im2col(x, w, strides, pad, dilation, policy),
+            default=lambda x, w: xla_conv(x, w, policy),
         )
 
     def init(key, in_shape):

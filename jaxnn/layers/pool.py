@@ -79,8 +79,9 @@ def MaxPool(
     (non-overlapping windows only: strides == window) tiles the input with a reshape and takes a plain max, whose
     gradient is an elementwise mask: 3-5x faster gradients on the CPU (docs/performance.md). The two agree
     wherever a window has a single maximum; on ties the reshape form splits the gradient evenly between the tied
-    elements, reduce_window gives it all to one (both are subgradients). "auto" is "reshape" on the CPU when it
-    applies, "reduce_window" otherwise (not yet measured on GPUs).
+    elements, reduce_window gives it all to one (both are subgradients). "auto" is "reshape" when the computation
+    is lowered for the CPU and it applies, "reduce_window" otherwise (not yet measured on GPUs); the platform is the
+    one jax lowers for (`lax.platform_dependent`), not the process's default backend.
     """
     if lowering not in MAX_POOL_LOWERINGS:
         raise ValueError(f"MaxPool: unknown lowering {lowering!r}; choose one of {MAX_POOL_LOWERINGS}")
@@ -91,10 +92,16 @@ def MaxPool(
             "MaxPool: the reshape lowering needs non-overlapping windows (strides == window); got "
             f"window={window}, strides={strides}"
         )
-    use_reshape = lowering == "reshape" or (lowering == "auto" and tiles and jax.default_backend() == "cpu")
 
     def apply(params, x, **_):
-        return _max_over_tiles(x, window, padding) if use_reshape else reduce(x)
+        if lowering == "reshape":
+            return _max_over_tiles(x, window, padding)
+        if lowering == "reduce_window" or not tiles:
+            return reduce(x)
+        # "auto" on tiling windows: the reshape form where the computation is lowered for the CPU, reduce_window on
+        # every other platform. The choice follows the platform jax lowers for, not this process's default backend
+        # (a program traced here can be exported for a GPU); only the lowering platform's branch is lowered.
+        return lax.platform_dependent(x, cpu=lambda x: _max_over_tiles(x, window, padding), default=reduce)
 
     return Layer(init, apply, name)
 

@@ -1,0 +1,191 @@
+"""The "auto" lowerings (Conv im2col, MaxPool reshape, attention cuDNN/f32acc) follow the platform a computation is
+lowered for, not the process's default backend: a model traced on this CPU and exported for CUDA carries XLA's
+convolution and reduce_window, the same model exported for the CPU carries im2col and the reshape-and-max pool, and
+`jax.jit` on the CPU computes bit for bit what the explicit CPU lowerings compute."""
+
+import collections
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxnn import layers as L
+from jaxnn import train
+from jaxnn.layers import attention
+from jaxnn.layers.core import init_model, run
+from jaxnn.models import CNN, GPT, CNNConfig, GPTConfig
+from jaxnn.precision import BF16, FP32
+
+CNN_CFG = CNNConfig().small()
+CNN_SHAPE = (2, 8, 8, 1)
+GPT_CFG = GPTConfig().small()
+GPT_SHAPE = (2, 16)
+
+# A product's operand and result element types, from its one-line StableHLO form.
+PRODUCT = re.compile(
+    r"stablehlo\.(dot_general|convolution).*: \(tensor<[^>]*x(\w+)>, tensor<[^>]*x(\w+)>\) -> tensor<[^>]*x(\w+)>"
+)
+# A reduce_window and the first op of its body (the reducer).
+REDUCE_WINDOW = re.compile(r'"stablehlo\.reduce_window".*\n.*\^bb0.*\n\s*%\S+ = stablehlo\.(\w+)')
+# The reshape-and-max pool: a max over the window axes (2, 4) of the tiled (N, H/2, 2, W/2, 2, C) input.
+TILE_MAX = re.compile(r"stablehlo\.reduce\(.*applies stablehlo\.maximum across dimensions = \[2, 4\]")
+
+
+def ops(text: str) -> collections.Counter:
+    return collections.Counter(re.findall(r"stablehlo\.(\w+)", text))
+
+
+def products(text: str) -> list[tuple[str, ...]]:
+    return [m.groups() for m in map(PRODUCT.search, text.splitlines()) if m]
+
+
+def im2col_patch_types() -> list[str]:
+    """The (N * H * W, 9 * C_in) bf16 patch matrix each 3x3 SAME Conv of the small CNN contracts under im2col."""
+    types, size, channels = [], CNN_SHAPE[1], CNN_SHAPE[-1]
+    for width in CNN_CFG.widths:
+        types.append(f"tensor<{CNN_SHAPE[0] * size * size}x{9 * channels}xbf16>")
+        size, channels = -(-size // 2), width  # MaxPool(2, SAME) halves, rounding up
+    return types
+
+
+def random_params(model, shape):
+    """Random parameters of the model's structure, drawn by numpy: jax's init would compile every random op
+    (eagerly) or an init program (jitted), seconds on this CPU."""
+    shapes = jax.eval_shape(lambda k: init_model(model, k, shape)[1], jax.random.key(0))
+    rng = np.random.default_rng(0)
+    return jax.tree.map(lambda s: jnp.asarray(0.3 * rng.standard_normal(s.shape), s.dtype), shapes)
+
+
+def exported_module(model, shape, dtype, platform, policy="bf16"):
+    # Exporting needs only shapes and dtypes: no parameters are initialised (eager init costs seconds here).
+    params, state = jax.eval_shape(lambda k: init_model(model, k, shape)[1:], jax.random.key(0))
+    x = jax.ShapeDtypeStruct(shape, dtype)
+    exported = jax.export.export(train.make_predict(model, policy), platforms=[platform])(params, state, x)
+    return exported.mlir_module()
+
+
+@pytest.fixture(scope="module")
+def cnn_modules():
+    model = CNN(CNN_CFG)
+    return {p: exported_module(model, CNN_SHAPE, jnp.float32, p) for p in ("cuda", "cpu")}
+
+
+def test_cnn_exported_for_cuda_has_xla_convolutions_and_reduce_window(cnn_modules):
+    text, n = cnn_modules["cuda"], len(CNN_CFG.widths)
+    counts = ops(text)
+    assert counts["convolution"] == n, counts  # one XLA convolution per Conv
+    assert REDUCE_WINDOW.findall(text) == ["maximum"] * n  # one max reduce_window per MaxPool
+    # No im2col: no tap concatenate, no dot_general over a patch matrix; no reshape pool.
+    assert counts["concatenate"] == 0, counts
+    assert not any(t in text for t in im2col_patch_types())
+    assert not TILE_MAX.search(text)
+    # Every product in the mixed form: bf16 operands, f32 result (the classifier's Dense is the one dot_general).
+    types = products(text)
+    assert collections.Counter(t[0] for t in types) == {"convolution": n, "dot_general": 1}, types
+    assert {t[1:] for t in types} == {("bf16", "bf16", "f32")}, types
+
+
+def test_cnn_exported_for_cpu_has_im2col_and_reshape_pool(cnn_modules):
+    # The same model, the same process: only the platform differs, so the choice follows it.
+    text, n = cnn_modules["cpu"], len(CNN_CFG.widths)
+    counts = ops(text)
+    assert counts["convolution"] == 0 and counts["reduce_window"] == 0, counts
+    assert counts["concatenate"] == n, counts
+    for patches in im2col_patch_types():
+        assert re.search(rf"stablehlo\.dot_general .*: \({re.escape(patches)}, ", text), patches
+    assert len(TILE_MAX.findall(text)) == n
+    assert {t[1:] for t in products(text)} == {("bf16", "bf16", "f32")}
+
+
+def test_gpt_exported_for_cuda_has_mixed_precision_products():
+    text = exported_module(GPT(GPT_CFG), GPT_SHAPE, jnp.int32, "cuda")
+    types = products(text)
+    assert types and set(types) == {("dot_general", "bf16", "bf16", "f32")}, types
+    q = jnp.ones((GPT_SHAPE[0], GPT_SHAPE[1], GPT_CFG.num_heads, GPT_CFG.d_model // GPT_CFG.num_heads), jnp.bfloat16)
+    # jax traces cuDNN attention only where its CUDA plugin finds cuDNN; then "auto" takes it for CUDA, otherwise
+    # (this CPU-only jax) the CUDA lowering gets the f32-accumulating path.
+    has_cudnn = "__cudnn$fmha" in text
+    assert has_cudnn == attention._cudnn_traces(q, q, q, None, True)
+
+
+def test_attention_auto_follows_the_lowering_platform(monkeypatch, key):
+    """Stand jax's XLA attention in for cuDNN (which a CPU-only jax cannot trace): exported for CUDA, "auto" takes the
+    CUDA branch (probs @ values in bf16, as jax's XLA path computes it); for the CPU, the f32acc path (f32 result)."""
+    real = attention._attention
+    monkeypatch.setattr(attention, "_cudnn_traces", lambda *_: True)
+    monkeypatch.setattr(attention, "_attention", lambda impl, *a: real("xla" if impl == "cudnn" else impl, *a))
+    layer = L.MultiHeadAttention(2, causal=True)
+    params = jax.eval_shape(lambda k: layer.init(k, (2, 6, 8))[1], key)
+
+    def fn(p, x):
+        return layer.apply(BF16.cast_to_compute(p), x.astype(jnp.bfloat16), policy=BF16)
+
+    x = jax.ShapeDtypeStruct((2, 6, 8), jnp.float32)
+    results = {}
+    for platform in ("cuda", "cpu"):
+        text = jax.export.export(jax.jit(fn), platforms=[platform])(params, x).mlir_module()
+        results[platform] = collections.Counter(t[3] for t in products(text))
+    assert results["cuda"]["bf16"] == 1, results  # jax's XLA attention: probs @ values bf16 x bf16 -> bf16
+    assert set(results["cpu"]) == {"f32"}, results  # f32acc: every product bf16 x bf16 -> f32
+
+
+def test_multi_platform_export_runs_on_the_cpu():
+    """Exported for both platforms, the program carries both branches behind a platform check; on the CPU it runs
+    the CPU branch."""
+    model = L.serial(L.Conv(4, 3), L.MaxPool(2))
+    params = random_params(model, (1, 4, 4, 2))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((1, 4, 4, 2)), jnp.float32)
+    exported = jax.export.export(jax.jit(model.apply), platforms=["cpu", "cuda"])(params, x)
+    text = exported.mlir_module()
+    assert "stablehlo.convolution" in text and "stablehlo.concatenate" in text  # both Conv branches are there
+    np.testing.assert_allclose(exported.call(params, x), model.apply(params, x), rtol=1e-6, atol=1e-6)
+
+
+def explicit_cpu_cnn() -> L.Layer:
+    """models.CNN with the CPU lowerings named: what "auto" computed on the CPU before it followed the platform."""
+    stages = [
+        layer
+        for width in CNN_CFG.widths
+        for layer in (
+            L.Conv(width, 3, padding="SAME", lowering="im2col"),
+            L.Relu,
+            L.MaxPool(2, padding="SAME", lowering="reshape"),
+        )
+    ]
+    return L.serial(*stages, L.Flatten(), L.Dense(CNN_CFG.num_classes, name="logits"), name="cnn")
+
+
+@pytest.mark.parametrize("policy", [FP32, BF16], ids=["fp32", "bf16"])
+def test_cpu_jit_of_auto_is_bitwise_the_explicit_cpu_lowering(policy):
+    auto, explicit = CNN(CNN_CFG), explicit_cpu_cnn()
+    params = random_params(auto, CNN_SHAPE)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal(CNN_SHAPE), jnp.float32)
+
+    def value_and_grad(model):
+        def fn(p, x):
+            y, _ = run(model, policy.cast_to_compute(p), policy.cast_to_compute(x), policy=policy)
+            return jnp.sum(y.astype(jnp.float32) ** 2)
+
+        return jax.value_and_grad(fn, argnums=(0, 1))
+
+    # Two programs, as before and after: the forward value and both gradients must agree bit for bit.
+    compiled = jax.jit(value_and_grad(auto)).lower(params, x).compile()
+    got_auto, got_explicit = compiled(params, x), jax.jit(value_and_grad(explicit))(params, x)
+    for a, b in zip(jax.tree.leaves(got_auto), jax.tree.leaves(got_explicit), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # platform_dependent stages out a conditional on a constant platform index holding only the lowering platform's
+    # branch; XLA folds it away, so the compiled CPU program (forward and gradients) has no conditional left.
+    assert not re.search(r"\bconditional\(", compiled.as_text())
+
+
+@pytest.mark.parametrize("dtype, cpu_impl", [(jnp.float32, "xla"), (jnp.bfloat16, "f32acc")])
+def test_cpu_jit_of_auto_attention_is_bitwise_the_explicit_one(dtype, cpu_impl):
+    auto, explicit = (L.MultiHeadAttention(2, causal=True, implementation=i) for i in ("auto", cpu_impl))
+    params = jax.tree.map(lambda p: p.astype(dtype), random_params(auto, (2, 6, 8)))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 6, 8)), dtype)
+    policy = BF16 if dtype == jnp.bfloat16 else FP32
+    y_auto = jax.jit(lambda p, x: auto.apply(p, x, policy=policy))(params, x)
+    y_explicit = jax.jit(lambda p, x: explicit.apply(p, x, policy=policy))(params, x)
+    np.testing.assert_array_equal(y_auto, y_explicit)
