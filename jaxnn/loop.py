@@ -100,12 +100,13 @@ def fit(
     tx = optimizer if optimizer is not None else make_optimizer(1e-3, total_steps=cfg.steps)
     mesh = mesh if mesh is not None else make_mesh(None if jax.process_count() > 1 else _devices(cfg.devices))
     check_batch_divisible(batch_size, mesh)
+    files = RunFiles(cfg, _json_record({**cfg.record(), **(config or {})}), is_main=jax.process_index() == 0)
+    files.precheck()  # a run dir in use is refused now, before anything is compiled
     start_from = _starting_point(model, example["x"].shape, params, model_state)
     state = create_sharded_state(lambda: _initial_state(model, tx, cfg, example["x"].shape, params, model_state), mesh)
     _check_step_runs(model, loss, tx, cfg.precision, state, example)
     record = _json_record({**cfg.record(), **(config or {}), **_model_record(state.params), **start_from})
-
-    files = RunFiles(cfg, record, is_main=jax.process_index() == 0)
+    files.record = record
     files.open()  # the run dir is checked and locked here; nothing was written before
     try:
         return _train(model, loss, tx, cfg, source, evals, mesh, state, record, files, list(callbacks))

@@ -349,7 +349,17 @@ class RunFiles:
         except ValueError:
             return None
 
-    def _check_use(self) -> None:
+    def precheck(self) -> None:
+        """The checks `open` makes, read-only and on the record known so far, so that a run directory in use is
+        refused before the model is compiled; `open` repeats them under the lock with the whole record."""
+        if self.run_dir is None or not self.is_main:
+            return
+        check_writable(self.run_dir)
+        check_writable(self._ckpt)
+        if self.run_dir.is_dir():
+            self._check_use(partial=True)
+
+    def _check_use(self, partial: bool = False) -> None:
         """Refuses a run directory holding another run, unless resume or overwrite says what to do with it."""
         from jaxnn.checkpoint import config_differences
 
@@ -357,6 +367,8 @@ class RunFiles:
         if not used or self.cfg.overwrite:
             return
         saved = self._saved_config()
+        if saved is not None and partial:
+            saved = {k: v for k, v in saved.items() if k in self.record}
         diffs = config_differences(saved, self.record, saved_as="saved") if saved is not None else []
         if diffs:
             raise RunDirError(

@@ -1,7 +1,7 @@
 """A model that is none of the built-in four (convolution, then self-attention over the 8x8 positions), trained
 on the bundled digits through `jaxnn.fit`; run as a script it trains into a run directory (for kill-and-resume).
 
-    python tests/custom_model.py RUN_DIR [--resume]
+    python tests/custom_model.py RUN_DIR [--resume] [--steps N]
 """
 
 import sys
@@ -67,5 +67,6 @@ def run(run_dir, *, resume=False, **settings):
 
 
 if __name__ == "__main__":
-    result = run(sys.argv[1], resume="--resume" in sys.argv, metrics=("tensorboard",))
+    steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else STEPS
+    result = run(sys.argv[1], resume="--resume" in sys.argv, steps=steps, metrics=("tensorboard",))
     print(result.summary["step"], result.summary["param_digest"])

@@ -22,6 +22,8 @@ from jaxnn.rundir import RunDirError, RunLock, StorageError
 
 pytestmark = pytest.mark.xdist_group("faults")  # one worker: the undisturbed reference run is computed once
 
+CLI_RUN = ["train", "--model", "mlp", "--size", "small", "--steps", "40", "--batch-size", "16", "--ckpt-every", "10"]
+CLI_RUN += ["--no-progress", "--no-plots", "--no-summary"]
 SETTINGS = {
     "steps": 40,
     "batch_size": 32,
@@ -122,28 +124,7 @@ def test_signals_during_the_final_save_do_not_interrupt_it(tmp_path, data, refer
 
     monkeypatch.setattr(loop._Tracker, "log", log)
     monkeypatch.setattr(Checkpointer, "save", save)
-    code = cli.main(
-        [
-            "train",
-            "--model",
-            "mlp",
-            "--size",
-            "small",
-            "--steps",
-            "40",
-            "--batch-size",
-            "16",
-            "--ckpt-every",
-            "10",
-            "--log-every",
-            "7",
-            "--no-progress",
-            "--no-plots",
-            "--no-summary",
-            "--run-dir",
-            str(run),
-        ]
-    )
+    code = cli.main([*CLI_RUN, "--log-every", "7", "--run-dir", str(run)])
     assert code == 128 + signal.SIGTERM  # the exit status names the signal that stopped the run
     err = capfd.readouterr().err
     assert err.count("received while stopping; finishing the checkpoint first") == 2
@@ -152,30 +133,10 @@ def test_signals_during_the_final_save_do_not_interrupt_it(tmp_path, data, refer
     assert sorted(p.name for p in (run / "ckpt").iterdir()) == ["10", "14"]  # complete, no temporary folder
     monkeypatch.setattr(Checkpointer, "save", real_save)
     monkeypatch.setattr(loop._Tracker, "log", real_log)
-    assert (
-        cli.main(
-            [
-                "train",
-                "--model",
-                "mlp",
-                "--size",
-                "small",
-                "--steps",
-                "40",
-                "--batch-size",
-                "16",
-                "--ckpt-every",
-                "10",
-                "--no-progress",
-                "--no-plots",
-                "--no-summary",
-                "--run-dir",
-                str(run),
-                "--resume",
-            ]
-        )
-        == 0
-    )
+    assert cli.main([*CLI_RUN, "--run-dir", str(run), "--resume"]) == 0
+    assert cli.main([*CLI_RUN, "--run-dir", str(tmp_path / "undisturbed")]) == 0
+    resumed, undisturbed = (json.loads((d / "summary.json").read_text()) for d in (run, tmp_path / "undisturbed"))
+    assert resumed["param_digest"] == undisturbed["param_digest"]  # bitwise, as if never stopped
 
 
 def test_disk_full_while_checkpointing(tmp_path, data, reference, monkeypatch):

@@ -57,7 +57,7 @@ def test_custom_model_learns_digits_and_tensorboard_reads_its_events(tmp_path, d
 def start(run_dir, *extra):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user's run
     return subprocess.Popen(
-        [sys.executable, str(REPO / "tests" / "custom_model.py"), str(run_dir), *extra],
+        [sys.executable, str(REPO / "tests" / "custom_model.py"), str(run_dir), "--steps", "120", *extra],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -89,18 +89,13 @@ def test_custom_model_killed_and_resumed_matches_uninterrupted(tmp_path):
     reference = start(tmp_path / "ref")
     run = tmp_path / "run"
     proc = start(run)
-    kill_after(proc, run, 60, signal.SIGKILL)
+    kill_after(proc, run, 40, signal.SIGKILL)
     assert proc.returncode == -signal.SIGKILL
     assert (run / "run.lock").exists()  # left behind by the killed process: the next run takes it over
-    proc = start(run, "--resume")
-    _, err = kill_after(proc, run, 160, signal.SIGTERM)
-    assert proc.returncode == 0  # fit returns normally after a signal; the summary says which
-    assert "taking over the lock left by process" in err
-    stopped = json.loads((run / "summary.json").read_text())
-    assert stopped["interrupted_by"] == signal.SIGTERM and stopped["step"] in checkpoints(run)
-    final = start(run, "--resume")
+    final = start(run, "--resume")  # (SIGTERM and resume: tests/test_faults.py)
     out, err = final.communicate(timeout=180)
     assert final.returncode == 0, err[-2000:]
+    assert "taking over the lock left by process" in err
     ref_out, ref_err = reference.communicate(timeout=180)
     assert reference.returncode == 0, ref_err[-2000:]
     assert out.split() == ref_out.split()  # final step and SHA-256 of the parameters: bitwise equal
