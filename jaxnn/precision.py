@@ -1,10 +1,11 @@
 """Mixed precision: a Policy of three dtypes (parameters, compute, output) and dynamic loss scaling.
 
 The policy casts parameters and inputs to the compute dtype once, at the step boundary (as in jmp/Haiku and
-levanter); layers then follow the dtype of their input. Every matmul, convolution and attention product is
-computed with `preferred_element_type=float32`: a bf16 x bf16 -> f32 product is the form tensor cores and Intel's
-AMX units execute fast (DESIGN.md reports ~1070 GFLOP/s for it at 2048^3 on an AMX Xeon, against ~190 for
-bf16 x bf16 -> bf16). Normalisation statistics and softmax are computed in float32.
+levanter); layers then follow the dtype of their input. Every forward matmul, convolution and attention product
+is computed with `preferred_element_type=float32`: a bf16 x bf16 -> f32 product is the form tensor cores and
+Intel's AMX units execute fast (~1070 GFLOP/s at 2048^3 on an AMX Xeon, against ~190 for bf16 x bf16 -> bf16).
+Backward matmuls take the same form; the backward products of XLA's convolution op are bf16 x bf16 -> bf16
+(README, "Mixed precision"). Normalisation statistics and softmax are computed in float32.
 """
 
 from __future__ import annotations

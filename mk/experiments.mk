@@ -1,4 +1,4 @@
-# Experiments (issue 5): each measures one claim of shared/seed-claims.md into results/<machine-tag>/, and the
+# Experiments: each measures one claim of REPORT.md into results/<machine-tag>/, and the
 # report turns every results folder present into REPORT.md. SIZE=quick|full|gpu|tiny; RESULTS is the results folder
 # (not OUT: the GPU machine exports OUT for its own use, and make would read it).
 SIZE ?= quick

@@ -183,7 +183,7 @@ def host_iterator(source: BatchSource, cfg: PipelineConfig) -> Iterator[dict[str
     import grain.python as grain
 
     if cfg.workers > 0:
-        # Grain's worker processes read absl flags, which nothing parses in a plain script (DESIGN.md).
+        # Grain's worker processes read absl flags, which nothing parses in a plain script.
         from absl import flags
 
         if not flags.FLAGS.is_parsed():
