@@ -1,12 +1,16 @@
 """The three data-parallel forms on 8 simulated devices against one device with the same global batches."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jaxnn import parallel
-from jaxnn.layers import BatchNorm, Dense, Layer, Relu, serial
+from jaxnn.layers import BatchNorm, Dense, Dropout, Layer, Relu, serial
 from jaxnn.train import classification_loss, create_train_state, make_optimizer, make_train_step
 
 BATCH, FEATURES, CLASSES, STEPS = 32, 6, 4, 4
@@ -225,3 +229,101 @@ def test_shard_map_matches_jit_in_low_precision(policy, key):
     np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-2)
     if policy == "fp16":
         assert bool(metrics["grads_finite"]) and float(metrics["loss_scale"]) == float(ref_metrics["loss_scale"])
+
+
+# ------------------------------------------------------------------------- randomness and reduction per device
+
+
+def _dropout_probe(rows: int, features: int) -> Layer:
+    """Dropout(0.5) on an all-ones input, then `out[i] = sum_f dropped[i, f] * w[i, f]` with one weight per
+    (row, feature) of a device's shard: d out[i] / d w[i, f] is the dropped value, 0 or 2, so the gradient of w
+    is the device's dropout mask (scaled), and the data-parallel gradient is the sum of every device's mask."""
+
+    def init(key, in_shape):
+        return (in_shape[0],), {"w": jnp.zeros((rows, features))}
+
+    def apply(params, x, **_):
+        return jnp.sum(x * params["w"], axis=-1)
+
+    return serial(Dropout(0.5), Layer(init, apply, "probe"))
+
+
+def _mean_output_loss(out, batch):
+    return jnp.mean(out), {}
+
+
+@pytest.mark.parametrize("form", ["shard_map", "pmap"])
+def test_each_device_draws_its_own_dropout_mask(form, key):
+    # Every device gets the same rows (all ones), so only the key can make their masks differ: with one key for
+    # all devices (no fold_in of the device index) every device drops the same elements, and the data-parallel
+    # gradient is n copies of one mask: dropout's noise no longer averages out over the devices.
+    n, rows, features = 4, 4, 16
+    model, tx = _dropout_probe(rows, features), optax.sgd(1.0)
+    state = create_train_state(model, tx, key, (rows, features))
+    dp = parallel.data_parallel_train_step(
+        model, _mean_output_loss, tx, mesh=parallel.make_mesh(n), form=form, donate=False
+    )
+    batch = {"x": np.ones((n * rows, features), np.float32), "y": np.zeros(n * rows, np.int32)}
+    new_state, _ = dp.step(dp.place_state(state), dp.place_batch(batch))
+    new_state = dp.unreplicate(new_state)
+    # SGD(1) from w = 0: new w = -grad = -sum over devices of 2 * mask / (rows * n) (each device's share of the
+    # global mean loss), so kept[i, f] = how many of the n devices kept element (i, f): exact small integers.
+    kept = -np.asarray(new_state.params["1_probe"]["w"]) * rows * n / 2
+    np.testing.assert_array_equal(kept, np.round(kept))
+    assert kept.min() >= 0 and kept.max() <= n and 0.3 < kept.mean() / n < 0.7, kept
+    # Independent masks agree on an element (all kept or all dropped) with probability 2 / 2^n = 1/8; one mask
+    # for all devices agrees everywhere.
+    agree = np.mean((kept == 0) | (kept == n))
+    assert agree < 0.4, f"devices drew the same dropout mask ({agree:.0%} of elements agree on every device)"
+    np.testing.assert_array_equal(jax.random.key_data(new_state.key), jax.random.key_data(state.key))
+
+
+_ALL_REDUCE = re.compile(r'"stablehlo\.all_reduce"\(.*?\}\) : \(([^)]*)\) ->', re.DOTALL)
+
+
+def test_shard_map_sums_half_precision_gradients_in_float32(key):
+    """bf16 gradients are summed over devices in float32 (rounded to bf16 once, after the sum).
+
+    Checked in the lowered program: XLA's CPU backend promotes a bf16 all-reduce to f32 by itself
+    ("..._promoted" reductions in the compiled HLO), so on the simulated CPU devices a bf16 psum gives the same
+    numbers and only the program shows the difference. The numeric check below is for backends that do reduce
+    in bf16 (NCCL rounds every partial sum to bf16); on this CPU it passes either way, but a bf16 reduction
+    written out step by step (all_gather, then bf16 adds) fails it on every feature.
+    """
+    n = 8
+    mesh = parallel.make_mesh(n)
+    model, tx = _mlp(), optax.sgd(1.0)
+    state = create_train_state(model, tx, key, (BATCH, FEATURES), "bf16")
+    body = jax.shard_map(
+        parallel.per_device_step_fn(model, classification_loss, tx, "bf16"),
+        mesh=mesh,
+        in_specs=(P(), P(parallel.DATA_AXIS)),
+        out_specs=(P(), P()),
+        check_vma=False,
+    )
+    text = jax.jit(body).lower(state, _batches()[0]).as_text()
+    reduced = [t.strip() for m in _ALL_REDUCE.finditer(text) for t in m.group(1).split(",")]
+    param_shapes = {"x".join(map(str, p.shape)) for p in jax.tree.leaves(state.params)}
+    assert {t for t in reduced if t[len("tensor<") :].rsplit("x", 1)[0] in param_shapes} == {
+        f"tensor<{s}xf32>" for s in param_shapes
+    }, reduced
+    assert all(t.endswith("xf32>") or t == "tensor<f32>" for t in reduced), reduced
+
+    # Numerically: per-device gradients whose sum in bf16 loses most of it. Device d's gradient of w[f] is
+    # x_d[f] / n (one row per device, loss = mean of the output), x_d[f] = 1 at f = d, -1 at f = d - 3 (mod n),
+    # 2^-9 elsewhere. In f32 the sum is exactly 6 * 2^-9 per feature (exact in bf16 too, so the one rounding
+    # after the sum changes nothing: tolerance 0). Summed in bf16, every 2^-9 term added to a running +-1 rounds
+    # away (bf16 keeps 8 significant bits: 1 + 2^-9 == 1), so a feature comes out as a smaller multiple of 2^-9:
+    # off by at least a sixth.
+    probe = Layer(
+        lambda key, shape: ((shape[0],), {"w": jnp.zeros((n,))}),
+        lambda params, x, **_: jnp.sum(x * params["w"].reshape(1, -1), axis=-1),
+        "probe",
+    )
+    x = np.full((n, n), 2.0**-9, np.float32)
+    x[np.arange(n), np.arange(n)] = 1.0
+    x[(np.arange(n) + 3) % n, np.arange(n)] = -1.0
+    probe_state = create_train_state(probe, tx, key, (1, n), "bf16")
+    dp = parallel.data_parallel_train_step(probe, _mean_output_loss, tx, "bf16", mesh=mesh, form="shard_map")
+    new_state, _ = dp.step(dp.place_state(probe_state), dp.place_batch({"x": x, "y": np.zeros(n, np.int32)}))
+    np.testing.assert_array_equal(-np.asarray(new_state.params["w"]), x.sum(0) / n)

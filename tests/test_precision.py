@@ -105,20 +105,87 @@ def test_loss_scale_halves_on_overflow_and_doubles_after_period():
     assert float(defaults.scale) == 2.0**15 and int(defaults.period) == 2000
 
 
-def test_fp16_step_skips_overflow_and_keeps_params(key):
-    model = L.serial(L.Dense(4), L.Relu, L.Dense(3))
-    tx = optax.sgd(0.1)
-    state = train.create_train_state(model, tx, key, (8, 5), "fp16")
+def _fp16_bn_run(key):
+    """A BatchNorm model after three real Adam steps under fp16: non-zero moments, running statistics away from
+    their initial values, step 3, and a loss scale of 2^10 with 3 good steps. A rollback to a fresh state (or to
+    zeros, or to any initial value) would then show, where it would not from a freshly created state."""
+    model = L.serial(L.Dense(8), L.BatchNorm(momentum=0.9), L.Relu, L.Dense(3))
+    tx = optax.adam(1e-2)
+    # One compiled program, not one per initialiser op.
+    state = jax.jit(lambda key: train.create_train_state(model, tx, key, (8, 5), "fp16"))(key)
+    state = state._replace(loss_scale=precision.LossScale.create(initial_scale=2.0**10, period=100))
     step = train.make_train_step(model, train.classification_loss, tx, "fp16", donate=False)
-    x = jax.random.normal(key, (8, 5))
-    y = jnp.arange(8) % 3
-    overflow = state._replace(loss_scale=state.loss_scale._replace(scale=jnp.float32(6e4)))
-    # fp16's largest value is 65504: a 6e4 scale makes the scaled gradients overflow to inf.
-    skipped, metrics = step(overflow, {"x": x * 1e3, "y": y})
-    assert not bool(metrics["grads_finite"])
-    assert float(skipped.loss_scale.scale) == 3e4
-    for old, new in zip(jax.tree.leaves(overflow.params), jax.tree.leaves(skipped.params)):
-        np.testing.assert_array_equal(old, new)
-    taken, metrics = step(state, {"x": x, "y": y})
+    rng = np.random.default_rng(1)
+    batches = [
+        {"x": rng.normal(size=(8, 5)).astype(np.float32), "y": rng.integers(0, 3, 8).astype(np.int32)} for _ in range(4)
+    ]
+    for batch in batches[:3]:
+        state, metrics = step(state, batch)
+        assert bool(metrics["grads_finite"])
+    assert int(state.step) == 3 and int(state.loss_scale.good_steps) == 3 and float(state.loss_scale.scale) == 2**10
+    return step, state, batches[3]
+
+
+def _leaves_equal(a, b):
+    return [np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)]
+
+
+def test_fp16_overflow_rolls_back_params_optimizer_and_batch_norm_state(key):
+    step, state, batch = _fp16_bn_run(key)
+    # A 2^24 scale overflows fp16: the scaled loss is f32, but its cotangent (2^24 * (p - onehot) / batch) is
+    # rounded to fp16 at the output cast and becomes inf. The forward pass is finite, so the BatchNorm statistics
+    # it computes are finite and new: only the rollback keeps them out of the state.
+    overflow = state._replace(loss_scale=state.loss_scale._replace(scale=jnp.float32(2.0**24)))
+    skipped, metrics = step(overflow, batch)
+    assert not bool(metrics["grads_finite"]) and bool(jnp.isfinite(metrics["loss"]))
+    for part in ("params", "opt_state", "model_state"):
+        equal = _leaves_equal(getattr(overflow, part), getattr(skipped, part))
+        assert equal and all(equal), f"an overflowing step changed {part}"
+    assert int(skipped.step) == 4  # the counter still advances (it keys the next step's randomness)
+    assert float(skipped.loss_scale.scale) == 2.0**23 and int(skipped.loss_scale.good_steps) == 0
+    assert int(skipped.loss_scale.period) == 100
+    np.testing.assert_array_equal(skipped.key, overflow.key)
+
+    # The same state with its own 2^10 scale takes the step: every part changes.
+    taken, metrics = step(state, batch)
     assert bool(metrics["grads_finite"])
-    assert any(not np.array_equal(o, n) for o, n in zip(jax.tree.leaves(state.params), jax.tree.leaves(taken.params)))
+    assert not any(_leaves_equal(state.params, taken.params))
+    assert not any(_leaves_equal(state.model_state, taken.model_state))
+    changed = [not e for e in _leaves_equal(state.opt_state, taken.opt_state)]
+    counts = [int(c) for _, c in optax.tree_utils.tree_get_all_with_path(taken.opt_state, "count")]
+    assert any(changed) and counts and set(counts) == {4}
+    assert int(taken.step) == 4 and float(taken.loss_scale.scale) == 2.0**10
+    assert int(taken.loss_scale.good_steps) == 4
+
+
+CONVOLUTION = re.compile(
+    r"stablehlo\.convolution\(.*: \(tensor<([^>]*)x(\w+)>, tensor<([^>]*)x(\w+)>\) -> tensor<([^>]*)x(\w+)>"
+)
+
+
+def test_bf16_train_step_with_xla_convolutions(key):
+    """What a bf16 CNN step lowers to with XLA's convolution op (`Conv(lowering="xla")`, which "auto" picks on
+    accelerators): the forward convolutions are bf16 x bf16 -> f32, while the backward ones (the transposes in
+    `precision.conv`) are bf16 x bf16 -> bf16: their cotangent is rounded to bf16, but the transpose does not ask
+    for an f32 result. README.md ("Mixed precision") says so; this test pins it either way."""
+    model = L.serial(L.Conv(4, 3, lowering="xla"), L.Relu, L.Conv(8, 3, lowering="xla"), L.Flatten(), L.Dense(3))
+    tx = optax.sgd(0.1)
+    # Lowered from shapes only: initialising the parameters op by op would cost more than the lowering.
+    state = jax.eval_shape(lambda: train.create_train_state(model, tx, key, (2, 6, 6, 1), "bf16"))
+    step = train.make_train_step(model, train.classification_loss, tx, "bf16", donate=False)
+    batch = {"x": jax.ShapeDtypeStruct((2, 6, 6, 1), jnp.float32), "y": jax.ShapeDtypeStruct((2,), jnp.int32)}
+    lines = step.lower(state, batch).as_text().splitlines()
+    convs = collections.Counter(
+        (m[2], m[4], m[6], m[5]) for m in map(CONVOLUTION.search, lines) if m
+    )  # (lhs dtype, rhs dtype, result dtype, result shape)
+    assert convs == {
+        # Forward: (2, 6, 6, 1) -> (2, 6, 6, 4) -> (2, 6, 6, 8).
+        ("bf16", "bf16", "f32", "2x6x6x4"): 1,
+        ("bf16", "bf16", "f32", "2x6x6x8"): 1,
+        # Backward: both kernels' gradients (laid out as the kernels, 3x3xCinxCout) and the second convolution's
+        # input gradient; the first convolution's input gradient (the data's) is never computed.
+        ("bf16", "bf16", "bf16", "3x3x1x4"): 1,
+        ("bf16", "bf16", "bf16", "3x3x4x8"): 1,
+        ("bf16", "bf16", "bf16", "2x6x6x4"): 1,
+    }, convs
+    assert {t[1:] for t in product_types("\n".join(lines)) if t[0] == "dot_general"} == {("bf16", "bf16", "f32")}
