@@ -128,6 +128,8 @@ def test_array_batches_are_a_function_of_seed_and_step(digits):
     assert len(epoch) == (len(y) // 32) * 32
     seen = np.concatenate([np.sort(one.permutation(0)[i * 32 : (i + 1) * 32]) for i in range(one.steps_per_epoch)])
     np.testing.assert_array_equal(epoch, y[seen])  # each example at most once per epoch
+    # A new order every epoch: epoch 1 starts with other examples than epoch 0.
+    assert not np.array_equal(one.batch(0)["y"], one.batch(one.steps_per_epoch)["y"])
 
 
 @pytest.mark.parametrize(
