@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -77,7 +77,32 @@ def steps_per_epoch(num_examples: int, batch_size: int, ragged: str = "drop") ->
     return -(-num_examples // batch_size)
 
 
-class TrainBatches:
+class CachedPermutations:
+    """Mixin for random-access batch sources: `permutation(epoch)`, each epoch's seeded example order computed once
+    per instance (not once per batch), and left out of pickles: Grain's worker processes receive the source
+    pickled, and the cache, which wraps a bound method, cannot be. Subclasses define `_permutation_uncached`."""
+
+    def _init_permutations(self) -> None:
+        # Per instance: a cache on the method itself would keep every instance alive.
+        self._permutation: Callable[[int], np.ndarray] = functools.lru_cache(maxsize=2)(self._permutation_uncached)
+
+    def _permutation_uncached(self, epoch: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_permutation"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_permutations()
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        return self._permutation(epoch)
+
+
+class TrainBatches(CachedPermutations):
     """Training batch number -> batch dict, for batches `start .. stop-1`; Grain's random-access source protocol.
 
     Image batches: `x` float32 (B, H, W, C) normalised and augmented, `y` int32 (B,), `mask` float32 (B,).
@@ -89,9 +114,7 @@ class TrainBatches:
     ) -> None:
         self.data, self.cfg, self.start, self.stop = data, cfg, start, stop
         self.is_text = isinstance(data, TextCorpus)
-        # Per instance (a cache on the method would keep every instance alive): an epoch's permutation is
-        # computed once, not once per batch.
-        self._permutation = functools.lru_cache(maxsize=2)(self._permutation_uncached)
+        self._init_permutations()
         if isinstance(data, TextCorpus):
             self.steps_per_epoch = max(len(data.train) // (cfg.batch_size * cfg.seq_len), 1)
         else:
@@ -105,20 +128,6 @@ class TrainBatches:
 
     def __repr__(self) -> str:  # Grain logs its source; keep the arrays out of it
         return f"TrainBatches({self.data.name}, start={self.start}, stop={self.stop}, {self.cfg})"
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Grain's worker processes receive the source pickled; the per-instance cache (which wraps a bound method)
-        # cannot be pickled, so it is left out and rebuilt, empty, on the other side.
-        state = self.__dict__.copy()
-        del state["_permutation"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._permutation = functools.lru_cache(maxsize=2)(self._permutation_uncached)
-
-    def permutation(self, epoch: int) -> np.ndarray:
-        return self._permutation(epoch)
 
     def _permutation_uncached(self, epoch: int) -> np.ndarray:
         if isinstance(self.data, TextCorpus):

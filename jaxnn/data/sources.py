@@ -10,7 +10,6 @@ Evaluation data takes the same forms, as padded batches whose `mask` marks the r
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -18,7 +17,14 @@ from typing import Any
 import numpy as np
 
 from jaxnn.data.datasets import DataError, ImageDataset, TextCorpus
-from jaxnn.data.pipeline import PipelineConfig, TrainBatches, eval_batches, host_iterator, iterator_state
+from jaxnn.data.pipeline import (
+    CachedPermutations,
+    PipelineConfig,
+    TrainBatches,
+    eval_batches,
+    host_iterator,
+    iterator_state,
+)
 
 
 def as_arrays(data: object, role: str = "data") -> dict[str, np.ndarray] | None:
@@ -36,7 +42,7 @@ def as_arrays(data: object, role: str = "data") -> dict[str, np.ndarray] | None:
     return arrays
 
 
-class ArrayBatches:
+class ArrayBatches(CachedPermutations):
     """Training batches `start .. stop-1` drawn from in-memory arrays (random access, Grain's source protocol).
 
     Each epoch is a permutation seeded by `(seed, epoch)`; an epoch's last partial batch is dropped.
@@ -50,7 +56,7 @@ class ArrayBatches:
         if batch_size > self.num_examples:
             raise DataError(f"batch size {batch_size} is larger than the {self.num_examples} training examples")
         self.steps_per_epoch = self.num_examples // batch_size
-        self._permutation = functools.lru_cache(maxsize=2)(self._permutation_uncached)  # per instance, not leaked
+        self._init_permutations()
 
     def __len__(self) -> int:
         return self.stop - self.start
@@ -60,20 +66,6 @@ class ArrayBatches:
 
     def __repr__(self) -> str:
         return f"ArrayBatches({self.num_examples} examples, batch {self.batch_size}, start={self.start})"
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Grain's worker processes receive the source pickled; the per-instance cache (which wraps a bound method)
-        # cannot be pickled, so it is left out and rebuilt, empty, on the other side.
-        state = self.__dict__.copy()
-        del state["_permutation"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._permutation = functools.lru_cache(maxsize=2)(self._permutation_uncached)
-
-    def permutation(self, epoch: int) -> np.ndarray:
-        return self._permutation(epoch)
 
     def _permutation_uncached(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, 0, epoch]).permutation(self.num_examples)
