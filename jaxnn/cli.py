@@ -28,6 +28,12 @@ EXIT_USAGE = 2
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxnn", description="jaxnn: train models with JAX on the host at hand.")
     sub = parser.add_subparsers(dest="command", required=True)
+    add_train_parser(sub)
+    add_export_parser(sub)
+    return parser
+
+
+def add_train_parser(sub: Any) -> None:
     p = sub.add_parser(
         "train",
         help="train a model",
@@ -75,6 +81,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="data-parallel devices of this process (on a CPU, that many simulated devices)",
     )
+    add_multiprocess_flags(p)
+    a("--prefetch", type=int, default=2, help="batches put on the device ahead of the step (0: none)")
+    a("--backend", default="grain", choices=("grain", "inline"), help="host pipeline: Grain workers or inline")
+    a("--workers", type=int, default=0, help="Grain worker processes (0: reader threads in this process)")
+    a("--no-progress", action="store_true", help="no progress bar")
+    a("--no-plots", action="store_true", help="no PNG plots at the end")
+    a(
+        "--metrics",
+        nargs="+",
+        default=[],
+        choices=("csv", "tensorboard"),
+        help="metric writers besides metrics.jsonl: CSV files, TensorBoard event files (<run-dir>/tensorboard)",
+    )
+    a("--no-summary", action="store_true", help="do not print the model's per-layer table at the start")
+
+
+def add_multiprocess_flags(p: argparse.ArgumentParser) -> None:
+    """`jaxnn train`'s flags for runs of several processes (one per host, or local ones on 127.0.0.1)."""
+    a = p.add_argument
     a(
         "--coordinator",
         default=None,
@@ -97,21 +122,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="multi-process run: stop if no step finishes in this many seconds (a peer died)",
     )
     a("--fail-at", type=int, nargs=2, metavar=("PROCESS", "STEP"), default=None, help=argparse.SUPPRESS)
-    a("--prefetch", type=int, default=2, help="batches put on the device ahead of the step (0: none)")
-    a("--backend", default="grain", choices=("grain", "inline"), help="host pipeline: Grain workers or inline")
-    a("--workers", type=int, default=0, help="Grain worker processes (0: reader threads in this process)")
-    a("--no-progress", action="store_true", help="no progress bar")
-    a("--no-plots", action="store_true", help="no PNG plots at the end")
-    a(
-        "--metrics",
-        nargs="+",
-        default=[],
-        choices=("csv", "tensorboard"),
-        help="metric writers besides metrics.jsonl: CSV files, TensorBoard event files (<run-dir>/tensorboard)",
-    )
-    a("--no-summary", action="store_true", help="do not print the model's per-layer table at the start")
-    add_export_parser(sub)
-    return parser
 
 
 def add_export_parser(sub: Any) -> None:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
-from typing import TypeAlias
+from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -110,6 +110,51 @@ def im2col_patches(
     return taps[0] if len(taps) == 1 else jnp.concatenate(taps, axis=-1)
 
 
+def _conv_fn(
+    lowering: str,
+    strides: tuple[int, ...],
+    pad: Any,
+    dilation: tuple[int, ...],
+    dimension_numbers: Any,
+    feature_group_count: int,
+) -> Callable[..., jax.Array]:
+    """`conv(x, w, policy=None)` in the lowering asked for (see `Conv`)."""
+
+    def xla_conv(x, w, policy):
+        return precision.conv(
+            x,
+            w,
+            policy,
+            window_strides=strides,
+            padding=pad,
+            rhs_dilation=dilation,
+            dimension_numbers=dimension_numbers,
+            feature_group_count=feature_group_count,
+        )
+
+    def conv(x, w, policy=None):
+        if lowering == "im2col":
+            return conv_im2col(x, w, strides, pad, dilation, policy)
+        if lowering == "xla" or feature_group_count != 1:
+            return xla_conv(x, w, policy)
+        # "auto": im2col where the computation is lowered for the CPU, XLA's convolution on every other platform.
+        # On the CPU (measured, docs/performance.md "Convolution lowerings"): as fast as XLA's convolution in a
+        # jitted step (2x faster for a 3-channel stem), 20x and more faster inside lax.scan (make_multi_step),
+        # where XLA's weight-gradient convolution falls off a cliff; and in half precision its dots keep every
+        # backward product bf16 x bf16 -> f32 (precision.einsum), which XLA's convolution transposes cannot.
+        # The choice follows the platform the computation is lowered for, not this process's default backend, so
+        # that a program traced here and exported for a GPU (jax.export) gets the GPU's lowering; both branches
+        # are traced, only the lowering platform's is lowered (docs/performance.md "Lowering for another platform").
+        return lax.platform_dependent(
+            x,
+            w,
+            cpu=lambda x, w: conv_im2col(x, w, strides, pad, dilation, policy),
+            default=lambda x, w: xla_conv(x, w, policy),
+        )
+
+    return conv
+
+
 def Conv(
     features: int,
     kernel_size: int | Sequence[int],
@@ -151,37 +196,7 @@ def Conv(
         raise ValueError(f"Conv: features {features} is not divisible by feature_group_count {feature_group_count}")
     dimension_numbers = _DIMENSION_NUMBERS[rank]
 
-    def xla_conv(x, w, policy):
-        return precision.conv(
-            x,
-            w,
-            policy,
-            window_strides=strides,
-            padding=pad,
-            rhs_dilation=dilation,
-            dimension_numbers=dimension_numbers,
-            feature_group_count=feature_group_count,
-        )
-
-    def conv(x, w, policy=None):
-        if lowering == "im2col":
-            return conv_im2col(x, w, strides, pad, dilation, policy)
-        if lowering == "xla" or feature_group_count != 1:
-            return xla_conv(x, w, policy)
-        # "auto": im2col where the computation is lowered for the CPU, XLA's convolution on every other platform.
-        # On the CPU (measured, docs/performance.md "Convolution lowerings"): as fast as XLA's convolution in a
-        # jitted step (2x faster for a 3-channel stem), 20x and more faster inside lax.scan (make_multi_step),
-        # where XLA's weight-gradient convolution falls off a cliff; and in half precision its dots keep every
-        # backward product bf16 x bf16 -> f32 (precision.einsum), which XLA's convolution transposes cannot.
-        # The choice follows the platform the computation is lowered for, not this process's default backend, so
-        # that a program traced here and exported for a GPU (jax.export) gets the GPU's lowering; both branches
-        # are traced, only the lowering platform's is lowered (docs/performance.md "Lowering for another platform").
-        return lax.platform_dependent(
-            x,
-            w,
-            cpu=lambda x, w: conv_im2col(x, w, strides, pad, dilation, policy),
-            default=lambda x, w: xla_conv(x, w, policy),
-        )
+    conv = _conv_fn(lowering, strides, pad, dilation, dimension_numbers, feature_group_count)
 
     def init(key, in_shape):
         expected = f"of rank {rank + 2} ({dimension_numbers[0]})"
