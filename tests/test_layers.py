@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
+import cases_conv_norm
+import cases_recurrent
 from jaxnn import layers as L
 from jaxnn.precision import BF16
 
@@ -42,6 +44,8 @@ CASES = {
     "transformer_block": (lambda: L.TransformerBlock(2, drop_prob=0.1), (2, 5, 8), "float"),
     "serial": (lambda: L.serial(L.Dense(6), L.Relu, L.Dropout(0.2), L.Dense(3)), (3, 4), "float"),
     "residual_with_batch_norm": (lambda: L.residual(L.Dense(4), L.BatchNorm(), L.Tanh), (3, 4), "float"),
+    **cases_conv_norm.CASES,
+    **cases_recurrent.CASES,
 }
 
 
@@ -115,6 +119,8 @@ BF16_ROUNDINGS = {
     "attention_causal": 4,  # q/k/v, probabilities, attention output, output projection
     "attention_xla": 4,
     "transformer_block": 8,  # two layer norms, attention (4), gelu MLP, two residual sums
+    **cases_conv_norm.BF16_ROUNDINGS,
+    **cases_recurrent.BF16_ROUNDINGS,
 }
 
 

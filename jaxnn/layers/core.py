@@ -17,12 +17,30 @@ How state and randomness travel (the one uniform rule of this module):
   dtype of `x`, because the policy casts inputs and parameters once at the step boundary.
 - Combinators store their children's params and state under the keys `"<index>_<name>"`, and leave out children
   that have none, so checkpoints and weight-decay masks can name every array.
+
+Side inputs (the second uniform rule): arrays a layer reads besides `x` travel as further keywords of `apply`,
+each with one meaning everywhere:
+- `mask`: (B, T) bool, True for real positions of `x` (padding mask; attention, recurrent layers);
+- `context`: (B, S, Dc) the sequence cross-attention reads keys and values from; `context_mask`: its (B, S) mask;
+- `positions`: (B, T) int positions of `x`'s elements (position embeddings, rotary embeddings; default 0..T-1).
+A layer lists the side inputs it reads in `layer.side_inputs`; `serial`, `residual`, `parallel` and the stacks
+accept the union of their children's and hand each child only those it reads. Every `apply` refuses a keyword it
+does not know (a misspelt `trian=True` raises instead of being ignored).
+
+Decoding cache (the third): a layer that can run one position at a time against what it saw before (causal
+attention's keys and values) has `init_cache(in_shape, max_len, dtype) -> cache`. `apply(..., cache=cache)` then
+takes the next positions of `x` and returns `(y, new_cache)`, stateful or not (decoding is inference: state is read,
+not updated). Combinators build and thread their children's caches under the same `"<index>_<name>"` keys.
+
+Errors: a bad input raises `LayerError` (a ValueError; `LayerTypeError` for a wrong dtype) with one line naming the
+layer's path in the model (`gpt/3_block/0_attn/1_attention: ...`) and both shapes or dtypes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol, TypeAlias
 
 import jax
@@ -58,6 +76,34 @@ class ApplyFn(Protocol):
 
 
 InitStateFn: TypeAlias = Callable[[Shape], State]
+Cache: TypeAlias = Any  # a pytree of arrays a decoding layer carries from one call to the next (keys, values, index)
+InitCacheFn: TypeAlias = Callable[[Shape, int, Any], Cache]  # (in_shape, max_len, dtype) -> cache
+
+# The keywords every `apply` takes (a layer may ignore some); side inputs come on top (see the module docstring).
+STANDARD_KEYWORDS = frozenset({"key", "train", "state", "policy"})
+SIDE_INPUTS = frozenset({"mask", "context", "context_mask", "positions"})
+
+
+class LayerError(ValueError):
+    """A bad input or parameter, raised in one line naming the layer's path within the model."""
+
+    def __init__(self, layer_name: str, detail: str):
+        super().__init__(detail)
+        self.path = [layer_name]
+        self.detail = detail
+
+    def within(self, parent: str) -> LayerError:
+        """Prefixes the path with the combinator key the layer sits under (`serial` calls this on the way out)."""
+        if self.path[0] != parent:
+            self.path.insert(0, parent)
+        return self
+
+    def __str__(self) -> str:
+        return f"{'/'.join(self.path)}: {self.detail}"
+
+
+class LayerTypeError(LayerError, TypeError):
+    """A `LayerError` for an input of the wrong dtype."""
 
 
 class Layer(NamedTuple):
@@ -68,10 +114,28 @@ class Layer(NamedTuple):
     name: str
     init_state: InitStateFn | None = None
     children: tuple[Layer, ...] = ()  # a combinator's child layers in order; params keys are "<index>_<name>"
+    side_inputs: frozenset[str] = frozenset()  # the side-input keywords `apply` reads (mask, context, positions)
+    init_cache: InitCacheFn | None = None  # set when `apply(..., cache=)` decodes position by position
 
     @property
     def stateful(self) -> bool:
         return self.init_state is not None
+
+
+def check_keywords(layer_name: str, kwargs: dict[str, Any], side_inputs: frozenset[str] = frozenset()) -> None:
+    """Refuses keywords an `apply` does not take, naming the layer and what it does take."""
+    unknown = sorted(set(kwargs) - STANDARD_KEYWORDS - side_inputs)
+    if unknown:
+        takes = ", ".join(sorted(STANDARD_KEYWORDS | side_inputs))
+        raise LayerTypeError(layer_name, f"apply got unexpected keyword(s) {', '.join(unknown)}; it takes {takes}")
+
+
+def side_inputs_of(layers: Sequence[Layer]) -> frozenset[str]:
+    return frozenset().union(*(layer.side_inputs for layer in layers))
+
+
+def _for_child(layer: Layer, side: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in side.items() if k in layer.side_inputs}
 
 
 def run(
@@ -83,11 +147,41 @@ def run(
     key: PRNGKey | None = None,
     train: bool = False,
     policy: Policy | None = None,
+    **side: Any,
 ) -> tuple[Any, State]:
-    """Applies any layer and returns `(y, state)`, whether or not the layer is stateful."""
+    """Applies any layer and returns `(y, state)`, whether or not the layer is stateful.
+
+    `side` holds side inputs (mask, context, ...); the layer gets those it lists in `layer.side_inputs`."""
+    side = _for_child(layer, side)
     if layer.stateful:
-        return layer.apply(params, x, state=state, key=key, train=train, policy=policy)
-    return layer.apply(params, x, key=key, train=train, policy=policy), state
+        return layer.apply(params, x, state=state, key=key, train=train, policy=policy, **side)
+    return layer.apply(params, x, key=key, train=train, policy=policy, **side), state
+
+
+def run_cached(
+    layer: Layer,
+    params: Params,
+    x: Any,
+    cache: Cache,
+    *,
+    state: State = None,
+    policy: Policy | None = None,
+    **side: Any,
+) -> tuple[Any, Cache]:
+    """One decoding call: `(y, new_cache)` from a layer with `init_cache`; a layer without one is applied as is
+    (in eval mode) and `cache` comes back unchanged."""
+    side = _for_child(layer, side)
+    if layer.init_cache is not None:
+        kwargs = {"state": state} if layer.stateful else {}
+        return layer.apply(params, x, cache=cache, policy=policy, **kwargs, **side)
+    return run(layer, params, x, state=state, policy=policy, **side)[0], cache
+
+
+def init_cache(layer: Layer, in_shape: Shape, max_len: int, dtype: Any) -> Cache:
+    """The decoding cache of `layer` for inputs like `in_shape` (the prompt's) and up to `max_len` positions."""
+    if layer.init_cache is None:
+        raise LayerError(layer.name, "has no decoding cache (it holds no causal attention); decode without one")
+    return layer.init_cache(tuple(in_shape), max_len, dtype)
 
 
 def init_model(layer: Layer, key: PRNGKey, in_shape: Shape) -> tuple[Shape, Params, State]:
@@ -115,9 +209,35 @@ def along_last_axis(v: jax.Array, ndim: int) -> jax.Array:
     return v.reshape((1,) * (ndim - 1) + (-1,))
 
 
-def shape_error(layer_name: str, expected: str, in_shape: Shape) -> ValueError:
-    """The one-line error every layer raises at init for an input shape it cannot take."""
-    return ValueError(f"{layer_name}: expected input {expected}, got shape {tuple(in_shape)}")
+def shape_error(layer_name: str, expected: str, in_shape: Shape) -> LayerError:
+    """The one-line error every layer raises (at init and apply) for an input shape it cannot take."""
+    return LayerError(layer_name, f"expected input {expected}, got shape {tuple(in_shape)}")
+
+
+def check_float_input(layer_name: str, x: Any) -> None:
+    """Refuses integer or bool inputs to layers whose weights are floats (Dense, Conv): computing in the input's
+    dtype would cast the weights to integers and train nothing."""
+    dtype = jax.numpy.result_type(x)
+    if not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
+        raise LayerTypeError(
+            layer_name,
+            f"expected a floating-point input, got dtype {dtype}; normalise it first, "
+            "e.g. x.astype(jnp.float32) / 255 for uint8 images (ids belong in an Embedding)",
+        )
+
+
+def check_params(layer_name: str, params: Params, expected: dict[str, Shape]) -> None:
+    """Refuses parameters that are missing or of another shape than the layer (as built) computes with."""
+    if not isinstance(params, dict):
+        raise LayerError(layer_name, f"expected params as a dict with {sorted(expected)}, got {type(params).__name__}")
+    for param_name, shape in expected.items():
+        if param_name not in params:
+            raise LayerError(
+                layer_name, f"params have no {param_name!r} (found {sorted(params)}); were they made for another model?"
+            )
+        got = tuple(jax.numpy.shape(params[param_name]))
+        if got != tuple(shape):
+            raise LayerError(layer_name, f"parameter {param_name!r} has shape {got}, this layer needs {tuple(shape)}")
 
 
 def check_positive(layer_name: str, **values: int) -> None:
@@ -151,22 +271,64 @@ def Lambda(fn: Callable[[Any], Any], name: str = "lambda", shape_fn: Callable[[S
     def init(key, in_shape):
         return (shape_fn(in_shape) if shape_fn else tuple(in_shape)), {}
 
-    def apply(params, x, **_):
+    def apply(params, x, **kwargs):
+        check_keywords(name, kwargs)
         return fn(x)
 
     return Layer(init, apply, name)
 
 
+def _child_params(name: str, params: Params, child_name: str) -> Params:
+    if not isinstance(params, dict):
+        raise LayerError(name, f"expected params as a dict keyed by child, got {type(params).__name__}")
+    return params.get(child_name, {})
+
+
+@contextlib.contextmanager
+def within(child_name: str) -> Iterator[None]:
+    """A `LayerError` raised inside gets the child's key prefixed to its path (combinators wrap each child call)."""
+    try:
+        yield
+    except LayerError as err:
+        raise err.within(child_name) from None
+
+
+def _cached_children(name, names, layers, params, x, cache, state, policy, side) -> tuple[Any, Cache]:
+    """A serial pass in decoding mode: each child with a cache gets and returns its own; see the module docstring."""
+    new_cache = {}
+    for child_name, layer in zip(names, layers):
+        child_state = state.get(child_name) if state else None
+        p = _child_params(name, params, child_name)
+        with within(child_name):
+            x, child_cache = run_cached(layer, p, x, cache.get(child_name), state=child_state, policy=policy, **side)
+        if layer.init_cache is not None:
+            new_cache[child_name] = child_cache
+    return x, new_cache
+
+
+def _init_children_cache(names, layers, in_shape, max_len, dtype) -> Cache:
+    cache, shape = {}, tuple(in_shape)
+    for child_name, layer in zip(names, layers):
+        if layer.init_cache is not None:
+            with within(child_name):
+                cache[child_name] = layer.init_cache(shape, max_len, dtype)
+        shape = output_shape(layer, shape)
+    return cache
+
+
 def serial(*layers: Layer, name: str = "serial") -> Layer:
-    """Composes layers left to right: `serial(f, g)(x) = g(f(x))`. Stateful when any child is."""
+    """Composes layers left to right: `serial(f, g)(x) = g(f(x))`. Stateful when any child is; reads the side
+    inputs any child reads, and decodes with a cache when any child does."""
     if not layers:
         raise ValueError("serial: needs at least one layer")
     names = _child_keys(layers)
+    side_inputs = side_inputs_of(layers)
 
     def init(key, in_shape):
         params, shape = {}, tuple(in_shape)
         for i, (child_name, layer) in enumerate(zip(names, layers)):
-            shape, child_params = layer.init(jax.random.fold_in(key, i), shape)
+            with within(child_name):
+                shape, child_params = layer.init(jax.random.fold_in(key, i), shape)
             if jax.tree.leaves(child_params):
                 params[child_name] = child_params
         return shape, params
@@ -179,19 +341,36 @@ def serial(*layers: Layer, name: str = "serial") -> Layer:
             shape = output_shape(layer, shape)
         return state
 
-    def apply(params, x, *, state=None, key=None, train=False, policy=None):
+    def apply(params, x, *, state=None, key=None, train=False, policy=None, cache=None, **side):
+        check_keywords(name, side, side_inputs)
+        if cache is not None:
+            return _cached_children(name, names, layers, params, x, cache, state, policy, side)
         new_state = {}
         for i, (child_name, layer) in enumerate(zip(names, layers)):
             child_state = state.get(child_name) if state is not None else None
-            x, child_state = run(
-                layer, params.get(child_name, {}), x, state=child_state, key=_fold(key, i), train=train, policy=policy
-            )
+            p = _child_params(name, params, child_name)
+            with within(child_name):
+                x, child_state = run(
+                    layer, p, x, state=child_state, key=_fold(key, i), train=train, policy=policy, **side
+                )
             if layer.stateful:
                 new_state[child_name] = child_state
         return (x, new_state) if stateful else x
 
+    def init_cache(in_shape, max_len, dtype):
+        return _init_children_cache(names, layers, in_shape, max_len, dtype)
+
     stateful = any(layer.stateful for layer in layers)
-    return Layer(init, apply, name, init_state if stateful else None, tuple(layers))
+    decodes = any(layer.init_cache is not None for layer in layers)
+    return Layer(
+        init,
+        apply,
+        name,
+        init_state if stateful else None,
+        tuple(layers),
+        side_inputs,
+        init_cache if decodes else None,
+    )
 
 
 def parallel(*layers: Layer, name: str = "parallel") -> Layer:
@@ -199,13 +378,15 @@ def parallel(*layers: Layer, name: str = "parallel") -> Layer:
     if not layers:
         raise ValueError("parallel: needs at least one layer")
     names = _child_keys(layers)
+    side_inputs = side_inputs_of(layers)
 
     def init(key, in_shapes):
         if len(in_shapes) != len(layers) or not all(isinstance(s, (tuple, list)) for s in in_shapes):
-            raise ValueError(f"parallel: expected a tuple of {len(layers)} input shapes, got {in_shapes!r}")
+            raise LayerError(name, f"expected a tuple of {len(layers)} input shapes, got {in_shapes!r}")
         params, out_shapes = {}, []
         for i, (child_name, layer, shape) in enumerate(zip(names, layers, in_shapes)):
-            out_shape, child_params = layer.init(jax.random.fold_in(key, i), tuple(shape))
+            with within(child_name):
+                out_shape, child_params = layer.init(jax.random.fold_in(key, i), tuple(shape))
             out_shapes.append(out_shape)
             if jax.tree.leaves(child_params):
                 params[child_name] = child_params
@@ -218,13 +399,18 @@ def parallel(*layers: Layer, name: str = "parallel") -> Layer:
             if layer.init_state is not None
         }
 
-    def apply(params, xs, *, state=None, key=None, train=False, policy=None):
+    def apply(params, xs, *, state=None, key=None, train=False, policy=None, **side):
+        check_keywords(name, side, side_inputs)
+        if not isinstance(xs, (tuple, list)) or len(xs) != len(layers):
+            raise LayerError(name, f"expected a tuple of {len(layers)} inputs, got {type(xs).__name__}")
         outs, new_state = [], {}
         for i, (child_name, layer, x) in enumerate(zip(names, layers, xs)):
             child_state = state.get(child_name) if state is not None else None
-            y, child_state = run(
-                layer, params.get(child_name, {}), x, state=child_state, key=_fold(key, i), train=train, policy=policy
-            )
+            p = _child_params(name, params, child_name)
+            with within(child_name):
+                y, child_state = run(
+                    layer, p, x, state=child_state, key=_fold(key, i), train=train, policy=policy, **side
+                )
             outs.append(y)
             if layer.stateful:
                 new_state[child_name] = child_state
@@ -232,7 +418,7 @@ def parallel(*layers: Layer, name: str = "parallel") -> Layer:
 
     stateful = any(layer.stateful for layer in layers)
     _PARALLEL_INITS.add(init)
-    return Layer(init, apply, name, init_state if stateful else None, tuple(layers))
+    return Layer(init, apply, name, init_state if stateful else None, tuple(layers), side_inputs)
 
 
 def residual(*layers: Layer, name: str = "residual") -> Layer:
@@ -242,16 +428,19 @@ def residual(*layers: Layer, name: str = "residual") -> Layer:
     def init(key, in_shape):
         out_shape, params = body.init(key, in_shape)
         if tuple(out_shape) != tuple(in_shape):
-            raise ValueError(
-                f"{name}: the residual branch maps {tuple(in_shape)} to {tuple(out_shape)}; "
-                "it must keep the input shape"
+            raise LayerError(
+                name,
+                f"the residual branch maps {tuple(in_shape)} to {tuple(out_shape)}; it must keep the input shape",
             )
         return out_shape, params
 
-    def apply(params, x, *, state=None, key=None, train=False, policy=None):
-        y, new_state = run(body, params, x, state=state, key=key, train=train, policy=policy)
+    def apply(params, x, *, state=None, cache=None, **kwargs):
+        if cache is not None:
+            y, cache = body.apply(params, x, state=state, cache=cache, **kwargs)
+            return x + y.astype(x.dtype), cache
+        y, new_state = run(body, params, x, state=state, **kwargs)
         out = x + y.astype(x.dtype)
         return (out, new_state) if body.stateful else out
 
     # residual returns the body's params unnested, so the body's children and their keys are its own.
-    return Layer(init, apply, name, body.init_state, body.children)
+    return Layer(init, apply, name, body.init_state, body.children, body.side_inputs, body.init_cache)
