@@ -1,14 +1,14 @@
 """Every layer: shape agreement, jit == eager, vmap == loop, float64 gradients vs finite differences, a bf16 run,
 and clear errors for bad input."""
 
+import cases_conv_norm
+import cases_recurrent
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-import cases_conv_norm
-import cases_recurrent
 from jaxnn import layers as L
 from jaxnn.precision import BF16
 
