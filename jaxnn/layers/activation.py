@@ -5,11 +5,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxnn.layers.core import Lambda, Layer
+from jaxnn.layers.core import Lambda, Layer, check_keywords
 from jaxnn.precision import accumulation_dtype
 
 Relu = Lambda(jax.nn.relu, "relu")
 Gelu = Lambda(jax.nn.gelu, "gelu")  # tanh approximation, as in GPT-2 and Flax's default
+GeluExact = Lambda(lambda x: jax.nn.gelu(x, approximate=False), "gelu_exact")  # x * Phi(x), as PyTorch's default
 Silu = Lambda(jax.nn.silu, "silu")
 Tanh = Lambda(jnp.tanh, "tanh")
 # Softmax over the last axis, computed in float32 and returned in the input dtype.
@@ -27,7 +28,8 @@ def Dropout(drop_prob: float, name: str = "dropout") -> Layer:
     def init(key, in_shape):
         return tuple(in_shape), {}
 
-    def apply(params, x, *, key=None, train=False, **_):
+    def apply(params, x, *, key=None, train=False, **kwargs):
+        check_keywords(name, kwargs)
         if not train or drop_prob == 0:
             return x
         if key is None:

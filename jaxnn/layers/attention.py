@@ -1,6 +1,8 @@
-"""Multi-head self-attention and the pre-norm transformer block.
+"""Multi-head attention (self, cross, grouped-query; rotary positions; a decoding cache) and the pre-norm
+transformer block.
 
-Shape suffixes: B batch, T query positions, S key positions, D model width, N heads, H head width.
+Shape suffixes: B batch, T query positions, S key positions, L cache length, D model width, N query heads,
+K key/value heads (N a multiple of K), G = N // K query heads per key/value head, H head width.
 """
 
 from __future__ import annotations
@@ -12,30 +14,42 @@ from jax.nn import initializers
 
 from jaxnn import precision
 from jaxnn.layers.activation import Dropout, Gelu
-from jaxnn.layers.core import Layer, check_positive, residual, serial, shape_error
-from jaxnn.layers.linear import Dense
-from jaxnn.layers.norm import LayerNorm
+from jaxnn.layers.core import Layer, LayerError, check_keywords, check_positive, residual, serial, shape_error
+from jaxnn.layers.linear import Dense, check_positions
+from jaxnn.layers.norm import LayerNorm, RMSNorm
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "f32acc")
 
 
-def _attention_f32acc(q_BTNH, k_BSNH, v_BSNH, mask_B11S, causal, policy):
-    """Attention with both products accumulated in float32 and softmax in float32.
+def rotary_embedding(x_BTNH: jax.Array, positions_BT: jax.Array, base: float = 10000.0) -> jax.Array:
+    """Rotates each head vector by its position (RoPE, as in GPT-NeoX and Llama: the first and second halves of
+    the head are the real and imaginary parts), so that q . k depends on the positions only through their
+    difference. Computed in float32, returned in the input's dtype."""
+    H = x_BTNH.shape[-1]
+    inv_freq = base ** (-jnp.arange(0, H // 2, dtype=jnp.float32) * 2 / H)
+    angle_BTH = positions_BT[..., None].astype(jnp.float32) * inv_freq
+    cos, sin = (f(angle_BTH)[:, :, None, :] for f in (jnp.cos, jnp.sin))
+    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTNH.dtype)
+
+
+def _attention_f32acc(q_BTNH, k_BSKH, v_BSKH, valid, policy):
+    """Attention with both products accumulated in float32 and softmax in float32; `valid` broadcasts to
+    (B, 1, T, S) (None: every key). Grouped-query heads share their key/value head without copying it.
 
     jax.nn.dot_product_attention's XLA path returns the probs @ values product in the input dtype, which XLA's CPU
     backend runs as a slow bf16 -> bf16 dot instead of on the AMX units; this path keeps every product
     bf16 x bf16 -> f32.
     """
-    scale = 1.0 / jnp.sqrt(q_BTNH.shape[-1])
-    logits_BNTS = precision.einsum("BTNH,BSNH->BNTS", q_BTNH, k_BSNH, policy) * scale
-    valid = jnp.ones((1, 1, q_BTNH.shape[1], k_BSNH.shape[1]), bool)
-    if causal:
-        valid = jnp.tril(valid)
-    if mask_B11S is not None:
-        valid = valid & mask_B11S
-    logits_BNTS = jnp.where(valid, logits_BNTS, jnp.finfo(logits_BNTS.dtype).min)
-    probs_BNTS = jax.nn.softmax(logits_BNTS, axis=-1).astype(v_BSNH.dtype)
-    return precision.einsum("BNTS,BSNH->BTNH", probs_BNTS, v_BSNH, policy).astype(v_BSNH.dtype)
+    B, T, N, H = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
+    logits_BKGTS = precision.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, policy) / jnp.sqrt(H).astype(jnp.float32)
+    if valid is not None:
+        logits_BKGTS = jnp.where(valid[:, :, None], logits_BKGTS, jnp.finfo(logits_BKGTS.dtype).min)
+    probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(v_BSKH.dtype)
+    o_BTKGH = precision.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH, policy)
+    return o_BTKGH.reshape(B, T, N, H).astype(v_BSKH.dtype)
 
 
 def _is_half(dtype) -> bool:
@@ -51,7 +65,7 @@ def _choose_implementation(implementation: str, dtype) -> str:
     return "xla"
 
 
-def _cudnn_traces(q_BTNH, k_BSNH, v_BSNH, mask_B11S, causal) -> bool:
+def _cudnn_traces(q_BTNH, k_BSKH, v_BSKH, mask_B11S, causal) -> bool:
     """Whether jax's cuDNN attention can be traced for these operands in this process.
 
     jax checks for cuDNN (through its CUDA plugin) and the shape limits of the kernel (head width a multiple of 8,
@@ -67,98 +81,205 @@ def _cudnn_traces(q_BTNH, k_BSNH, v_BSNH, mask_B11S, causal) -> bool:
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="cudnn")
 
     try:
-        jax.eval_shape(cudnn, spec(q_BTNH), spec(k_BSNH), spec(v_BSNH), spec(mask_B11S))
+        jax.eval_shape(cudnn, spec(q_BTNH), spec(k_BSKH), spec(v_BSKH), spec(mask_B11S))
     except (RuntimeError, NotImplementedError, ValueError):
         return False
     return True
 
 
-def _attention(
-    impl: str,
-    q_BTNH: jax.Array,
-    k_BSNH: jax.Array,
-    v_BSNH: jax.Array,
-    mask_B11S: jax.Array | None,
-    causal: bool,
-    policy: precision.Policy | None,
-) -> jax.Array:
+def _attention(impl, q_BTNH, k_BSKH, v_BSKH, mask_B11S, causal, policy):
     if impl == "f32acc":
-        return _attention_f32acc(q_BTNH, k_BSNH, v_BSNH, mask_B11S, causal, policy)
+        T, S = q_BTNH.shape[1], k_BSKH.shape[1]
+        valid = jnp.tril(jnp.ones((1, 1, T, S), bool)) if causal else None
+        if mask_B11S is not None:
+            valid = mask_B11S if valid is None else valid & mask_B11S
+        return _attention_f32acc(q_BTNH, k_BSKH, v_BSKH, valid, policy)
     # jax's overloads take implementation as Literal["xla", "cudnn"] | None; impl is a str checked against
     # IMPLEMENTATIONS at construction, so no overload matches the plain str.
     return jax.nn.dot_product_attention(  # type: ignore[call-overload]
-        q_BTNH, k_BSNH, v_BSNH, mask=mask_B11S, is_causal=causal, implementation=impl
+        q_BTNH, k_BSKH, v_BSKH, mask=mask_B11S, is_causal=causal, implementation=impl
     )
+
+
+def _dispatch(implementation, q_BTNH, k_BSKH, v_BSKH, mask_B11S, causal, policy):
+    """Attention in the implementation asked for; "auto" picks per lowering platform (see MultiHeadAttention)."""
+    impl = _choose_implementation(implementation, q_BTNH.dtype)
+    if not (
+        implementation == "auto" and _is_half(q_BTNH.dtype) and _cudnn_traces(q_BTNH, k_BSKH, v_BSKH, mask_B11S, causal)
+    ):
+        return _attention(impl, q_BTNH, k_BSKH, v_BSKH, mask_B11S, causal, policy)
+    # cuDNN's fused flash-attention kernel where the computation is lowered for CUDA; the choice follows the
+    # platform jax lowers for (a program traced here can be exported for another), not the default backend.
+    return lax.platform_dependent(
+        q_BTNH,
+        k_BSKH,
+        v_BSKH,
+        mask_B11S,
+        cuda=lambda q, k, v, mask: _attention("cudnn", q, k, v, mask, causal, policy),
+        default=lambda q, k, v, mask: _attention(impl, q, k, v, mask, causal, policy),
+    )
+
+
+def _check_mask(name: str, arg: str, mask: jax.Array | None, shape: tuple[int, int]) -> jax.Array | None:
+    """A (B, S) padding mask as a (B, 1, 1, S) bool key mask, or a one-line error naming both shapes."""
+    if mask is None:
+        return None
+    if tuple(mask.shape) != tuple(shape) or not (mask.dtype == bool or jnp.issubdtype(mask.dtype, jnp.integer)):
+        raise LayerError(name, f"{arg} must be bool of shape {tuple(shape)}, got {mask.dtype} {tuple(mask.shape)}")
+    return mask.astype(bool)[:, None, None, :]
+
+
+def _check_config(num_heads, head_dim, num_kv_heads, implementation, cross, causal, rope) -> int:
+    """Refuses a bad construction in one line; returns the number of key/value heads."""
+    check_positive("MultiHeadAttention", num_heads=num_heads)
+    if head_dim is not None:
+        check_positive("MultiHeadAttention", head_dim=head_dim)
+    kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    check_positive("MultiHeadAttention", num_kv_heads=kv_heads)
+    if num_heads % kv_heads:
+        raise ValueError(f"MultiHeadAttention: num_heads {num_heads} is not a multiple of num_kv_heads {kv_heads}")
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"MultiHeadAttention: unknown implementation {implementation!r}; choose one of {IMPLEMENTATIONS}"
+        )
+    if cross and (causal or rope):
+        raise ValueError("MultiHeadAttention: cross-attention takes neither causal=True nor rope=True")
+    return kv_heads
 
 
 def MultiHeadAttention(
     num_heads: int,
     head_dim: int | None = None,
     *,
+    num_kv_heads: int | None = None,
     causal: bool = False,
+    cross: bool = False,
+    context_features: int | None = None,
+    rope: bool = False,
+    rope_base: float = 10000.0,
     implementation: str = "auto",
+    w_init: initializers.Initializer = initializers.lecun_normal(),
     name: str = "attention",
 ) -> Layer:
-    """Self-attention over (B, T, D) inputs with `num_heads` heads of width `head_dim` (default D // num_heads).
+    """Attention over (B, T, D) inputs with `num_heads` query heads of width `head_dim` (default D // num_heads).
 
-    Params: `qkv` (one fused Dense producing queries, keys and values) and `out`. `apply(..., mask=)` takes a
-    (B, T) boolean padding mask, True for real tokens; `causal=True` lets position t see positions <= t only.
+    - Self-attention by default; `cross=True` reads keys and values from the `context` side input (B, S, Dc),
+      Dc = `context_features` (default D), with its padding mask `context_mask` (B, S).
+    - `num_kv_heads` < num_heads: grouped-query attention (1: multi-query); each key/value head serves
+      num_heads // num_kv_heads query heads.
+    - `mask`: (B, T) bool padding mask of x's positions, True for real tokens; `causal=True` lets position t see
+      positions <= t only. `rope=True` rotates queries and keys by their positions (`positions` side input, default
+      0..T-1; `rotary_embedding`).
+    - Params: `qkv` (one fused Dense) for self-attention with num_kv_heads == num_heads, else `q` and `kv`; `out`.
+    - Causal self-attention decodes with a cache (`init_cache`): keys and values of every position seen so far.
     `implementation`: "auto" uses cuDNN's fused kernel for bf16/fp16 when the computation is lowered for CUDA and
     jax can trace cuDNN attention here (a CUDA jax with cuDNN, and shapes the kernel takes), the f32-accumulating
     path for half precision and float64 otherwise, and jax's XLA path for float32; "xla", "cudnn" and "f32acc" force
     one. The platform is the one jax lowers for (`lax.platform_dependent`), not the process's default backend.
     """
-    check_positive("MultiHeadAttention", num_heads=num_heads)
-    if head_dim is not None:
-        check_positive("MultiHeadAttention", head_dim=head_dim)
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"MultiHeadAttention: unknown implementation {implementation!r}; choose one of {IMPLEMENTATIONS}"
-        )
+    kv_heads = _check_config(num_heads, head_dim, num_kv_heads, implementation, cross, causal, rope)
+    fused = not cross and kv_heads == num_heads
+    side_inputs = frozenset({"context", "context_mask"} if cross else {"mask", *(("positions",) if rope else ())})
 
-    def dims(width):
-        h = head_dim or width // num_heads
-        return h, num_heads * h
+    def head_width(width):
+        return head_dim or width // num_heads
 
     def init(key, in_shape):
         if len(in_shape) != 3:
             raise shape_error(name, "of rank 3 (batch, time, features)", in_shape)
-        width = in_shape[-1]
-        if head_dim is None and width % num_heads:
+        D = in_shape[-1]
+        if head_dim is None and D % num_heads:
             raise shape_error(name, f"with features divisible by num_heads {num_heads}", in_shape)
-        _, inner = dims(width)
-        k_qkv, k_out = jax.random.split(key)
-        _, qkv = Dense(3 * inner, w_init=initializers.lecun_normal()).init(k_qkv, in_shape)
-        _, out = Dense(width).init(k_out, (*in_shape[:-1], inner))
-        return tuple(in_shape), {"qkv": qkv, "out": out}
-
-    def apply(params, x_BTD, *, mask=None, policy=None, **_):
-        B, T, D = x_BTD.shape
-        H, inner = dims(D)
-        qkv = Dense(3 * inner).apply(params["qkv"], x_BTD, policy=policy)
-        q_BTNH, k_BTNH, v_BTNH = (t.reshape(B, T, num_heads, H) for t in jnp.split(qkv, 3, axis=-1))
-        mask_B11S = None if mask is None else mask.astype(bool)[:, None, None, :]
-        impl = _choose_implementation(implementation, x_BTD.dtype)
-        if (
-            implementation == "auto"
-            and _is_half(x_BTD.dtype)
-            and _cudnn_traces(q_BTNH, k_BTNH, v_BTNH, mask_B11S, causal)
-        ):
-            # cuDNN's fused flash-attention kernel where the computation is lowered for CUDA; the choice follows the
-            # platform jax lowers for (a program traced here can be exported for another), not the default backend.
-            o_BTNH = lax.platform_dependent(
-                q_BTNH,
-                k_BTNH,
-                v_BTNH,
-                mask_B11S,
-                cuda=lambda q, k, v, mask: _attention("cudnn", q, k, v, mask, causal, policy),
-                default=lambda q, k, v, mask: _attention(impl, q, k, v, mask, causal, policy),
-            )
+        H = head_width(D)
+        if rope and H % 2:
+            raise shape_error(name, f"with an even head width for rotary embeddings (head width {H})", in_shape)
+        k_q, k_kv, k_out = jax.random.split(key, 3)
+        if fused:
+            params = {"qkv": Dense(3 * num_heads * H, w_init=w_init).init(k_q, in_shape)[1]}
         else:
-            o_BTNH = _attention(impl, q_BTNH, k_BTNH, v_BTNH, mask_B11S, causal, policy)
-        return Dense(D).apply(params["out"], o_BTNH.reshape(B, T, inner), policy=policy)
+            source = (in_shape[0], in_shape[1], context_features or D)
+            params = {
+                "q": Dense(num_heads * H, w_init=w_init).init(k_q, in_shape)[1],
+                "kv": Dense(2 * kv_heads * H, w_init=w_init).init(k_kv, source)[1],
+            }
+        params["out"] = Dense(D, w_init=w_init).init(k_out, (*in_shape[:-1], num_heads * H))[1]
+        return tuple(in_shape), params
 
-    return Layer(init, apply, name)
+    def project(params, x_BTD, source_BSE, policy):
+        """Queries from x; keys and values from `source` (x itself, or the context)."""
+        B, T, D = x_BTD.shape
+        H = head_width(D)
+        if fused:
+            qkv = Dense(3 * num_heads * H, name=f"{name}/qkv").apply(params["qkv"], x_BTD, policy=policy)
+            return tuple(t.reshape(B, T, num_heads, H) for t in jnp.split(qkv, 3, axis=-1))
+        q = Dense(num_heads * H, name=f"{name}/q").apply(params["q"], x_BTD, policy=policy)
+        kv = Dense(2 * kv_heads * H, name=f"{name}/kv").apply(params["kv"], source_BSE, policy=policy)
+        k, v = (t.reshape(B, source_BSE.shape[1], kv_heads, H) for t in jnp.split(kv, 2, axis=-1))
+        return q.reshape(B, T, num_heads, H), k, v
+
+    def apply(params, x_BTD, *, policy=None, cache=None, **kwargs):
+        check_keywords(name, kwargs, side_inputs)
+        if x_BTD.ndim != 3:
+            raise shape_error(name, "of rank 3 (batch, time, features)", x_BTD.shape)
+        B, T, D = x_BTD.shape
+        source, key_mask = _source_and_key_mask(name, cross, x_BTD, kwargs)
+        positions = kwargs.get("positions")
+        if positions is not None:
+            check_positions(name, positions, x_BTD.shape)
+        q, k, v = project(params, x_BTD, source, policy)
+        if cache is not None:
+            o, cache = _decode(q, k, v, cache, positions, rope_base if rope else None, policy)
+        else:
+            if rope:
+                positions = jnp.broadcast_to(jnp.arange(T), (B, T)) if positions is None else positions
+                q, k = rotary_embedding(q, positions, rope_base), rotary_embedding(k, positions, rope_base)
+            o = _dispatch(implementation, q, k, v, key_mask, causal, policy)
+        y = Dense(D, name=f"{name}/out").apply(params["out"], o.reshape(B, T, -1), policy=policy)
+        return y if cache is None else (y, cache)
+
+    def init_cache(in_shape, max_len, dtype):
+        if len(in_shape) != 3:
+            raise shape_error(name, "of rank 3 (batch, time, features)", in_shape)
+        zeros = jnp.zeros((in_shape[0], max_len, kv_heads, head_width(in_shape[-1])), dtype)
+        return {"k": zeros, "v": zeros, "index": jnp.zeros((), jnp.int32)}
+
+    decodes = causal and not cross
+    return Layer(init, apply, name, side_inputs=side_inputs, init_cache=init_cache if decodes else None)
+
+
+def _source_and_key_mask(name, cross, x_BTD, side):
+    """The sequence keys and values come from, and its (B, 1, 1, S) padding mask (None: every key is real)."""
+    if not cross:
+        return x_BTD, _check_mask(name, "mask", side.get("mask"), x_BTD.shape[:2])
+    context = side.get("context")
+    if context is None:
+        raise LayerError(name, "cross-attention needs the context= side input (B, S, features)")
+    if context.ndim != 3 or context.shape[0] != x_BTD.shape[0]:
+        raise LayerError(
+            name, f"context must be (batch={x_BTD.shape[0]}, S, features), got shape {tuple(context.shape)}"
+        )
+    return context, _check_mask(name, "context_mask", side.get("context_mask"), context.shape[:2])
+
+
+def _decode(q_BTNH, k_BTKH, v_BTKH, cache, positions, rope_base, policy):
+    """The next T positions against the cache: their keys and values are written at the cache's index, and each
+    query attends to every cached position up to its own."""
+    B, T = q_BTNH.shape[:2]
+    index = cache["index"]
+    if positions is None:
+        positions = jnp.broadcast_to(index + jnp.arange(T), (B, T))
+    if rope_base is not None:
+        q_BTNH, k_BTKH = rotary_embedding(q_BTNH, positions, rope_base), rotary_embedding(k_BTKH, positions, rope_base)
+    dtype = cache["k"].dtype
+    k_BLKH = lax.dynamic_update_slice(cache["k"], k_BTKH.astype(dtype), (0, index, 0, 0))
+    v_BLKH = lax.dynamic_update_slice(cache["v"], v_BTKH.astype(dtype), (0, index, 0, 0))
+    L = k_BLKH.shape[1]
+    valid_11TL = (jnp.arange(L)[None, :] <= (index + jnp.arange(T))[:, None])[None, None]
+    o = _attention_f32acc(q_BTNH.astype(dtype), k_BLKH, v_BLKH, valid_11TL, policy)
+    return o, {"k": k_BLKH, "v": v_BLKH, "index": index + T}
+
+
+NORMS = ("layer", "rms")
 
 
 def TransformerBlock(
@@ -167,38 +288,73 @@ def TransformerBlock(
     mlp_ratio: int = 4,
     drop_prob: float = 0.0,
     causal: bool = True,
+    num_kv_heads: int | None = None,
+    rope: bool = False,
+    norm: str = "layer",
+    cross_attention: bool = False,
+    context_features: int | None = None,
     attention_implementation: str = "auto",
     name: str = "block",
 ) -> Layer:
-    """Pre-norm transformer block: x + Attention(LN(x)), then x + MLP(LN(x)) with a GELU MLP of mlp_ratio * D."""
+    """Pre-norm transformer block: x + Attention(Norm(x)), [x + CrossAttention(Norm(x), context)],
+    then x + MLP(Norm(x)) with a GELU MLP of mlp_ratio * D.
+
+    `norm`: "layer" (LayerNorm) or "rms" (RMSNorm); `num_kv_heads` and `rope` as in `MultiHeadAttention`;
+    `cross_attention=True` adds a cross-attention sublayer reading the `context` side input (an encoder-decoder
+    block). Side inputs (mask, positions, context, context_mask) reach the sublayers that read them; a causal block
+    decodes with a cache.
+    """
     check_positive("TransformerBlock", mlp_ratio=mlp_ratio)
+    if norm not in NORMS:
+        raise ValueError(f"TransformerBlock: unknown norm {norm!r}; choose one of {NORMS}")
+    Dropout(drop_prob)  # refuse a bad drop_prob at construction, not at init
+    Norm = LayerNorm if norm == "layer" else RMSNorm
+
+    def attention(cross: bool) -> Layer:
+        return MultiHeadAttention(
+            num_heads,
+            num_kv_heads=num_kv_heads,
+            causal=causal and not cross,
+            rope=rope and not cross,
+            cross=cross,
+            context_features=context_features,
+            implementation=attention_implementation,
+            name="cross_attention" if cross else "attention",
+        )
+
+    def build(width: int) -> Layer:
+        sublayers = [residual(Norm(name="ln"), attention(False), Dropout(drop_prob), name="attn")]
+        if cross_attention:
+            sublayers.append(residual(Norm(name="ln"), attention(True), Dropout(drop_prob), name="cross"))
+        mlp = residual(
+            Norm(name="ln"),
+            Dense(mlp_ratio * width, name="fc"),
+            Gelu,
+            Dense(width, name="proj"),
+            Dropout(drop_prob),
+            name="mlp",
+        )
+        return serial(*sublayers, mlp, name=name)
+
+    template = build(1)  # the sublayers' side inputs and cache do not depend on the width
 
     def init(key, in_shape):
         if len(in_shape) != 3:
             raise shape_error(name, "of rank 3 (batch, time, features)", in_shape)
         return build(in_shape[-1]).init(key, in_shape)
 
-    def build(width):
-        return serial(
-            residual(
-                LayerNorm(name="ln"),
-                MultiHeadAttention(num_heads, causal=causal, implementation=attention_implementation),
-                Dropout(drop_prob),
-                name="attn",
-            ),
-            residual(
-                LayerNorm(name="ln"),
-                Dense(mlp_ratio * width, name="fc"),
-                Gelu,
-                Dense(width, name="proj"),
-                Dropout(drop_prob),
-                name="mlp",
-            ),
-            name=name,
-        )
-
     def apply(params, x, **kwargs):
+        if x.ndim != 3:
+            raise shape_error(name, "of rank 3 (batch, time, features)", x.shape)
         return build(x.shape[-1]).apply(params, x, **kwargs)
 
-    Dropout(drop_prob)  # refuse a bad drop_prob at construction, not at init
-    return Layer(init, apply, name)
+    def init_cache(in_shape, max_len, dtype):
+        return build(in_shape[-1]).init_cache(in_shape, max_len, dtype)
+
+    return Layer(
+        init,
+        apply,
+        name,
+        side_inputs=template.side_inputs,
+        init_cache=init_cache if template.init_cache is not None else None,
+    )

@@ -1,14 +1,27 @@
-"""Dense, Embedding and Flatten."""
+"""Dense, Embedding, Flatten and learned position embeddings."""
 
 from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 from jax.nn import initializers
 
 from jaxnn import precision
-from jaxnn.layers.core import Layer, along_last_axis, check_positive, shape_error
+from jaxnn.layers.core import (
+    Layer,
+    LayerError,
+    LayerTypeError,
+    along_last_axis,
+    check_float_input,
+    check_keywords,
+    check_params,
+    check_positive,
+    shape_error,
+)
+
+POSITIONS = frozenset({"positions"})
 
 
 def Dense(
@@ -19,7 +32,9 @@ def Dense(
     b_init: initializers.Initializer = initializers.zeros,
     name: str = "dense",
 ) -> Layer:
-    """Affine map over the last axis: `y = x @ w + b`, `w` of shape (in, features), accumulated in float32."""
+    """Affine map over the last axis: `y = x @ w + b`, `w` of shape (in, features), accumulated in float32.
+
+    Inputs must be floating point: an integer input is refused (normalise images first; ids go to `Embedding`)."""
     check_positive("Dense", features=features)
 
     def init(key, in_shape):
@@ -30,10 +45,13 @@ def Dense(
             params["b"] = b_init(key, (features,), jnp.float32)
         return (*in_shape[:-1], features), params
 
-    def apply(params, x, *, policy=None, **_):
+    def apply(params, x, *, policy=None, **kwargs):
+        check_keywords(name, kwargs)
+        check_float_input(name, x)
+        if x.ndim < 1:
+            raise shape_error(name, "of rank >= 1", x.shape)
+        check_params(name, params, {"w": (x.shape[-1], features), **({"b": (features,)} if use_bias else {})})
         w = params["w"]
-        if x.shape[-1] != w.shape[0]:
-            raise shape_error(name, f"with last axis {w.shape[0]}", x.shape)
         y = precision.einsum("mk,kn->mn", x.reshape(-1, w.shape[0]), w.astype(x.dtype), policy)
         y = y.reshape(*x.shape[:-1], w.shape[1])
         if use_bias:
@@ -43,17 +61,41 @@ def Dense(
     return Layer(init, apply, name)
 
 
-def Embedding(num_embeddings: int, features: int, *, init_scale: float = 1.0, name: str = "embed") -> Layer:
-    """Looks up integer ids in a (num_embeddings, features) table; output shape is in_shape + (features,)."""
+def _check_ids(name: str, ids: jax.Array, num_embeddings: int) -> None:
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise LayerTypeError(name, f"expected integer ids, got dtype {ids.dtype}")
+    if isinstance(ids, jax.core.Tracer) or ids.size == 0:
+        return  # traced ids have no values to check; out-of-range ones give NaN rows (see Embedding)
+    low, high = int(jnp.min(ids)), int(jnp.max(ids))
+    if low < 0 or high >= num_embeddings:
+        raise LayerError(name, f"ids must be in [0, {num_embeddings}), got values in [{low}, {high}]")
+
+
+def Embedding(
+    num_embeddings: int,
+    features: int,
+    *,
+    init_scale: float = 1.0,
+    embedding_init: initializers.Initializer | None = None,
+    name: str = "embed",
+) -> Layer:
+    """Looks up integer ids in a (num_embeddings, features) table; output shape is in_shape + (features,).
+
+    Ids outside [0, num_embeddings): refused with a `LayerError` when the ids are concrete (eager calls); under
+    `jit` the values are unknown at trace time and such an id gives a row of NaNs (jnp.take's fill mode), so a bad
+    id shows as a NaN loss rather than silently reading another token's row. `embedding_init` defaults to a normal
+    of standard deviation `init_scale`.
+    """
     check_positive("Embedding", num_embeddings=num_embeddings, features=features)
-    table_init = initializers.normal(stddev=init_scale)
+    table_init = embedding_init or initializers.normal(stddev=init_scale)
 
     def init(key, in_shape):
         return (*in_shape, features), {"table": table_init(key, (num_embeddings, features), jnp.float32)}
 
-    def apply(params, ids, **_):
-        if not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise TypeError(f"{name}: expected integer ids, got dtype {ids.dtype}")
+    def apply(params, ids, **kwargs):
+        check_keywords(name, kwargs)
+        _check_ids(name, ids, num_embeddings)
+        check_params(name, params, {"table": (num_embeddings, features)})
         return jnp.take(params["table"], ids, axis=0)
 
     return Layer(init, apply, name)
@@ -67,22 +109,64 @@ def Flatten(name: str = "flatten") -> Layer:
             raise shape_error(name, "of rank >= 2 (batch, ...)", in_shape)
         return (in_shape[0], math.prod(in_shape[1:])), {}
 
-    def apply(params, x, **_):
+    def apply(params, x, **kwargs):
+        check_keywords(name, kwargs)
+        if x.ndim < 2:
+            raise shape_error(name, "of rank >= 2 (batch, ...)", x.shape)
         return x.reshape(x.shape[0], -1)
 
     return Layer(init, apply, name)
 
 
-def PositionEmbedding(max_len: int, *, init_scale: float = 0.02, name: str = "pos_embed") -> Layer:
-    """Adds a learned embedding of each position to (B, T, D) inputs, T <= max_len."""
+def check_positions(name: str, positions: jax.Array, x_shape: tuple[int, ...]) -> None:
+    """Refuses a `positions` side input that is not integer (B, T) for an input of shape (B, T, ...)."""
+    if not jnp.issubdtype(positions.dtype, jnp.integer) or positions.shape != tuple(x_shape[:2]):
+        raise LayerError(
+            name,
+            f"positions must be integer of shape {tuple(x_shape[:2])} (batch, time), "
+            f"got {positions.dtype} {tuple(positions.shape)}",
+        )
+
+
+def PositionEmbedding(
+    max_len: int,
+    *,
+    init_scale: float = 0.02,
+    embedding_init: initializers.Initializer | None = None,
+    name: str = "pos_embed",
+) -> Layer:
+    """Adds a learned embedding of each position to (B, T, D) inputs, T <= max_len.
+
+    Positions are 0..T-1, or the `positions` side input ((B, T) ints). When decoding with a cache, the positions
+    continue from what the cache has seen; a cache longer than the table is refused when it is built."""
     check_positive("PositionEmbedding", max_len=max_len)
+    table_init = embedding_init or initializers.normal(init_scale)
 
     def init(key, in_shape):
         if len(in_shape) != 3 or in_shape[1] > max_len:
             raise shape_error(name, f"of rank 3 (batch, time <= {max_len}, features)", in_shape)
-        return tuple(in_shape), {"table": initializers.normal(init_scale)(key, (max_len, in_shape[-1]), jnp.float32)}
+        return tuple(in_shape), {"table": table_init(key, (max_len, in_shape[-1]), jnp.float32)}
 
-    def apply(params, x_BTD, **_):
-        return x_BTD + params["table"][None, : x_BTD.shape[1]].astype(x_BTD.dtype)
+    def apply(params, x_BTD, *, positions=None, cache=None, **kwargs):
+        check_keywords(name, kwargs)
+        if x_BTD.ndim != 3 or (cache is None and positions is None and x_BTD.shape[1] > max_len):
+            raise shape_error(name, f"of rank 3 (batch, time <= {max_len}, features)", x_BTD.shape)
+        check_params(name, params, {"table": (max_len, x_BTD.shape[-1])})
+        T = x_BTD.shape[1]
+        if positions is not None:
+            check_positions(name, positions, x_BTD.shape)
+        elif cache is not None:
+            positions = (cache["index"] + jnp.arange(T))[None]
+        table = params["table"].astype(x_BTD.dtype)
+        pos_emb = table[None, :T] if positions is None else jnp.take(table, positions, axis=0)
+        y = x_BTD + pos_emb
+        return y if cache is None else (y, {"index": cache["index"] + T})
 
-    return Layer(init, apply, name)
+    def init_cache(in_shape, cache_len, dtype):
+        if cache_len > max_len:
+            raise LayerError(
+                name, f"decoding {cache_len} positions needs a table of >= {cache_len}, this has {max_len}"
+            )
+        return {"index": jnp.zeros((), jnp.int32)}
+
+    return Layer(init, apply, name, side_inputs=POSITIONS, init_cache=init_cache)

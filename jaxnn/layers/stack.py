@@ -1,0 +1,96 @@
+"""Deep stacks: one layer's parameters repeated and scanned over (`Repeat`), and rematerialisation (`remat`).
+
+A flat `serial(block, block, ...)` traces, and XLA compiles, every block separately: compile time grows with
+depth. `Repeat` stacks the blocks' parameters along a leading axis and runs one traced block inside `lax.scan`,
+so compile time stays flat as the model deepens (docs/layers.md has the measurement). `remat` recomputes a
+layer's activations in the backward pass instead of keeping them (`jax.checkpoint`): memory for compute.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxnn.layers.core import Layer, LayerError, check_keywords, check_positive, run, run_cached
+
+# The keywords `remat` hands through as static Python values; everything else (arrays) goes through
+# jax.checkpoint as arguments.
+_STATIC = ("train", "policy")
+
+
+def remat(layer: Layer, *, checkpoint_policy: Any = None) -> Layer:
+    """`layer` with its activations recomputed in the backward pass (`jax.checkpoint`): the backward pass keeps
+    only the layer's inputs, at the cost of running its forward twice. `checkpoint_policy` is one of
+    `jax.checkpoint_policies` (e.g. `dots_with_no_batch_dims_saveable` keeps the matmul outputs)."""
+
+    def apply(params, x, **kwargs):
+        static = {k: kwargs.pop(k) for k in _STATIC if k in kwargs}
+
+        def body(params, x, arrays):
+            return layer.apply(params, x, **static, **arrays)
+
+        return jax.checkpoint(body, policy=checkpoint_policy)(params, x, kwargs)
+
+    return layer._replace(apply=apply)
+
+
+def _stacked(tree: Any, n: int) -> Any:
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *jnp.shape(a))), tree)
+
+
+def Repeat(layer: Layer, num_layers: int, *, unroll: int = 1, name: str = "repeat") -> Layer:
+    """`num_layers` copies of `layer` (each with its own parameters) applied in sequence inside one `lax.scan`.
+
+    Params, state and cache are the layer's with a leading `num_layers` axis; layer i is initialised with
+    `fold_in(key, i)` and gets `fold_in(key, i)` for dropout, as the i-th child of a `serial` would. The layer must
+    keep the shape of its input. Side inputs reach every copy. `unroll` is lax.scan's (more unrolling: longer
+    compile, sometimes a faster step)."""
+    check_positive("Repeat", num_layers=num_layers)
+    indices = jnp.arange(num_layers)
+
+    def init(key, in_shape):
+        def one(i):
+            out_shape, params = layer.init(jax.random.fold_in(key, i), tuple(in_shape))
+            if tuple(out_shape) != tuple(in_shape):
+                raise LayerError(
+                    name, f"the repeated layer maps {tuple(in_shape)} to {tuple(out_shape)}; it must keep it"
+                )
+            return params
+
+        return tuple(in_shape), jax.vmap(one)(indices)
+
+    def init_state(in_shape):
+        return _stacked(layer.init_state(tuple(in_shape)), num_layers)
+
+    def init_cache(in_shape, max_len, dtype):
+        return _stacked(layer.init_cache(tuple(in_shape), max_len, dtype), num_layers)
+
+    def apply(params, x, *, state=None, key=None, train=False, policy=None, cache=None, **side):
+        check_keywords(name, side, layer.side_inputs)
+        if cache is not None:
+
+            def decode(x, per_layer):
+                p, s, c = per_layer
+                return run_cached(layer, p, x, c, state=s, policy=policy, **side)
+
+            return lax.scan(decode, x, (params, state, cache), unroll=unroll)
+
+        def step(x, per_layer):
+            p, s, i = per_layer
+            layer_key = None if key is None else jax.random.fold_in(key, i)
+            return run(layer, p, x, state=s, key=layer_key, train=train, policy=policy, **side)
+
+        x, new_state = lax.scan(step, x, (params, state, indices), unroll=unroll)
+        return (x, new_state) if layer.stateful else x
+
+    return Layer(
+        init,
+        apply,
+        name,
+        init_state if layer.stateful else None,
+        side_inputs=layer.side_inputs,
+        init_cache=init_cache if layer.init_cache is not None else None,
+    )
