@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_train_parser(sub)
     add_export_parser(sub)
+    add_generate_parser(sub)
     return parser
 
 
@@ -139,6 +140,24 @@ def add_export_parser(sub: Any) -> None:
         "--platforms", nargs="+", default=["cpu"], choices=("cpu", "cuda", "rocm", "tpu"), help="platforms to lower for"
     )
     p.add_argument("--safetensors-only", action="store_true", help="write only weights.safetensors")
+
+
+def add_generate_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="print text sampled from a trained GPT run",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Continue a prompt with the newest (or --step's) checkpoint of a `jaxnn train --model gpt` run, "
+        "decoding with a KV cache.",
+    )
+    p.add_argument("--run-dir", required=True, help="run directory of `jaxnn train` (or its ckpt/ or a step folder)")
+    p.add_argument("--prompt", default="def ", help="text to continue")
+    p.add_argument("--length", type=int, default=200, help="bytes to generate")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely bytes")
+    p.add_argument("--top-p", type=float, default=None, help="sample among the most likely bytes of this total mass")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest readable one)")
 
 
 def set_cpu_devices(n: int) -> None:
@@ -307,6 +326,44 @@ def export_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def generate_main(args: argparse.Namespace) -> int:
+    import jax
+
+    from jaxnn.checkpoint import load_params
+    from jaxnn.generate import generate_bytes
+    from jaxnn.recipes import model_from_config
+    from jaxnn.rundir import StorageError
+
+    try:
+        if args.length < 1:
+            raise ValueError(f"--length must be positive, got {args.length}")
+        loaded = load_params(args.run_dir, step=args.step)
+        model, mcfg = model_from_config(loaded.config)
+        if loaded.config.get("model") != "gpt":
+            raise ValueError(f"{args.run_dir}: a {loaded.config.get('model')!r} run; generate needs a GPT run")
+        text = generate_bytes(
+            model,
+            loaded.params,
+            args.prompt.encode(),
+            args.length,
+            context_len=mcfg.seq_len if mcfg.position == "learned" else None,
+            key=jax.random.key(args.seed),
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            model_state=loaded.model_state,
+            policy=loaded.config.get("precision", "fp32"),
+        )
+    except StorageError as err:
+        print(f"jaxnn: error: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    except ValueError as err:  # CheckpointError, ConfigError, bad sampling options
+        print(f"jaxnn: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    print((args.prompt.encode() + text).decode("utf-8", "replace"))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
@@ -314,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         return train_main(args)
     if args.command == "export":
         return export_main(args)
+    if args.command == "generate":
+        return generate_main(args)
     return EXIT_USAGE
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, NamedTuple, TypeVar
 
 import jax
@@ -113,6 +114,12 @@ class LossScale(NamedTuple):
 
     @classmethod
     def create(cls, initial_scale: float = 2.0**15, period: int = 2000) -> LossScale:
+        if not initial_scale > 0 or not math.isfinite(initial_scale):
+            raise ValueError(f"LossScale: initial_scale must be positive and finite, got {initial_scale!r}")
+        if not isinstance(period, int) or isinstance(period, bool) or period < 1:
+            raise ValueError(
+                f"LossScale: period must be a positive integer (finite steps before doubling), got {period!r}"
+            )
         return cls(jnp.asarray(initial_scale, jnp.float32), jnp.zeros((), jnp.int32), jnp.asarray(period, jnp.int32))
 
     def scale_loss(self, loss: jax.Array) -> jax.Array:

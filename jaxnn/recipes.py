@@ -151,18 +151,20 @@ def train(
 
 
 def _sample(model, state, cfg: TrainConfig) -> str:
-    from jaxnn.models.gpt import sample
-    from jaxnn.train import make_predict
+    import jax
+
+    from jaxnn.generate import generate_bytes
 
     prompt = b"def "
-    text = sample(
-        make_predict(model, cfg.precision),
+    text = generate_bytes(
+        model,
         state.params,
-        state.model_state,
         prompt,
         cfg.sample_bytes,
-        cfg.seq_len,
-        seed=cfg.seed,
+        context_len=cfg.seq_len,
+        key=jax.random.key(cfg.seed),
+        model_state=state.model_state,
+        policy=cfg.precision,
     )
     return (prompt + text).decode("utf-8", "replace")
 

@@ -45,6 +45,7 @@ def create_train_state(
     policy: Policy | str = "fp32",
 ) -> TrainState:
     """Initialises parameters (in the policy's parameter dtype), model state and optimizer state."""
+    check_optimizer(tx)
     policy = get_policy(policy)
     init_key, train_key = jax.random.split(key)
     _, params, model_state = init_model(model, init_key, in_shape)
@@ -148,6 +149,14 @@ def _forward(
     return policy.cast_to_output(logits), model_state
 
 
+def check_optimizer(tx: Any) -> None:
+    """Refuses anything but an optax GradientTransformation (a None optimizer would fail deep inside the step)."""
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+        raise TypeError(
+            f"optimizer must be an optax.GradientTransformation (e.g. optax.adamw(1e-3)), got {type(tx).__name__}"
+        )
+
+
 def train_step_fn(
     model: Layer,
     loss_fn: LossFn,
@@ -162,6 +171,7 @@ def train_step_fn(
     norm, which costs a reduction over every gradient and one more output: with the accuracy, ~11% of the
     benchmark MLP's step and ~27% of a tiny model's (docs/performance.md, "What the metrics cost").
     """
+    check_optimizer(tx)
     policy = get_policy(policy)
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
@@ -243,9 +253,20 @@ def make_multi_step(
     step = train_step_fn(model, loss_fn, tx, policy, grad_norm=grad_norm)
 
     def multi_step(state: TrainState, batches: Batch) -> tuple[TrainState, Metrics]:
+        _check_stacked(batches)
         return jax.lax.scan(step, state, batches)
 
     return jax.jit(multi_step, donate_argnums=(0,) if donate else (), **jit_kwargs)
+
+
+def _check_stacked(batches: Batch) -> None:
+    """Refuses stacked batches without a common leading K >= 1 (K = 0 would run no step and say nothing)."""
+    sizes = {jnp.shape(leaf)[0] if jnp.ndim(leaf) else None for leaf in jax.tree.leaves(batches)}
+    if len(sizes) != 1 or None in sizes or 0 in sizes:
+        raise ValueError(
+            "make_multi_step: every batch leaf needs the same leading K >= 1 (steps per call), "
+            f"got {sorted(map(str, sizes))}"
+        )
 
 
 def make_eval_step(

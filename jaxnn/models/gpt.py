@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
 
-import numpy as np
+from jaxnn.layers import (
+    Dense,
+    Embedding,
+    Layer,
+    LayerNorm,
+    PositionEmbedding,
+    Repeat,
+    RMSNorm,
+    TransformerBlock,
+    remat,
+    serial,
+)
 
-from jaxnn.layers import Dense, Embedding, Layer, LayerNorm, Params, PositionEmbedding, State, TransformerBlock, serial
+POSITIONS = ("learned", "rope")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,66 +29,61 @@ class GPTConfig:
     num_heads: int = 4
     drop_prob: float = 0.0
     attention_implementation: str = "auto"
+    # The modern variants (Llama-style: position="rope", norm="rms", num_kv_heads < num_heads).
+    position: str = "learned"  # "learned": a position table of seq_len rows; "rope": rotary, no table, no limit
+    norm: str = "layer"  # "layer" (LayerNorm) or "rms" (RMSNorm)
+    num_kv_heads: int | None = None  # grouped-query attention; None: one key/value head per query head
+    scan_layers: bool = False  # one Repeat (lax.scan) over the blocks: compile time independent of depth
+    remat: bool = False  # recompute each block's activations in the backward pass (less memory, more compute)
+
+    def __post_init__(self) -> None:
+        if self.position not in POSITIONS:
+            raise ValueError(f"GPTConfig: unknown position {self.position!r}; choose one of {POSITIONS}")
 
     def small(self) -> GPTConfig:
         return dataclasses.replace(self, seq_len=32, d_model=64, num_layers=2, num_heads=2)
 
     def num_params(self) -> int:
-        d = self.d_model
-        per_block = 12 * d * d + 13 * d
-        return self.vocab_size * d * 2 + self.seq_len * d + self.num_layers * per_block + 2 * d + self.vocab_size
+        d, heads = self.d_model, self.num_heads
+        kv_width = (self.num_kv_heads or heads) * (d // heads)
+        norm = 2 * d if self.norm == "layer" else d
+        attention = (d * d + d) + (2 * d * kv_width + 2 * kv_width) + (d * d + d)  # q, kv, out
+        mlp = (d * 4 * d + 4 * d) + (4 * d * d + d)
+        positions = self.seq_len * d if self.position == "learned" else 0
+        return (
+            self.vocab_size * d * 2
+            + positions
+            + self.num_layers * (2 * norm + attention + mlp)
+            + norm
+            + self.vocab_size
+        )
 
 
 def GPT(cfg: GPTConfig = GPTConfig()) -> Layer:
-    """Token and position embeddings, `num_layers` causal pre-norm blocks, a final LayerNorm and byte logits.
+    """Token embeddings, [learned position embeddings], `num_layers` causal pre-norm blocks, a final norm and
+    next-token logits.
 
-    Input: (B, T) integer byte ids; output: (B, T, vocab_size) logits for the next byte.
+    Input: (B, T) integer token ids; output: (B, T, vocab_size) logits for the next token. Decodes with a KV cache
+    (`jaxnn.generate`). With `position="learned"` sequences are at most `seq_len` long; with "rope" any length.
     """
-    blocks = [
-        TransformerBlock(
-            cfg.num_heads, drop_prob=cfg.drop_prob, causal=True, attention_implementation=cfg.attention_implementation
-        )
-        for _ in range(cfg.num_layers)
-    ]
+    block = TransformerBlock(
+        cfg.num_heads,
+        drop_prob=cfg.drop_prob,
+        causal=True,
+        num_kv_heads=cfg.num_kv_heads,
+        rope=cfg.position == "rope",
+        norm=cfg.norm,
+        attention_implementation=cfg.attention_implementation,
+    )
+    if cfg.remat:
+        block = remat(block)
+    blocks = [Repeat(block, cfg.num_layers, name="blocks")] if cfg.scan_layers else [block] * cfg.num_layers
+    positions = [PositionEmbedding(cfg.seq_len)] if cfg.position == "learned" else []
     return serial(
         Embedding(cfg.vocab_size, cfg.d_model, init_scale=0.02),
-        PositionEmbedding(cfg.seq_len),
+        *positions,
         *blocks,
-        LayerNorm(name="ln_f"),
+        (LayerNorm if cfg.norm == "layer" else RMSNorm)(name="ln_f"),
         Dense(cfg.vocab_size, name="logits"),
         name="gpt",
     )
-
-
-def sample(
-    predict: Callable[[Params, State, np.ndarray], Any],
-    params: Params,
-    model_state: State,
-    prompt: bytes,
-    n: int,
-    seq_len: int,
-    *,
-    seed: int = 0,
-    temperature: float = 0.8,
-) -> bytes:
-    """Samples `n` bytes after `prompt` from a byte GPT, one compiled (1, seq_len) forward pass per byte.
-
-    `predict` is `jaxnn.train.make_predict(model, policy)`; the context is the last `seq_len` bytes.
-    """
-    import jax
-
-    if temperature <= 0:
-        raise ValueError(f"sample: temperature must be positive, got {temperature!r}")
-    rng = np.random.default_rng(seed)
-    context = list(prompt[-seq_len:]) or [0]
-    out = []
-    for _ in range(n):
-        window = np.zeros((1, seq_len), np.int32)
-        window[0, : len(context)] = context
-        logits = np.asarray(jax.device_get(predict(params, model_state, window)))[0, len(context) - 1]
-        logits = logits.astype(np.float64) / temperature
-        p = np.exp(logits - logits.max())
-        token = int(rng.choice(len(p), p=p / p.sum()))
-        out.append(token)
-        context = (context + [token])[-seq_len:]
-    return bytes(out)
