@@ -28,15 +28,11 @@ class Sampler(NamedTuple):
     top_k: int | None = None
     top_p: float | None = None
 
-    def check(self, vocab_size: int | None = None) -> None:
+    def check(self) -> None:
         if not self.temperature >= 0:
             raise ValueError(f"generate: temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
-        if self.top_k is not None and not (
-            isinstance(self.top_k, int) and self.top_k >= 1 and (vocab_size is None or self.top_k <= vocab_size)
-        ):
-            raise ValueError(
-                f"generate: top_k must be an integer in [1, {vocab_size or 'vocabulary size'}], got {self.top_k!r}"
-            )
+        if self.top_k is not None and not (isinstance(self.top_k, int) and self.top_k >= 1):
+            raise ValueError(f"generate: top_k must be a positive integer, got {self.top_k!r}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"generate: top_p must be in (0, 1], got {self.top_p!r}")
 

@@ -113,6 +113,27 @@ def test_gpt_prints_a_sample(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "--- sample ---\ndef " in out and "bits/byte" in out.splitlines()[-1]
 
+    # `jaxnn generate` continues a prompt from the run's checkpoint, past the 32-byte position table (windows).
+    greedy = [
+        "generate",
+        "--run-dir",
+        str(tmp_path / "g"),
+        "--prompt",
+        "import",
+        "--length",
+        "40",
+        "--temperature",
+        "0",
+    ]
+    assert cli.main(greedy) == 0
+    first = capsys.readouterr().out
+    assert first.startswith("import") and len(first.encode()) >= len("import") + 40 - 8  # invalid UTF-8 is replaced
+    assert cli.main(greedy) == 0 and capsys.readouterr().out == first
+    assert cli.main(["generate", "--run-dir", str(tmp_path / "g"), "--top-k", "0"]) == 2
+    assert "top_k must be a positive integer" in capsys.readouterr().err
+    assert cli.main(["generate", "--run-dir", str(tmp_path / "nothing")]) == 2
+    assert "no such run" in capsys.readouterr().err
+
 
 def test_config_small_and_validation():
     cfg = TrainConfig().small()

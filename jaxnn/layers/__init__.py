@@ -1,45 +1,62 @@
 """jaxnn layers: each an `(init, apply)` pair of pure functions; see `jaxnn.layers.core` for the convention."""
 
-from jaxnn.layers.activation import Dropout, Gelu, Relu, Silu, Softmax, Tanh
-from jaxnn.layers.attention import MultiHeadAttention, TransformerBlock
-from jaxnn.layers.conv import Conv
+from jaxnn.layers.activation import Dropout, Gelu, GeluExact, Relu, Silu, Softmax, Tanh
+from jaxnn.layers.attention import MultiHeadAttention, TransformerBlock, rotary_embedding
+from jaxnn.layers.conv import Conv, ConvTranspose
 from jaxnn.layers.core import (
     ApplyFn,
+    Cache,
     InitFn,
     InitStateFn,
     Lambda,
     Layer,
+    LayerError,
+    LayerTypeError,
     Params,
     PRNGKey,
     Shape,
     State,
+    init_cache,
     init_model,
     output_shape,
     parallel,
     residual,
     run,
+    run_cached,
     serial,
 )
 from jaxnn.layers.linear import Dense, Embedding, Flatten, PositionEmbedding
-from jaxnn.layers.norm import BatchNorm, LayerNorm, RMSNorm
+from jaxnn.layers.norm import BatchNorm, GroupNorm, InstanceNorm, LayerNorm, RMSNorm
 from jaxnn.layers.pool import AvgPool, GlobalAvgPool, MaxPool
+from jaxnn.layers.recurrent import RNN, Bidirectional, GRUCell, LSTMCell
+from jaxnn.layers.stack import Repeat, remat
 from jaxnn.layers.tabulate import ModelSummary, SummaryRow, summary
 
 __all__ = [
     "ApplyFn",
     "AvgPool",
     "BatchNorm",
+    "Bidirectional",
+    "Cache",
     "Conv",
+    "ConvTranspose",
     "Dense",
     "Dropout",
     "Embedding",
     "Flatten",
+    "GRUCell",
     "Gelu",
+    "GeluExact",
     "GlobalAvgPool",
+    "GroupNorm",
     "InitFn",
     "InitStateFn",
+    "InstanceNorm",
     "Lambda",
     "Layer",
+    "LayerError",
+    "LayerTypeError",
+    "LSTMCell",
     "LayerNorm",
     "MaxPool",
     "ModelSummary",
@@ -48,7 +65,9 @@ __all__ = [
     "Params",
     "PositionEmbedding",
     "RMSNorm",
+    "RNN",
     "Relu",
+    "Repeat",
     "Shape",
     "Silu",
     "Softmax",
@@ -56,11 +75,15 @@ __all__ = [
     "SummaryRow",
     "Tanh",
     "TransformerBlock",
+    "init_cache",
     "init_model",
     "output_shape",
     "parallel",
+    "remat",
     "residual",
+    "rotary_embedding",
     "run",
+    "run_cached",
     "serial",
     "summary",
 ]

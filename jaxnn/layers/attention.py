@@ -14,7 +14,17 @@ from jax.nn import initializers
 
 from jaxnn import precision
 from jaxnn.layers.activation import Dropout, Gelu
-from jaxnn.layers.core import Layer, LayerError, check_keywords, check_positive, residual, serial, shape_error
+from jaxnn.layers.core import (
+    Layer,
+    LayerError,
+    check_keywords,
+    check_positive,
+    residual,
+    serial,
+    shape_error,
+    with_name,
+)
+from jaxnn.layers.core import init_cache as init_cache_of
 from jaxnn.layers.linear import Dense, check_positions
 from jaxnn.layers.norm import LayerNorm, RMSNorm
 
@@ -24,12 +34,13 @@ IMPLEMENTATIONS = ("auto", "xla", "cudnn", "f32acc")
 def rotary_embedding(x_BTNH: jax.Array, positions_BT: jax.Array, base: float = 10000.0) -> jax.Array:
     """Rotates each head vector by its position (RoPE, as in GPT-NeoX and Llama: the first and second halves of
     the head are the real and imaginary parts), so that q . k depends on the positions only through their
-    difference. Computed in float32, returned in the input's dtype."""
+    difference. Computed in float32 (float64 for float64 inputs), returned in the input's dtype."""
     H = x_BTNH.shape[-1]
-    inv_freq = base ** (-jnp.arange(0, H // 2, dtype=jnp.float32) * 2 / H)
-    angle_BTH = positions_BT[..., None].astype(jnp.float32) * inv_freq
+    wide = precision.accumulation_dtype(x_BTNH.dtype)
+    inv_freq = base ** (-jnp.arange(0, H // 2, dtype=wide) * 2 / H)
+    angle_BTH = positions_BT[..., None].astype(wide) * inv_freq[None, None, :]
     cos, sin = (f(angle_BTH)[:, :, None, :] for f in (jnp.cos, jnp.sin))
-    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+    x1, x2 = jnp.split(x_BTNH.astype(wide), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTNH.dtype)
 
 
@@ -42,14 +53,19 @@ def _attention_f32acc(q_BTNH, k_BSKH, v_BSKH, valid, policy):
     bf16 x bf16 -> f32.
     """
     B, T, N, H = q_BTNH.shape
-    K = k_BSKH.shape[2]
-    q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
-    logits_BKGTS = precision.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, policy) / jnp.sqrt(H).astype(jnp.float32)
+    S, K = k_BSKH.shape[1:3]
+    G = N // K
+    # The G query heads of a key/value head are folded into the query axis (Q = G * T): each product then has one
+    # free axis per operand, the only bf16 x bf16 -> f32 dot form XLA's CPU backend runs.
+    q_BKQH = q_BTNH.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
+    logits_BKQS = precision.einsum("BKQH,BSKH->BKQS", q_BKQH, k_BSKH, policy) / jnp.sqrt(H).astype(jnp.float32)
+    logits_BKGTS = logits_BKQS.reshape(B, K, G, T, S)
     if valid is not None:
         logits_BKGTS = jnp.where(valid[:, :, None], logits_BKGTS, jnp.finfo(logits_BKGTS.dtype).min)
-    probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(v_BSKH.dtype)
-    o_BTKGH = precision.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH, policy)
-    return o_BTKGH.reshape(B, T, N, H).astype(v_BSKH.dtype)
+    probs_BKQS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(v_BSKH.dtype).reshape(B, K, G * T, S)
+    o_BKQH = precision.einsum("BKQS,BSKH->BKQH", probs_BKQS, v_BSKH, policy)
+    o_BTNH = o_BKQH.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
+    return o_BTNH.astype(v_BSKH.dtype)
 
 
 def _is_half(dtype) -> bool:
@@ -94,11 +110,7 @@ def _attention(impl, q_BTNH, k_BSKH, v_BSKH, mask_B11S, causal, policy):
         if mask_B11S is not None:
             valid = mask_B11S if valid is None else valid & mask_B11S
         return _attention_f32acc(q_BTNH, k_BSKH, v_BSKH, valid, policy)
-    # jax's overloads take implementation as Literal["xla", "cudnn"] | None; impl is a str checked against
-    # IMPLEMENTATIONS at construction, so no overload matches the plain str.
-    return jax.nn.dot_product_attention(  # type: ignore[call-overload]
-        q_BTNH, k_BSKH, v_BSKH, mask=mask_B11S, is_causal=causal, implementation=impl
-    )
+    return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_B11S, is_causal=causal, implementation=impl)
 
 
 def _dispatch(implementation, q_BTNH, k_BSKH, v_BSKH, mask_B11S, causal, policy):
@@ -210,10 +222,10 @@ def MultiHeadAttention(
         B, T, D = x_BTD.shape
         H = head_width(D)
         if fused:
-            qkv = Dense(3 * num_heads * H, name=f"{name}/qkv").apply(params["qkv"], x_BTD, policy=policy)
+            qkv = Dense(3 * num_heads * H, name="qkv").apply(params["qkv"], x_BTD, policy=policy)
             return tuple(t.reshape(B, T, num_heads, H) for t in jnp.split(qkv, 3, axis=-1))
-        q = Dense(num_heads * H, name=f"{name}/q").apply(params["q"], x_BTD, policy=policy)
-        kv = Dense(2 * kv_heads * H, name=f"{name}/kv").apply(params["kv"], source_BSE, policy=policy)
+        q = Dense(num_heads * H, name="q").apply(params["q"], x_BTD, policy=policy)
+        kv = Dense(2 * kv_heads * H, name="kv").apply(params["kv"], source_BSE, policy=policy)
         k, v = (t.reshape(B, source_BSE.shape[1], kv_heads, H) for t in jnp.split(kv, 2, axis=-1))
         return q.reshape(B, T, num_heads, H), k, v
 
@@ -234,7 +246,7 @@ def MultiHeadAttention(
                 positions = jnp.broadcast_to(jnp.arange(T), (B, T)) if positions is None else positions
                 q, k = rotary_embedding(q, positions, rope_base), rotary_embedding(k, positions, rope_base)
             o = _dispatch(implementation, q, k, v, key_mask, causal, policy)
-        y = Dense(D, name=f"{name}/out").apply(params["out"], o.reshape(B, T, -1), policy=policy)
+        y = Dense(D, name="out").apply(params["out"], o.reshape(B, T, -1), policy=policy)
         return y if cache is None else (y, cache)
 
     def init_cache(in_shape, max_len, dtype):
@@ -244,7 +256,9 @@ def MultiHeadAttention(
         return {"k": zeros, "v": zeros, "index": jnp.zeros((), jnp.int32)}
 
     decodes = causal and not cross
-    return Layer(init, apply, name, side_inputs=side_inputs, init_cache=init_cache if decodes else None)
+    return Layer(
+        init, with_name(name, apply), name, side_inputs=side_inputs, init_cache=init_cache if decodes else None
+    )
 
 
 def _source_and_key_mask(name, cross, x_BTD, side):
@@ -349,7 +363,7 @@ def TransformerBlock(
         return build(x.shape[-1]).apply(params, x, **kwargs)
 
     def init_cache(in_shape, max_len, dtype):
-        return build(in_shape[-1]).init_cache(in_shape, max_len, dtype)
+        return init_cache_of(build(in_shape[-1]), in_shape, max_len, dtype)
 
     return Layer(
         init,

@@ -1,4 +1,5 @@
-"""Convolution over 1-D (N, W, C) and 2-D (N, H, W, C) inputs, channels last."""
+"""Convolution and transposed convolution over 1-D (N, W, C), 2-D (N, H, W, C) and 3-D (N, D, H, W, C) inputs,
+channels last."""
 
 from __future__ import annotations
 
@@ -12,13 +13,26 @@ from jax import lax
 from jax.nn import initializers
 
 from jaxnn import precision
-from jaxnn.layers.core import Layer, along_last_axis, check_positive, shape_error
+from jaxnn.layers.core import (
+    Layer,
+    Shape,
+    along_last_axis,
+    check_float_input,
+    check_keywords,
+    check_params,
+    check_positive,
+    shape_error,
+)
 from jaxnn.precision import Policy
 
 # What lax takes as padding: "SAME", "VALID", or one (low, high) pair per spatial axis.
 Padding: TypeAlias = str | Sequence[tuple[int, int]]
 
-_DIMENSION_NUMBERS = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC")}
+_DIMENSION_NUMBERS = {
+    1: ("NWC", "WIO", "NWC"),
+    2: ("NHWC", "HWIO", "NHWC"),
+    3: ("NDHWC", "DHWIO", "NDHWC"),
+}
 PADDING_MODES = ("SAME", "VALID", "CAUSAL")
 LOWERINGS = ("auto", "xla", "im2col")
 
@@ -94,10 +108,7 @@ def im2col_patches(
     spatial = x.shape[1:-1]
     pads = _explicit_pads(pad, spatial, kernel, strides, dilation)
     x = jnp.pad(x, [(0, 0), *pads, (0, 0)])
-    out = [
-        (n + lo + hi - (k - 1) * d - 1) // s + 1
-        for n, (lo, hi), k, d, s in zip(spatial, pads, kernel, dilation, strides)
-    ]
+    out = _conv_spatial(spatial, pad, kernel, strides, dilation)
     taps = []
     for offsets in itertools.product(*(range(k) for k in kernel)):
         start = (0, *(o * d for o, d in zip(offsets, dilation)), 0)
@@ -155,6 +166,87 @@ def _conv_fn(
     return conv
 
 
+def _kernel_tuple(kernel_size: int | Sequence[int], layer: str) -> tuple[int, ...]:
+    kernel = (kernel_size, kernel_size) if isinstance(kernel_size, int) else tuple(kernel_size)
+    if len(kernel) not in _DIMENSION_NUMBERS:
+        raise ValueError(f"{layer}: kernel_size must have 1, 2 or 3 entries, got {kernel_size!r}")
+    return _as_tuple(kernel, len(kernel), "kernel_size", layer)
+
+
+def _conv_spatial(in_spatial, pad, kernel, strides, dilation) -> list[int]:
+    pads = _explicit_pads(pad, in_spatial, kernel, strides, dilation)
+    return [
+        (n + lo + hi - (k - 1) * d - 1) // s + 1
+        for n, (lo, hi), k, d, s in zip(in_spatial, pads, kernel, dilation, strides)
+    ]
+
+
+def _transpose_pads(mode: str, kernel, strides, dilation) -> list[tuple[int, int]]:
+    """The padding of the stride-dilated input that makes a transposed convolution the "SAME" or "VALID" one, as
+    `lax.conv_transpose` (and so flax.linen.ConvTranspose) computes it: SAME gives in * stride outputs, VALID
+    in * stride + max(kernel - stride, 0), kernel counted with its dilation."""
+    pads = []
+    for k, s, d in zip(kernel, strides, dilation):
+        span = (k - 1) * d + 1
+        if mode == "SAME":
+            total = span + s - 2
+            low = span - 1 if s > span - 1 else -(-total // 2)
+        else:
+            total = span + s - 2 + max(span - s, 0)
+            low = span - 1
+        pads.append((low, total - low))
+    return pads
+
+
+def _output_shape(
+    name: str,
+    in_shape: Shape,
+    features: int,
+    kernel: tuple[int, ...],
+    dilation: tuple[int, ...],
+    out_spatial: Callable[[Shape], list[int]],
+    groups: int = 1,
+) -> Shape:
+    """The output shape for `in_shape`, or the one shape error that init and apply both raise."""
+    rank = len(kernel)
+    if len(in_shape) != rank + 2:
+        raise shape_error(name, f"of rank {rank + 2} ({_DIMENSION_NUMBERS[rank][0]})", in_shape)
+    if in_shape[-1] % groups:
+        raise shape_error(name, f"with channels divisible by feature_group_count {groups}", in_shape)
+    spatial = out_spatial(in_shape[1:-1])
+    if min(in_shape[1:-1]) <= 0 or min(spatial) <= 0:
+        raise shape_error(name, f"large enough for kernel {kernel} with dilation {dilation}", in_shape)
+    return (in_shape[0], *spatial, features)
+
+
+def _param_shapes(kernel: tuple[int, ...], in_features: int, features: int, use_bias: bool) -> dict[str, Shape]:
+    shapes = {"w": (*kernel, in_features, features)}
+    if use_bias:
+        shapes["b"] = (features,)
+    return shapes
+
+
+def _init_params(key, shapes: dict[str, Shape], w_init, b_init) -> dict[str, jax.Array]:
+    params = {"w": w_init(key, shapes["w"], jnp.float32)}
+    if "b" in shapes:
+        params["b"] = b_init(key, shapes["b"], jnp.float32)
+    return params
+
+
+def _check_apply(name: str, params, x, kwargs, out_shape, param_shapes) -> None:
+    """What every convolution's apply refuses: unknown keywords, integer inputs (the weights would be cast to
+    integers), an input the layer cannot take, and params made for another input width."""
+    check_keywords(name, kwargs)
+    check_float_input(name, x)
+    shape = tuple(jnp.shape(x))
+    out_shape(shape)
+    check_params(name, params, param_shapes(shape))
+
+
+def _add_bias(params, y: jax.Array, use_bias: bool) -> jax.Array:
+    return y + along_last_axis(params["b"].astype(y.dtype), y.ndim) if use_bias else y
+
+
 def Conv(
     features: int,
     kernel_size: int | Sequence[int],
@@ -169,7 +261,7 @@ def Conv(
     lowering: str = "auto",
     name: str = "conv",
 ) -> Layer:
-    """Convolution with channels last; the rank (1 or 2) is the length of `kernel_size` (an int means 2-D).
+    """Convolution with channels last; the rank (1, 2 or 3) is the length of `kernel_size` (an int means 2-D).
 
     `w` has shape kernel_size + (in_channels // feature_group_count, features); products accumulate in float32.
     `lowering`: "xla" is XLA's convolution op; "im2col" computes it as one matmul over the concatenated kernel
@@ -184,44 +276,100 @@ def Conv(
         raise ValueError(f"Conv: unknown lowering {lowering!r}; choose one of {LOWERINGS}")
     if lowering == "im2col" and feature_group_count != 1:
         raise ValueError("Conv: the im2col lowering has no feature groups; use lowering='xla'")
-    kernel = (kernel_size, kernel_size) if isinstance(kernel_size, int) else tuple(kernel_size)
+    kernel = _kernel_tuple(kernel_size, "Conv")
     rank = len(kernel)
-    if rank not in _DIMENSION_NUMBERS:
-        raise ValueError(f"Conv: kernel_size must have 1 or 2 entries, got {kernel_size!r}")
-    kernel = _as_tuple(kernel, rank, "kernel_size", "Conv")
     strides = _as_tuple(strides, rank, "strides", "Conv")
     dilation = _as_tuple(dilation, rank, "dilation", "Conv")
     pad = _normalise_padding(padding, rank, kernel, dilation, "Conv")
     if features % feature_group_count:
         raise ValueError(f"Conv: features {features} is not divisible by feature_group_count {feature_group_count}")
-    dimension_numbers = _DIMENSION_NUMBERS[rank]
+    conv = _conv_fn(lowering, strides, pad, dilation, _DIMENSION_NUMBERS[rank], feature_group_count)
 
-    conv = _conv_fn(lowering, strides, pad, dilation, dimension_numbers, feature_group_count)
+    def out_shape(in_shape):
+        def spatial(n):
+            return _conv_spatial(n, pad, kernel, strides, dilation)
+
+        return _output_shape(name, in_shape, features, kernel, dilation, spatial, feature_group_count)
+
+    def param_shapes(in_shape):
+        return _param_shapes(kernel, in_shape[-1] // feature_group_count, features, use_bias)
 
     def init(key, in_shape):
-        expected = f"of rank {rank + 2} ({dimension_numbers[0]})"
-        if len(in_shape) != rank + 2:
-            raise shape_error(name, expected, in_shape)
-        channels = in_shape[-1]
-        if channels % feature_group_count:
-            raise shape_error(name, f"with channels divisible by feature_group_count {feature_group_count}", in_shape)
-        w_shape = (*kernel, channels // feature_group_count, features)
-        x_spec = jax.ShapeDtypeStruct(tuple(max(d, 1) for d in in_shape), jnp.float32)
-        try:
-            out = jax.eval_shape(conv, x_spec, jax.ShapeDtypeStruct(w_shape, jnp.float32))
-        except TypeError as err:
-            raise shape_error(name, f"large enough for kernel {kernel} with dilation {dilation}", in_shape) from err
-        if min(out.shape[1:-1]) <= 0:
-            raise shape_error(name, f"large enough for kernel {kernel} with dilation {dilation}", in_shape)
-        params = {"w": w_init(key, w_shape, jnp.float32)}
-        if use_bias:
-            params["b"] = b_init(key, (features,), jnp.float32)
-        return (in_shape[0], *out.shape[1:]), params
+        shape = out_shape(tuple(in_shape))
+        return shape, _init_params(key, param_shapes(in_shape), w_init, b_init)
 
-    def apply(params, x, *, policy=None, **_):
+    def apply(params, x, *, policy=None, **kwargs):
+        _check_apply(name, params, x, kwargs, out_shape, param_shapes)
         y = conv(x, params["w"].astype(x.dtype), policy)
-        if use_bias:
-            y = y + along_last_axis(params["b"].astype(y.dtype), y.ndim)
-        return y.astype(x.dtype)
+        return _add_bias(params, y, use_bias).astype(x.dtype)
+
+    return Layer(init, apply, name)
+
+
+def ConvTranspose(
+    features: int,
+    kernel_size: int | Sequence[int],
+    *,
+    strides: int | Sequence[int] = 1,
+    padding: str | int | Sequence[tuple[int, int]] = "SAME",
+    dilation: int | Sequence[int] = 1,
+    use_bias: bool = True,
+    w_init: initializers.Initializer = initializers.lecun_normal(),
+    b_init: initializers.Initializer = initializers.zeros,
+    name: str = "conv_transpose",
+) -> Layer:
+    """Transposed ("fractionally strided") convolution with channels last, rank 1, 2 or 3 as in `Conv` (an int
+    `kernel_size` means 2-D): the input is spread out `strides` apart, padded, and convolved with `w` at stride 1.
+
+    Outputs and values are those of `flax.linen.ConvTranspose` (and `lax.conv_transpose`) given the same kernel:
+    `w` has shape kernel_size + (in_channels, features) and is not flipped (flax's transpose_kernel=False); the
+    frameworks that compute the gradient of a convolution instead (PyTorch, Keras) apply their kernel with its
+    spatial axes reversed, so reverse them (and reorder the axes to this layout) when importing such weights.
+    `padding`: "SAME" gives in * stride outputs per axis; "VALID" in * stride + max(k - stride, 0), where k is the
+    kernel size with its dilation; an int or (low, high) pairs pad the spread-out input directly (as flax does),
+    giving (in - 1) * stride + 1 + low + high - k + 1. Products accumulate in float32.
+    """
+    check_positive("ConvTranspose", features=features)
+    kernel = _kernel_tuple(kernel_size, "ConvTranspose")
+    rank = len(kernel)
+    strides = _as_tuple(strides, rank, "strides", "ConvTranspose")
+    dilation = _as_tuple(dilation, rank, "dilation", "ConvTranspose")
+    if isinstance(padding, str) and padding.upper() not in ("SAME", "VALID"):
+        raise ValueError(
+            f"ConvTranspose: unknown padding mode {padding!r}; choose 'SAME', 'VALID', an int, or (low, high) pairs"
+        )
+    pad = _normalise_padding(padding, rank, kernel, dilation, "ConvTranspose")
+    pads = _transpose_pads(pad, kernel, strides, dilation) if isinstance(pad, str) else list(pad)
+    dimension_numbers = _DIMENSION_NUMBERS[rank]
+
+    def out_shape(in_shape):
+        def spatial(n):
+            return [
+                (m - 1) * s + lo + hi - (k - 1) * d + 1
+                for m, s, (lo, hi), k, d in zip(n, strides, pads, kernel, dilation)
+            ]
+
+        return _output_shape(name, in_shape, features, kernel, dilation, spatial)
+
+    def param_shapes(in_shape):
+        return _param_shapes(kernel, in_shape[-1], features, use_bias)
+
+    def init(key, in_shape):
+        shape = out_shape(tuple(in_shape))
+        return shape, _init_params(key, param_shapes(in_shape), w_init, b_init)
+
+    def apply(params, x, *, policy=None, **kwargs):
+        _check_apply(name, params, x, kwargs, out_shape, param_shapes)
+        y = precision.conv(
+            x,
+            params["w"].astype(x.dtype),
+            policy,
+            window_strides=(1,) * rank,
+            padding=pads,
+            lhs_dilation=strides,
+            rhs_dilation=dilation,
+            dimension_numbers=dimension_numbers,
+        )
+        return _add_bias(params, y, use_bias).astype(x.dtype)
 
     return Layer(init, apply, name)

@@ -39,9 +39,10 @@ layer's path in the model (`gpt/3_block/0_attn/1_attention: ...`) and both shape
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple, Protocol, TypeAlias
+from typing import Any, NamedTuple, Protocol, TypeAlias, TypeVar, cast
 
 import jax
 
@@ -53,6 +54,9 @@ State: TypeAlias = Any  # a pytree of arrays a layer updates itself in training 
 PRNGKey: TypeAlias = jax.Array  # a typed key (`jax.random.key`) or raw key data
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
 class InitFn(Protocol):
     """`init(key, in_shape) -> (out_shape, params)`: parameters for an input of `in_shape` (batch axis first)."""
 
@@ -60,7 +64,8 @@ class InitFn(Protocol):
 
 
 class ApplyFn(Protocol):
-    """`apply(params, x, *, key, train, state, policy) -> y`, or `(y, state)` for a stateful layer."""
+    """`apply(params, x, *, key, train, state, policy) -> y`, or `(y, state)` for a stateful layer; a layer that
+    reads side inputs or decodes with a cache takes those keywords too (see the module docstring)."""
 
     def __call__(
         self,
@@ -91,12 +96,6 @@ class LayerError(ValueError):
         super().__init__(detail)
         self.path = [layer_name]
         self.detail = detail
-
-    def within(self, parent: str) -> LayerError:
-        """Prefixes the path with the combinator key the layer sits under (`serial` calls this on the way out)."""
-        if self.path[0] != parent:
-            self.path.insert(0, parent)
-        return self
 
     def __str__(self) -> str:
         return f"{'/'.join(self.path)}: {self.detail}"
@@ -173,7 +172,8 @@ def run_cached(
     side = _for_child(layer, side)
     if layer.init_cache is not None:
         kwargs = {"state": state} if layer.stateful else {}
-        return layer.apply(params, x, cache=cache, policy=policy, **kwargs, **side)
+        decode: Callable[..., Any] = layer.apply  # ApplyFn types the standard keywords only; `cache` is the third rule
+        return decode(params, x, cache=cache, policy=policy, **kwargs, **side)
     return run(layer, params, x, state=state, policy=policy, **side)[0], cache
 
 
@@ -285,12 +285,39 @@ def _child_params(name: str, params: Params, child_name: str) -> Params:
 
 
 @contextlib.contextmanager
-def within(child_name: str) -> Iterator[None]:
-    """A `LayerError` raised inside gets the child's key prefixed to its path (combinators wrap each child call)."""
+def named(name: str) -> Iterator[None]:
+    """A `LayerError` raised inside gets `name` in front of its path (unless it starts with it already)."""
     try:
         yield
     except LayerError as err:
-        raise err.within(child_name) from None
+        if err.path[0] != name:
+            err.path.insert(0, name)
+        raise
+
+
+def with_name(name: str, fn: F) -> F:
+    """`fn` (a composite layer's init, apply or init_cache) with its errors' paths starting at `name`."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with named(name):
+            return fn(*args, **kwargs)
+
+    return cast(F, wrapped)
+
+
+@contextlib.contextmanager
+def as_child(child_key: str, layer: Layer) -> Iterator[None]:
+    """A combinator wraps each child's call: an error path starting with the child's own name starts with its key
+    in the parent instead ("1_attention" for "attention"), so paths read like the params tree."""
+    try:
+        yield
+    except LayerError as err:
+        if err.path[0] == layer.name:
+            err.path[0] = child_key
+        else:
+            err.path.insert(0, child_key)
+        raise
 
 
 def _cached_children(name, names, layers, params, x, cache, state, policy, side) -> tuple[Any, Cache]:
@@ -299,7 +326,7 @@ def _cached_children(name, names, layers, params, x, cache, state, policy, side)
     for child_name, layer in zip(names, layers):
         child_state = state.get(child_name) if state else None
         p = _child_params(name, params, child_name)
-        with within(child_name):
+        with as_child(child_name, layer):
             x, child_cache = run_cached(layer, p, x, cache.get(child_name), state=child_state, policy=policy, **side)
         if layer.init_cache is not None:
             new_cache[child_name] = child_cache
@@ -310,7 +337,7 @@ def _init_children_cache(names, layers, in_shape, max_len, dtype) -> Cache:
     cache, shape = {}, tuple(in_shape)
     for child_name, layer in zip(names, layers):
         if layer.init_cache is not None:
-            with within(child_name):
+            with as_child(child_name, layer):
                 cache[child_name] = layer.init_cache(shape, max_len, dtype)
         shape = output_shape(layer, shape)
     return cache
@@ -327,7 +354,7 @@ def serial(*layers: Layer, name: str = "serial") -> Layer:
     def init(key, in_shape):
         params, shape = {}, tuple(in_shape)
         for i, (child_name, layer) in enumerate(zip(names, layers)):
-            with within(child_name):
+            with as_child(child_name, layer):
                 shape, child_params = layer.init(jax.random.fold_in(key, i), shape)
             if jax.tree.leaves(child_params):
                 params[child_name] = child_params
@@ -349,7 +376,7 @@ def serial(*layers: Layer, name: str = "serial") -> Layer:
         for i, (child_name, layer) in enumerate(zip(names, layers)):
             child_state = state.get(child_name) if state is not None else None
             p = _child_params(name, params, child_name)
-            with within(child_name):
+            with as_child(child_name, layer):
                 x, child_state = run(
                     layer, p, x, state=child_state, key=_fold(key, i), train=train, policy=policy, **side
                 )
@@ -363,13 +390,13 @@ def serial(*layers: Layer, name: str = "serial") -> Layer:
     stateful = any(layer.stateful for layer in layers)
     decodes = any(layer.init_cache is not None for layer in layers)
     return Layer(
-        init,
-        apply,
+        with_name(name, init),
+        with_name(name, apply),
         name,
         init_state if stateful else None,
         tuple(layers),
         side_inputs,
-        init_cache if decodes else None,
+        with_name(name, init_cache) if decodes else None,
     )
 
 
@@ -385,7 +412,7 @@ def parallel(*layers: Layer, name: str = "parallel") -> Layer:
             raise LayerError(name, f"expected a tuple of {len(layers)} input shapes, got {in_shapes!r}")
         params, out_shapes = {}, []
         for i, (child_name, layer, shape) in enumerate(zip(names, layers, in_shapes)):
-            with within(child_name):
+            with as_child(child_name, layer):
                 out_shape, child_params = layer.init(jax.random.fold_in(key, i), tuple(shape))
             out_shapes.append(out_shape)
             if jax.tree.leaves(child_params):
@@ -407,7 +434,7 @@ def parallel(*layers: Layer, name: str = "parallel") -> Layer:
         for i, (child_name, layer, x) in enumerate(zip(names, layers, xs)):
             child_state = state.get(child_name) if state is not None else None
             p = _child_params(name, params, child_name)
-            with within(child_name):
+            with as_child(child_name, layer):
                 y, child_state = run(
                     layer, p, x, state=child_state, key=_fold(key, i), train=train, policy=policy, **side
                 )
@@ -417,6 +444,7 @@ def parallel(*layers: Layer, name: str = "parallel") -> Layer:
         return (tuple(outs), new_state) if stateful else tuple(outs)
 
     stateful = any(layer.stateful for layer in layers)
+    init, apply = with_name(name, init), with_name(name, apply)
     _PARALLEL_INITS.add(init)
     return Layer(init, apply, name, init_state if stateful else None, tuple(layers), side_inputs)
 
@@ -436,11 +464,19 @@ def residual(*layers: Layer, name: str = "residual") -> Layer:
 
     def apply(params, x, *, state=None, cache=None, **kwargs):
         if cache is not None:
-            y, cache = body.apply(params, x, state=state, cache=cache, **kwargs)
+            y, cache = run_cached(body, params, x, cache, state=state, **kwargs)
             return x + y.astype(x.dtype), cache
         y, new_state = run(body, params, x, state=state, **kwargs)
         out = x + y.astype(x.dtype)
         return (out, new_state) if body.stateful else out
 
     # residual returns the body's params unnested, so the body's children and their keys are its own.
-    return Layer(init, apply, name, body.init_state, body.children, body.side_inputs, body.init_cache)
+    return Layer(
+        with_name(name, init),
+        with_name(name, apply),
+        name,
+        body.init_state,
+        body.children,
+        body.side_inputs,
+        body.init_cache,
+    )

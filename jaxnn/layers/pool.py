@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxnn.layers.core import InitFn, Layer, check_positive, shape_error
+from jaxnn.layers.core import InitFn, Layer, Shape, check_keywords, check_positive, shape_error
 from jaxnn.precision import accumulation_dtype
 
 
@@ -21,7 +21,10 @@ def _pool(
     strides: int | Sequence[int] | None,
     padding: str,
     name: str,
-) -> tuple[Callable[[jax.Array], jax.Array], InitFn, tuple[int, ...], tuple[int, ...]]:
+) -> tuple[
+    Callable[[jax.Array], jax.Array], InitFn, Callable[[Any, dict[str, Any]], None], tuple[int, ...], tuple[int, ...]
+]:
+    """The windowed reduction, its init, the check every apply makes first, and the window and strides."""
     window = (window, window) if isinstance(window, int) else tuple(window)
     strides = window if strides is None else ((strides,) * len(window) if isinstance(strides, int) else tuple(strides))
     check_positive(
@@ -35,15 +38,22 @@ def _pool(
     def reduce(x):
         return lax.reduce_window(x, init_value(x.dtype), reducer, dims, steps, padding)
 
-    def init(key, in_shape):
+    def check_shape(in_shape: Shape) -> None:
         if len(in_shape) != rank + 2:
             raise shape_error(name, f"of rank {rank + 2} (batch, {rank} spatial axes, channels)", in_shape)
         if padding == "VALID" and any(d < w for d, w in zip(in_shape[1:-1], window)):
             raise shape_error(name, f"with spatial sizes >= window {window}", in_shape)
+
+    def init(key, in_shape):
+        check_shape(tuple(in_shape))
         out = jax.eval_shape(reduce, jax.ShapeDtypeStruct(tuple(max(d, 1) for d in in_shape), jnp.float32))
         return (in_shape[0], *out.shape[1:]), {}
 
-    return reduce, init, window, strides
+    def check_apply(x: Any, kwargs: dict[str, Any]) -> None:
+        check_keywords(name, kwargs)
+        check_shape(tuple(jnp.shape(x)))
+
+    return reduce, init, check_apply, window, strides
 
 
 MAX_POOL_LOWERINGS = ("auto", "reduce_window", "reshape")
@@ -85,7 +95,9 @@ def MaxPool(
     """
     if lowering not in MAX_POOL_LOWERINGS:
         raise ValueError(f"MaxPool: unknown lowering {lowering!r}; choose one of {MAX_POOL_LOWERINGS}")
-    reduce, init, window, strides = _pool("MaxPool", lax.max, lambda dt: -jnp.inf, window, strides, padding, name)
+    reduce, init, check_apply, window, strides = _pool(
+        "MaxPool", lax.max, lambda dt: -jnp.inf, window, strides, padding, name
+    )
     tiles = strides == window
     if lowering == "reshape" and not tiles:
         raise ValueError(
@@ -93,7 +105,8 @@ def MaxPool(
             f"window={window}, strides={strides}"
         )
 
-    def apply(params, x, **_):
+    def apply(params, x, **kwargs):
+        check_apply(x, kwargs)
         if lowering == "reshape":
             return _max_over_tiles(x, window, padding)
         if lowering == "reduce_window" or not tiles:
@@ -113,9 +126,10 @@ def AvgPool(
     name: str = "avg_pool",
 ) -> Layer:
     """Mean over windows; with SAME padding, border windows average only the real elements."""
-    reduce, init, _, _ = _pool("AvgPool", lax.add, lambda dt: 0.0, window, strides, padding, name)
+    reduce, init, check_apply, _, _ = _pool("AvgPool", lax.add, lambda dt: 0.0, window, strides, padding, name)
 
-    def apply(params, x, **_):
+    def apply(params, x, **kwargs):
+        check_apply(x, kwargs)
         acc = accumulation_dtype(x.dtype)
         sums = reduce(x.astype(acc))
         counts = reduce(jnp.ones((1, *x.shape[1:-1], 1), acc))
@@ -127,12 +141,17 @@ def AvgPool(
 def GlobalAvgPool(name: str = "global_avg_pool") -> Layer:
     """Mean over every spatial axis: (N, ..., C) -> (N, C), summed in float32."""
 
-    def init(key, in_shape):
+    def check_shape(in_shape: Shape) -> None:
         if len(in_shape) < 3:
             raise shape_error(name, "of rank >= 3 (batch, spatial..., channels)", in_shape)
+
+    def init(key, in_shape):
+        check_shape(tuple(in_shape))
         return (in_shape[0], in_shape[-1]), {}
 
-    def apply(params, x, **_):
+    def apply(params, x, **kwargs):
+        check_keywords(name, kwargs)
+        check_shape(tuple(jnp.shape(x)))
         return jnp.mean(x, axis=tuple(range(1, x.ndim - 1)), dtype=accumulation_dtype(x.dtype)).astype(x.dtype)
 
     return Layer(init, apply, name)

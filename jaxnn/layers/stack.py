@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxnn.layers.core import Layer, LayerError, check_keywords, check_positive, run, run_cached
+from jaxnn.layers.core import Layer, LayerError, check_keywords, check_positive, run, run_cached, with_name
+from jaxnn.layers.core import init_cache as init_cache_of
 
 # The keywords `remat` hands through as static Python values; everything else (arrays) goes through
 # jax.checkpoint as arguments.
@@ -63,10 +64,11 @@ def Repeat(layer: Layer, num_layers: int, *, unroll: int = 1, name: str = "repea
         return tuple(in_shape), jax.vmap(one)(indices)
 
     def init_state(in_shape):
+        assert layer.init_state is not None  # installed for a stateful layer only
         return _stacked(layer.init_state(tuple(in_shape)), num_layers)
 
     def init_cache(in_shape, max_len, dtype):
-        return _stacked(layer.init_cache(tuple(in_shape), max_len, dtype), num_layers)
+        return _stacked(init_cache_of(layer, tuple(in_shape), max_len, dtype), num_layers)
 
     def apply(params, x, *, state=None, key=None, train=False, policy=None, cache=None, **side):
         check_keywords(name, side, layer.side_inputs)
@@ -87,8 +89,8 @@ def Repeat(layer: Layer, num_layers: int, *, unroll: int = 1, name: str = "repea
         return (x, new_state) if layer.stateful else x
 
     return Layer(
-        init,
-        apply,
+        with_name(name, init),
+        with_name(name, apply),
         name,
         init_state if layer.stateful else None,
         side_inputs=layer.side_inputs,
