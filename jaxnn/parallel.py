@@ -127,7 +127,7 @@ def _grads_summed_over(model: Layer, axis_name: str) -> Layer:
     def apply(params, x, **kwargs):
         return model.apply(global_grads(params), x, **kwargs)
 
-    return Layer(model.init, apply, model.name, model.init_state)
+    return model._replace(apply=apply)
 
 
 def _share_of_global_mean(loss_fn: LossFn, axis_name: str) -> LossFn:

@@ -42,6 +42,13 @@ CASES = {
     "attention_causal": (lambda: L.MultiHeadAttention(2, causal=True), (2, 5, 8), "float"),
     "attention_xla": (lambda: L.MultiHeadAttention(2, causal=True, implementation="xla"), (2, 5, 8), "float"),
     "transformer_block": (lambda: L.TransformerBlock(2, drop_prob=0.1), (2, 5, 8), "float"),
+    "attention_gqa_rope": (lambda: L.MultiHeadAttention(4, num_kv_heads=2, causal=True, rope=True), (2, 5, 8), "float"),
+    "repeat_modern_block": (
+        lambda: L.remat(L.Repeat(L.TransformerBlock(2, num_kv_heads=1, rope=True, norm="rms", drop_prob=0.1), 2)),
+        (2, 5, 8),
+        "float",
+    ),
+    "gelu_exact": (lambda: L.GeluExact, (3, 8), "float"),
     "serial": (lambda: L.serial(L.Dense(6), L.Relu, L.Dropout(0.2), L.Dense(3)), (3, 4), "float"),
     "residual_with_batch_norm": (lambda: L.residual(L.Dense(4), L.BatchNorm(), L.Tanh), (3, 4), "float"),
     **cases_conv_norm.CASES,
@@ -119,6 +126,9 @@ BF16_ROUNDINGS = {
     "attention_causal": 4,  # q/k/v, probabilities, attention output, output projection
     "attention_xla": 4,
     "transformer_block": 8,  # two layer norms, attention (4), gelu MLP, two residual sums
+    "attention_gqa_rope": 6,  # attention (4) and the rotated queries and keys
+    "repeat_modern_block": 16,  # two blocks of 8
+    "gelu_exact": 4,  # jax.nn.gelu's erf form, evaluated op by op in bf16
     **cases_conv_norm.BF16_ROUNDINGS,
     **cases_recurrent.BF16_ROUNDINGS,
 }

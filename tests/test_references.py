@@ -3,6 +3,7 @@ windows and borders, GELU's formula, embedding lookups and their scatter-add gra
 normalisation statistics under the bf16 policy. Inputs use odd sizes and explicit seeds."""
 
 import itertools
+import math
 
 import flax.linen as nn
 import jax
@@ -250,3 +251,15 @@ def test_norm_statistics_are_float32_under_bf16(kind):
     # 1000 (~1000 * 2^-24 per element, ~1e-5 of the output after dividing by a deviation of ~8; measured 3e-6).
     # Statistics computed in bf16 miss by up to 0.46 here (LayerNorm) and 2 U on 16% of the elements (RMSNorm).
     np.testing.assert_allclose(np.asarray(y, np.float64), expected, rtol=U_BF16, atol=1e-4)
+
+
+def test_gelu_exact_is_the_erf_form():
+    """GeluExact is x Phi(x) with Phi the standard normal CDF (PyTorch's default), derivative Phi(x) + x phi(x)."""
+    x = np.concatenate([np.linspace(-6.0, 6.0, 121), np.random.default_rng(14).normal(scale=2.0, size=64)])
+    cdf = np.array([0.5 * (1.0 + math.erf(v / math.sqrt(2.0))) for v in x])
+    pdf = np.exp(-0.5 * x**2) / math.sqrt(2.0 * math.pi)
+    with jax.enable_x64(True):
+        y, (dy,) = value_and_vjp(lambda x: L.GeluExact.apply({}, x), np.ones_like(x), jnp.asarray(x, jnp.float64))
+        np.testing.assert_allclose(y, x * cdf, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(dy, cdf + x * pdf, rtol=1e-12, atol=1e-12)
+    assert np.max(np.abs(gelu_tanh_reference(x)[0] - x * cdf)) > 1e-4  # the two forms are told apart

@@ -205,14 +205,15 @@ def MultiHeadAttention(
         H = head_width(D)
         if rope and H % 2:
             raise shape_error(name, f"with an even head width for rotary embeddings (head width {H})", in_shape)
-        k_q, k_kv, k_out = jax.random.split(key, 3)
+        # Two keys for the fused form (as jaxnn has always drawn them: a fixed seed keeps its initial weights).
+        k_q, k_out, *k_kv = jax.random.split(key, 2 if fused else 3)
         if fused:
             params = {"qkv": Dense(3 * num_heads * H, w_init=w_init).init(k_q, in_shape)[1]}
         else:
             source = (in_shape[0], in_shape[1], context_features or D)
             params = {
                 "q": Dense(num_heads * H, w_init=w_init).init(k_q, in_shape)[1],
-                "kv": Dense(2 * kv_heads * H, w_init=w_init).init(k_kv, source)[1],
+                "kv": Dense(2 * kv_heads * H, w_init=w_init).init(k_kv[0], source)[1],
             }
         params["out"] = Dense(D, w_init=w_init).init(k_out, (*in_shape[:-1], num_heads * H))[1]
         return tuple(in_shape), params

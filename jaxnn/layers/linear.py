@@ -96,7 +96,10 @@ def Embedding(
         check_keywords(name, kwargs)
         _check_ids(name, ids, num_embeddings)
         check_params(name, params, {"table": (num_embeddings, features)})
-        return jnp.take(params["table"], ids, axis=0)
+        # jnp.take reads a negative id from the end (numpy's rule) and fills ids >= num_embeddings with NaN; map
+        # every out-of-range id to one past the table, so that all of them give NaN rows.
+        ids = jnp.where((ids >= 0) & (ids < num_embeddings), ids, num_embeddings)
+        return jnp.take(params["table"], ids, axis=0, mode="fill", fill_value=jnp.nan)
 
     return Layer(init, apply, name)
 
