@@ -53,19 +53,30 @@ def _attention_f32acc(q_BTNH, k_BSKH, v_BSKH, valid, policy):
     bf16 x bf16 -> f32.
     """
     B, T, N, H = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    if K != N:
+        return _grouped_attention_f32acc(q_BTNH, k_BSKH, v_BSKH, valid, policy)
+    logits_BNTS = precision.einsum("BTNH,BSNH->BNTS", q_BTNH, k_BSKH, policy) / jnp.sqrt(H)
+    if valid is not None:
+        logits_BNTS = jnp.where(valid, logits_BNTS, jnp.finfo(logits_BNTS.dtype).min)
+    probs_BNTS = jax.nn.softmax(logits_BNTS, axis=-1).astype(v_BSKH.dtype)
+    return precision.einsum("BNTS,BSNH->BTNH", probs_BNTS, v_BSKH, policy).astype(v_BSKH.dtype)
+
+
+def _grouped_attention_f32acc(q_BTNH, k_BSKH, v_BSKH, valid, policy):
+    """`_attention_f32acc` for K < N key/value heads. The G = N // K query heads of a key/value head are folded
+    into the query axis (Q = G * T), so each product has one free axis per operand: the only bf16 x bf16 -> f32
+    dot form XLA's CPU backend runs, and no key or value is copied G times."""
+    B, T, N, H = q_BTNH.shape
     S, K = k_BSKH.shape[1:3]
     G = N // K
-    # The G query heads of a key/value head are folded into the query axis (Q = G * T): each product then has one
-    # free axis per operand, the only bf16 x bf16 -> f32 dot form XLA's CPU backend runs.
     q_BKQH = q_BTNH.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
-    logits_BKQS = precision.einsum("BKQH,BSKH->BKQS", q_BKQH, k_BSKH, policy) / jnp.sqrt(H).astype(jnp.float32)
-    logits_BKGTS = logits_BKQS.reshape(B, K, G, T, S)
+    logits_BKGTS = (precision.einsum("BKQH,BSKH->BKQS", q_BKQH, k_BSKH, policy) / jnp.sqrt(H)).reshape(B, K, G, T, S)
     if valid is not None:
         logits_BKGTS = jnp.where(valid[:, :, None], logits_BKGTS, jnp.finfo(logits_BKGTS.dtype).min)
     probs_BKQS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(v_BSKH.dtype).reshape(B, K, G * T, S)
     o_BKQH = precision.einsum("BKQS,BSKH->BKQH", probs_BKQS, v_BSKH, policy)
-    o_BTNH = o_BKQH.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
-    return o_BTNH.astype(v_BSKH.dtype)
+    return o_BKQH.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H).astype(v_BSKH.dtype)
 
 
 def _is_half(dtype) -> bool:
