@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import json
 import logging
 import pathlib
 import sys
 from typing import TYPE_CHECKING, Any
 
-from jaxnn.config import MODEL_DEFAULTS, TrainConfig
+from jaxnn.config import MODEL_DEFAULTS, ConfigError, TrainConfig
 
 if TYPE_CHECKING:
     from jaxnn.callbacks import Callback
@@ -62,6 +63,14 @@ def add_train_parser(sub: Any) -> None:
     a("--seq-len", type=int, default=None, help="gpt: context length in bytes")
     a("--d-model", type=int, default=None, help="gpt: model width (default 128)")
     a("--layers", type=int, default=None, help="gpt: number of transformer blocks")
+    a(
+        "--model-config",
+        nargs="+",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="set fields of the model's config (values as JSON, else text), e.g. gpt's "
+        "position=rope norm=rms num_kv_heads=2 scan_layers=true",
+    )
     a("--crop-pad", type=int, default=0, help="images: random crop after zero-padding by this many pixels")
     a("--flip", action="store_true", help="images: random horizontal flips")
     a(
@@ -178,6 +187,20 @@ def default_run_dir(model: str, data: str | None, resume: bool) -> str:
     return str(base / datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
 
 
+def parse_model_config(items: list[str]) -> dict[str, Any]:
+    """`["position=rope", "num_kv_heads=2"]` -> {"position": "rope", "num_kv_heads": 2}: JSON values, else text."""
+    fields: dict[str, Any] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"--model-config: expected FIELD=VALUE, got {item!r}")
+        try:
+            fields[name] = json.loads(text)
+        except json.JSONDecodeError:
+            fields[name] = text
+    return fields
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     defaults = dict(MODEL_DEFAULTS.get(args.model, {}))
     overrides = dict(defaults.pop("model_overrides", ()))
@@ -187,6 +210,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if args.size == "small":  # the small config's own widths, unless asked otherwise
         flag_of: dict[str, str] = {"num_layers": "layers"}
         overrides = {k: v for k, v in overrides.items() if getattr(args, flag_of.get(k) or k, None)}
+    overrides.update(parse_model_config(args.model_config))
 
     def pick(name: str, fallback: Any) -> Any:
         return getattr(args, name) if getattr(args, name) is not None else defaults.get(name, fallback)

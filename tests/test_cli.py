@@ -143,6 +143,11 @@ def test_config_small_and_validation():
         TrainConfig(warmup=-1)  # refused at construction
     parser = cli.build_parser()
     assert all(a.help for a in parser._subparsers._group_actions[0].choices["train"]._actions)
+    args = parser.parse_args(["train", "--model", "gpt", "--model-config", "position=rope", "num_kv_heads=2"])
+    overrides = dict(cli.config_from_args(args).model_overrides)
+    assert overrides["position"] == "rope" and overrides["num_kv_heads"] == 2
+    with pytest.raises(ConfigError, match=r"--model-config: expected FIELD=VALUE, got 'rope'"):
+        cli.parse_model_config(["rope"])
 
 
 def write_idx(root, n, seed):

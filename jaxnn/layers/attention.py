@@ -320,12 +320,14 @@ def TransformerBlock(
     cross_attention: bool = False,
     context_features: int | None = None,
     attention_implementation: str = "auto",
+    w_init: initializers.Initializer = initializers.lecun_normal(),
     name: str = "block",
 ) -> Layer:
     """Pre-norm transformer block: x + Attention(Norm(x)), [x + CrossAttention(Norm(x), context)],
     then x + MLP(Norm(x)) with a GELU MLP of mlp_ratio * D.
 
     `norm`: "layer" (LayerNorm) or "rms" (RMSNorm); `num_kv_heads` and `rope` as in `MultiHeadAttention`;
+    `w_init` initialises every projection (attention and MLP);
     `cross_attention=True` adds a cross-attention sublayer reading the `context` side input (an encoder-decoder
     block). Side inputs (mask, positions, context, context_mask) reach the sublayers that read them; a causal block
     decodes with a cache.
@@ -345,6 +347,7 @@ def TransformerBlock(
             cross=cross,
             context_features=context_features,
             implementation=attention_implementation,
+            w_init=w_init,
             name="cross_attention" if cross else "attention",
         )
 
@@ -354,9 +357,9 @@ def TransformerBlock(
             sublayers.append(residual(Norm(name="ln"), attention(True), Dropout(drop_prob), name="cross"))
         mlp = residual(
             Norm(name="ln"),
-            Dense(mlp_ratio * width, name="fc"),
+            Dense(mlp_ratio * width, w_init=w_init, name="fc"),
             Gelu,
-            Dense(width, name="proj"),
+            Dense(width, w_init=w_init, name="proj"),
             Dropout(drop_prob),
             name="mlp",
         )
