@@ -42,6 +42,29 @@ def _stacked(tree: Any, n: int) -> Any:
     return jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *jnp.shape(a))), tree)
 
 
+def _scan(layer, num_layers, unroll, train, policy, params, x, state, key, side):
+    def step(x, per_layer):
+        p, s, i = per_layer
+        layer_key = None if key is None else jax.random.fold_in(key, i)
+        return run(layer, p, x, state=s, key=layer_key, train=train, policy=policy, **side)
+
+    return lax.scan(step, x, (params, state, jnp.arange(num_layers)), unroll=unroll)
+
+
+def _decode(layer, num_layers, unroll, policy, params, x, state, cache, side):
+    def step(x, per_layer):
+        p, s, c = per_layer
+        return run_cached(layer, p, x, c, state=s, policy=policy, **side)
+
+    return lax.scan(step, x, (params, state, cache), length=num_layers, unroll=unroll)
+
+
+# Under jax.jit with the layer static, an eager call reuses the scan compiled for the same shapes (a fresh closure
+# passed to lax.scan would be traced and compiled on every call); nested in an outer jit it is inlined.
+_scan_jit = jax.jit(_scan, static_argnums=(0, 1, 2, 3, 4))
+_decode_jit = jax.jit(_decode, static_argnums=(0, 1, 2, 3))
+
+
 def Repeat(layer: Layer, num_layers: int, *, unroll: int = 1, name: str = "repeat") -> Layer:
     """`num_layers` copies of `layer` (each with its own parameters) applied in sequence inside one `lax.scan`.
 
@@ -50,7 +73,6 @@ def Repeat(layer: Layer, num_layers: int, *, unroll: int = 1, name: str = "repea
     keep the shape of its input. Side inputs reach every copy. `unroll` is lax.scan's (more unrolling: longer
     compile, sometimes a faster step)."""
     check_positive("Repeat", num_layers=num_layers)
-    indices = jnp.arange(num_layers)
 
     def init(key, in_shape):
         def one(i):
@@ -61,7 +83,7 @@ def Repeat(layer: Layer, num_layers: int, *, unroll: int = 1, name: str = "repea
                 )
             return params
 
-        return tuple(in_shape), jax.vmap(one)(indices)
+        return tuple(in_shape), jax.vmap(one)(jnp.arange(num_layers))
 
     def init_state(in_shape):
         assert layer.init_state is not None  # installed for a stateful layer only
@@ -73,19 +95,8 @@ def Repeat(layer: Layer, num_layers: int, *, unroll: int = 1, name: str = "repea
     def apply(params, x, *, state=None, key=None, train=False, policy=None, cache=None, **side):
         check_keywords(name, side, layer.side_inputs)
         if cache is not None:
-
-            def decode(x, per_layer):
-                p, s, c = per_layer
-                return run_cached(layer, p, x, c, state=s, policy=policy, **side)
-
-            return lax.scan(decode, x, (params, state, cache), unroll=unroll)
-
-        def step(x, per_layer):
-            p, s, i = per_layer
-            layer_key = None if key is None else jax.random.fold_in(key, i)
-            return run(layer, p, x, state=s, key=layer_key, train=train, policy=policy, **side)
-
-        x, new_state = lax.scan(step, x, (params, state, indices), unroll=unroll)
+            return _decode_jit(layer, num_layers, unroll, policy, params, x, state, cache, side)
+        x, new_state = _scan_jit(layer, num_layers, unroll, train, policy, params, x, state, key, side)
         return (x, new_state) if layer.stateful else x
 
     return Layer(
