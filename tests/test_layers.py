@@ -50,7 +50,6 @@ CASES = {
         (2, 5, 8),
         "float",
     ),
-    "gelu_exact": (lambda: L.GeluExact, (3, 8), "float"),
     "serial": (lambda: L.serial(L.Dense(6), L.Relu, L.Dropout(0.2), L.Dense(3)), (3, 4), "float"),
     "residual_with_batch_norm": (lambda: L.residual(L.Dense(4), L.BatchNorm(), L.Tanh), (3, 4), "float"),
     **cases_conv_norm.CASES,
@@ -132,7 +131,6 @@ BF16_ROUNDINGS = {
     "transformer_block": 8,  # two layer norms, attention (4), gelu MLP, two residual sums
     "attention_gqa_rope": 6,  # attention (4) and the rotated queries and keys
     "repeat_remat": 6,  # two layers of norm, dense and the residual sum
-    "gelu_exact": 4,  # jax.nn.gelu's erf form, evaluated op by op in bf16
     **cases_conv_norm.BF16_ROUNDINGS,
     **cases_recurrent.BF16_ROUNDINGS,
 }

@@ -6,6 +6,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.nn import initializers
 
 from jaxnn import precision
@@ -66,7 +67,8 @@ def _check_ids(name: str, ids: jax.Array, num_embeddings: int) -> None:
         raise LayerTypeError(name, f"expected integer ids, got dtype {ids.dtype}")
     if isinstance(ids, jax.core.Tracer) or ids.size == 0:
         return  # traced ids have no values to check; out-of-range ones give NaN rows (see Embedding)
-    low, high = int(jnp.min(ids)), int(jnp.max(ids))
+    values = np.asarray(ids)  # numpy: ids closed over by a jitted function are concrete, jnp.min of them is not
+    low, high = int(values.min()), int(values.max())
     if low < 0 or high >= num_embeddings:
         raise LayerError(name, f"ids must be in [0, {num_embeddings}), got values in [{low}, {high}]")
 

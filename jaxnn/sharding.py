@@ -1,0 +1,151 @@
+"""Sharding rules: which device holds which part of every parameter, optimizer moment and batch.
+
+A mesh has up to three named axes, always in this order:
+- `data`: the batch is split over it; parameters are replicated along it (data parallelism).
+- `fsdp`: the batch is split over it too, and so is every parameter and optimizer moment large enough, along one
+  dimension (fully sharded data parallelism, ZeRO-3): each device stores 1/fsdp of the state, and XLA gathers a
+  layer's parameters when the step uses them and reduce-scatters their gradients.
+- `tensor`: Megatron-style tensor parallelism. The projections that fan out (attention's q/k/v, the MLP's first
+  layer) are split by output columns, the ones that fan back in (attention's output, the MLP's second layer) by
+  input rows, so each device computes its share of the heads and of the hidden width, and one all-reduce per
+  sublayer joins them.
+
+The rules are expressed as `PartitionSpec`s over parameter paths and shapes; jit's in/out shardings carry them and
+XLA's partitioner derives the collectives. Nothing here writes a collective by hand.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
+AXES = (DATA, FSDP, TENSOR)
+BATCH_AXES = (DATA, FSDP)  # the axes the batch is split over
+
+# Parameter-path endings (the params tree's last two keys) of the tensor-parallel projections in jaxnn's layers.
+COLUMN_PARALLEL = {("qkv", "w"), ("q", "w"), ("kv", "w"), ("fc", "w"), ("qkv", "b"), ("q", "b"), ("kv", "b"), ("fc", "b")}
+ROW_PARALLEL = {("out", "w"), ("proj", "w")}
+
+# FSDP leaves smaller parameters (norm scales, biases) whole: sharding them saves little and costs a collective each.
+MIN_FSDP_SIZE = 1024
+
+
+def parse_mesh(spec: str | Mapping[str, int]) -> dict[str, int]:
+    """`"data=2,fsdp=4"` (or a mapping) -> {"data": 2, "fsdp": 4}; unknown axes and non-positive sizes refused."""
+    if isinstance(spec, str):
+        sizes: dict[str, int] = {}
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            name, sep, value = part.partition("=")
+            if not sep or not value.strip().isdigit():
+                raise ValueError(f"mesh {spec!r}: expected AXIS=SIZE items separated by commas, e.g. data=2,fsdp=4")
+            sizes[name.strip()] = int(value)
+    else:
+        sizes = dict(spec)
+    unknown = set(sizes) - set(AXES)
+    if unknown or not sizes:
+        raise ValueError(f"mesh {spec!r}: axes must be among {AXES}, got {sorted(sizes) or 'none'}")
+    bad = {k: v for k, v in sizes.items() if not isinstance(v, int) or v < 1}
+    if bad:
+        raise ValueError(f"mesh {spec!r}: axis sizes must be positive integers, got {bad}")
+    return sizes
+
+
+def make_sharded_mesh(spec: str | Mapping[str, int], devices: list | None = None) -> Mesh:
+    """A mesh with axes (data, fsdp, tensor) of the sizes `spec` gives (missing axes have size 1), over the first
+    product-of-sizes devices (all processes' devices, in process order)."""
+    sizes = parse_mesh(spec)
+    shape = tuple(sizes.get(axis, 1) for axis in AXES)
+    devices = jax.devices() if devices is None else devices
+    needed = math.prod(shape)
+    if needed > len(devices):
+        raise ValueError(f"mesh {dict(zip(AXES, shape))} needs {needed} devices, {len(devices)} available")
+    # Auto axes: the rules below fix the shardings of parameters and batches; XLA propagates the rest.
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 3, devices=devices[:needed])
+
+
+def axis_size(mesh: Mesh, axis: str) -> int:
+    return mesh.shape[axis] if axis in mesh.axis_names else 1
+
+
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    return tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+
+
+def shards_state(mesh: Mesh) -> bool:
+    """Whether the mesh shards parameters (an fsdp or tensor axis of size > 1), not only the batch."""
+    return axis_size(mesh, FSDP) > 1 or axis_size(mesh, TENSOR) > 1
+
+
+def _path_keys(path: tuple) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def param_spec(path: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
+    """The PartitionSpec of one parameter: tensor-parallel by its path, then FSDP on its largest free dimension."""
+    spec: list[Any] = [None] * len(shape)
+    tensor, fsdp = axis_size(mesh, TENSOR), axis_size(mesh, FSDP)
+    ending = path[-2:]
+    if tensor > 1 and shape:
+        # Dims counted from the end, so the rules hold for Repeat's stacked parameters (a leading layer axis).
+        dim = -1 if ending in COLUMN_PARALLEL else -2 if ending in ROW_PARALLEL and len(shape) >= 2 else None
+        if dim is not None and shape[dim] % tensor == 0:
+            spec[dim] = TENSOR
+    if fsdp > 1 and math.prod(shape) >= MIN_FSDP_SIZE:
+        free = [d for d in range(len(shape)) if spec[d] is None and shape[d] % fsdp == 0]
+        if free:
+            spec[max(free, key=lambda d: (shape[d], d))] = FSDP
+    return P(*spec)
+
+
+def param_specs(params: Any, mesh: Mesh) -> Any:
+    """`param_spec` for every leaf of a parameter tree (arrays or `jax.ShapeDtypeStruct`s)."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: param_spec(_path_keys(p), tuple(x.shape), mesh), params)
+
+
+def state_shardings(state: Any, mesh: Mesh) -> Any:
+    """NamedShardings for a whole `TrainState` (or any tree holding the params): the params by the rules, every
+    optimizer leaf whose path ends with a parameter's path and has its shape (Adam's moments) like that parameter,
+    everything else (step, key, BatchNorm statistics, loss scale) replicated."""
+    params = getattr(state, "params", None)
+    by_path: dict[tuple[str, ...], tuple[tuple[int, ...], P]] = {}
+    if params is not None:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+            keys = _path_keys(path)
+            by_path[keys] = (tuple(leaf.shape), param_spec(keys, tuple(leaf.shape), mesh))
+
+    def sharding(path: tuple, leaf: Any) -> NamedSharding:
+        keys, shape = _path_keys(path), tuple(np.shape(leaf))
+        for start in range(len(keys)):
+            match = by_path.get(keys[start:])
+            if match is not None and match[0] == shape:
+                return NamedSharding(mesh, match[1])
+        return NamedSharding(mesh, P())
+
+    return jax.tree_util.tree_map_with_path(sharding, state)
+
+
+def create_state(create: Callable[[], Any], mesh: Mesh) -> Any:
+    """Runs `create()` straight into the rules' shardings: each device builds only its shards."""
+    abstract = jax.eval_shape(create)
+    return jax.jit(create, out_shardings=state_shardings(abstract, mesh))()
+
+
+def place_state(state: Any, mesh: Mesh) -> Any:
+    """Moves an existing state onto the rules' shardings (e.g. a state built on one device)."""
+    return jax.device_put(state, state_shardings(state, mesh))
+
+
+def bytes_per_device(tree: Any) -> dict[str, int]:
+    """Bytes of `tree`'s arrays each device holds (from the arrays' addressable shards), by device."""
+    held: dict[str, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in getattr(leaf, "addressable_shards", []):
+            held[str(shard.device)] = held.get(str(shard.device), 0) + shard.data.nbytes
+    return held
