@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import json
 import logging
+import math
 import pathlib
 import sys
 from typing import TYPE_CHECKING, Any
@@ -90,6 +91,13 @@ def add_train_parser(sub: Any) -> None:
         type=int,
         default=1,
         help="data-parallel devices of this process (on a CPU, that many simulated devices)",
+    )
+    a(
+        "--mesh",
+        default=None,
+        metavar="AXIS=SIZE,...",
+        help="shard over a device mesh: data (batch), fsdp (batch and every large parameter and optimizer moment), "
+        "tensor (attention heads and MLP width), e.g. data=2,fsdp=4; on a CPU, that many simulated devices",
     )
     add_multiprocess_flags(p)
     a("--prefetch", type=int, default=2, help="batches put on the device ahead of the step (0: none)")
@@ -169,6 +177,13 @@ def add_generate_parser(sub: Any) -> None:
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest readable one)")
 
 
+def mesh_devices(mesh: str) -> int:
+    """The number of devices a mesh spec ("data=2,fsdp=4") spans."""
+    from jaxnn.sharding import parse_mesh
+
+    return math.prod(parse_mesh(mesh).values())
+
+
 def set_cpu_devices(n: int) -> None:
     """Asks for `n` CPU devices before jax initialises; later (e.g. in tests) whatever count exists is kept and
     the run checks that it has at least `n`."""
@@ -236,6 +251,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         resume=args.resume,
         overwrite=args.overwrite,
         devices=args.devices,
+        mesh=args.mesh,
         eval_every=args.eval_every,
         log_every=args.log_every,
         ckpt_every=args.ckpt_every,
@@ -303,7 +319,7 @@ def train_main(args: argparse.Namespace) -> int:
 
     try:
         cfg = config_from_args(args)  # validated here, before jax starts
-        set_cpu_devices(args.devices)
+        set_cpu_devices(mesh_devices(cfg.mesh) if cfg.mesh else args.devices)
         multi_process = start_processes(args)
         from jaxnn.recipes import train
 

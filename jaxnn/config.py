@@ -22,6 +22,20 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message names the field."""
 
 
+def _check_mesh(cfg: TrainConfig) -> None:
+    from jaxnn.sharding import BATCH_AXES, parse_mesh
+
+    if cfg.devices != 1:
+        raise ConfigError("--mesh and --devices exclude each other: the mesh says how many devices")
+    try:
+        sizes = parse_mesh(cfg.mesh or "")
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    split = math.prod(sizes.get(axis, 1) for axis in BATCH_AXES)
+    if cfg.batch_size % split:
+        raise ConfigError(f"batch size {cfg.batch_size} is not divisible by the {split} devices of the batch axes")
+
+
 def _positive_int(owner: str, name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"{owner}: {name} must be a positive integer, got {value!r}")
@@ -159,6 +173,7 @@ MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
 
 # TrainConfig fields that do not change what a run computes: a checkpoint may be resumed with them changed.
 RUN_ONLY_FIELDS = (
+    "mesh",
     "run_dir",
     "ckpt_dir",
     "resume",
@@ -205,6 +220,7 @@ class TrainConfig:
     resume: bool = False
     overwrite: bool = False
     devices: int = 1
+    mesh: str | None = None  # e.g. "data=2,fsdp=4" (jaxnn.sharding); replaces `devices`
     eval_every: int = 0  # 0: five evaluations over the run
     log_every: int = 50
     ckpt_every: int = 0  # 0: only at the end (and on a signal)
@@ -275,6 +291,8 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(f"{name} must be >= 0, got {getattr(cfg, name)!r}")
     if cfg.batch_size % cfg.devices:
         raise ConfigError(f"batch size {cfg.batch_size} is not divisible by the {cfg.devices} devices")
+    if cfg.mesh is not None:
+        _check_mesh(cfg)
     if cfg.resume and cfg.overwrite:
         raise ConfigError("--resume and --overwrite exclude each other")
     unknown = [m for m in cfg.metrics if m not in METRIC_WRITERS]

@@ -36,6 +36,7 @@ from jaxnn.mesh import check_batch_divisible, create_sharded_state, make_mesh, p
 from jaxnn.parallel import data_parallel_train_step
 from jaxnn.precision import all_finite, get_policy
 from jaxnn.rundir import RunFiles
+from jaxnn.sharding import make_sharded_mesh
 from jaxnn.train import (
     LossFn,
     TrainState,
@@ -66,7 +67,7 @@ def fit(
     optimizer: optax.GradientTransformation | None = None,
     eval_data: TrainData | None = None,
     callbacks: Iterable[Callback] = (),
-    mesh: Mesh | None = None,
+    mesh: Mesh | str | None = None,
     pipeline: PipelineConfig | None = None,
     config: dict | None = None,
     params: Any = None,
@@ -81,8 +82,10 @@ def fit(
     loss: `(logits, batch) -> (loss, metrics)`; a `count` metric, if returned, weights evaluation batches.
     optimizer: any optax `GradientTransformation` (default: `make_optimizer(1e-3, total_steps=steps)`).
     callbacks: `jaxnn.callbacks.Callback`s; a `NonFiniteGuard` is added unless `guard_nonfinite=False`.
-    mesh: a `jax.sharding.Mesh` with a `data` axis (default: `devices` local devices, or all devices of all
-      processes in a multi-process run). pipeline: a `PipelineConfig` for jaxnn data sets (workers, augmentation).
+    mesh: a `jax.sharding.Mesh` with a `data` axis and optionally `fsdp` and `tensor` axes, or its sizes as text
+      ("data=2,fsdp=4", see `jaxnn.sharding`) (default: `devices` local devices on a `data` axis, or all devices
+      of all processes in a multi-process run).
+    pipeline: a `PipelineConfig` for jaxnn data sets (workers, augmentation).
     config: JSON-able facts about the run (model and optimizer settings) saved in config.json and the
       checkpoints; a resume with different facts is refused, naming them.
     params, model_state: start from these (e.g. `jaxnn.finetune.load_into` of a trained model's) instead of the
@@ -98,7 +101,10 @@ def fit(
     cfg = dataclasses.replace(cfg, batch_size=batch_size)  # an iterable's own batch size is what the run records
     evals = as_eval_batches(eval_data, batch_size, seq_len=getattr(pipeline, "seq_len", 128), seed=cfg.seed)
     tx = optimizer if optimizer is not None else make_optimizer(1e-3, total_steps=cfg.steps)
-    mesh = mesh if mesh is not None else make_mesh(None if jax.process_count() > 1 else _devices(cfg.devices))
+    if isinstance(mesh, str):
+        mesh = make_sharded_mesh(mesh)
+    elif mesh is None:
+        mesh = make_mesh(None if jax.process_count() > 1 else _devices(cfg.devices))
     check_batch_divisible(batch_size, mesh)
     files = RunFiles(cfg, _json_record({**cfg.record(), **(config or {})}), is_main=jax.process_index() == 0)
     files.precheck()  # a run dir in use is refused now, before anything is compiled

@@ -1,7 +1,9 @@
 """Devices, meshes, shardings and placement: where arrays live, from one CPU to many processes.
 
-This module imports nothing else from jaxnn, so every part of the library (the training loop, the data-parallel
-forms, checkpoints, benchmarks) can place arrays the same way without import cycles.
+This module imports nothing else from jaxnn but `jaxnn.sharding` (which imports nothing from jaxnn), so every part
+of the library (the training loop, the data-parallel forms, checkpoints, benchmarks) can place arrays the same way
+without import cycles. A mesh may carry `fsdp` and `tensor` axes besides `data` (`jaxnn.sharding`): the batch is
+then split over data x fsdp and the train state by the sharding rules.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from jaxnn import sharding
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +65,14 @@ def make_mesh(num_devices: int | None = None) -> Mesh:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Leading (batch) axis split over `data`, every other axis whole."""
-    return NamedSharding(mesh, P(DATA_AXIS))
+    """Leading (batch) axis split over `data` (and `fsdp`, where the mesh has it), every other axis whole."""
+    axes = sharding.batch_axes(mesh)
+    return NamedSharding(mesh, P(axes[0] if len(axes) == 1 else axes))
+
+
+def batch_devices(mesh: Mesh) -> int:
+    """How many ways the batch is split: the product of the batch axes' sizes."""
+    return int(np.prod([mesh.shape[a] for a in sharding.batch_axes(mesh)]))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -70,10 +80,11 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def check_batch_divisible(global_batch: int, mesh: Mesh) -> None:
-    """Refuses a global batch the data axis cannot split evenly."""
-    n = mesh.shape[DATA_AXIS]
+    """Refuses a global batch the batch axes cannot split evenly."""
+    n = batch_devices(mesh)
     if global_batch % n:
-        raise ValueError(f"batch size {global_batch} is not divisible by the {n} devices of the data axis")
+        axes = " x ".join(sharding.batch_axes(mesh))
+        raise ValueError(f"batch size {global_batch} is not divisible by the {n} devices of the {axes} axis")
 
 
 def _leading_size(batch: Any) -> int:
@@ -122,13 +133,23 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
 
 
 def create_sharded_state(create: Callable[[], Any], mesh: Mesh) -> Any:
-    """Runs `create()` (e.g. `lambda: create_train_state(model, tx, key, in_shape)`) straight into replicated arrays.
+    """Runs `create()` (e.g. `lambda: create_train_state(model, tx, key, in_shape)`) straight into replicated arrays
+    (or into the sharding rules' shards, on a mesh with fsdp or tensor axes).
 
     The one way jaxnn creates a train state for a mesh (the loop, experiments and benchmarks alike): compiled
     with `out_shardings`, so every device builds its copy in place, and every process runs the same computation,
     so no process sends its copy to the others.
     """
+    if sharding.shards_state(mesh):
+        return sharding.create_state(create, mesh)
     return jax.jit(create, out_shardings=replicated(mesh))()
+
+
+def place_state(state: Any, mesh: Mesh) -> Any:
+    """`state` on `mesh`: replicated, or sharded by `jaxnn.sharding`'s rules when the mesh shards the state."""
+    if sharding.shards_state(mesh):
+        return sharding.place_state(state, mesh)
+    return replicate(state, mesh)
 
 
 # ------------------------------------------------------------------------------------------------------ many hosts

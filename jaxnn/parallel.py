@@ -40,12 +40,14 @@ from jaxnn.mesh import (
     create_sharded_state,
     initialize_distributed,
     make_mesh,
+    place_state,
     process_slice,
     replicate,
     replicated,
     shard_batch,
 )
 from jaxnn.precision import Policy
+from jaxnn.sharding import shards_state
 from jaxnn.train import Batch, LossFn, Metrics, StepFn, TrainState, train_step_fn
 
 log = logging.getLogger(__name__)
@@ -204,7 +206,8 @@ def data_parallel_train_step(
     _check_form(form)
     mesh = make_mesh() if mesh is None else mesh
     donate_argnums = (0,) if donate else ()
-    rep, data = replicated(mesh), batch_sharding(mesh)
+    if form != "jit" and shards_state(mesh):
+        raise ValueError(f"form {form!r} is data parallelism only; a mesh with fsdp or tensor axes needs form 'jit'")
 
     if form == "pmap":
         if jax.process_count() > 1:
@@ -233,24 +236,43 @@ def data_parallel_train_step(
         )
 
     if form == "jit":
-        body = train_step_fn(model, loss_fn, tx, policy)
-    else:
-        body = jax.shard_map(
-            per_device_step_fn(model, loss_fn, tx, policy),
-            mesh=mesh,
-            in_specs=(P(), P(DATA_AXIS)),
-            out_specs=(P(), P()),
-            # The gradient average is the explicit psum in per_device_step_fn; with
-            # check_vma=True, autodiff would also sum the replicated parameters' gradients.
-            check_vma=False,
-        )
-    compiled = jax.jit(body, in_shardings=(rep, data), out_shardings=(rep, rep), donate_argnums=donate_argnums)
+        return _jit_step(train_step_fn(model, loss_fn, tx, policy), mesh, form, donate_argnums)
+    body = jax.shard_map(
+        per_device_step_fn(model, loss_fn, tx, policy),
+        mesh=mesh,
+        in_specs=(P(), P(DATA_AXIS)),
+        out_specs=(P(), P()),
+        # The gradient average is the explicit psum in per_device_step_fn; with
+        # check_vma=True, autodiff would also sum the replicated parameters' gradients.
+        check_vma=False,
+    )
+    return _jit_step(body, mesh, form, donate_argnums)
+
+
+def _jit_step(body: StepFn, mesh: Mesh, form: str, donate_argnums: tuple[int, ...]) -> DataParallelStep:
+    """`body` jitted with the batch split over the batch axes and the state where it lies: replicated, or sharded
+    by the rules (`jaxnn.sharding`). The state's shardings are read from the first state the step gets (the one
+    placed by `place_state` or created by `create_sharded_state`), and the new state keeps them, so parameters and
+    optimizer moments stay where they are from step to step."""
+    compiled: list[Any] = []
 
     def step(state, batch):
         check_batch_divisible(_leading_size(batch), mesh)
-        return compiled(state, batch)
+        if not compiled:  # compiled once: reading the shardings every step would cost tiny models' dispatch time
+            shardings = jax.tree.map(lambda x: x.sharding, state)
+            compiled.append(
+                jax.jit(
+                    body,
+                    in_shardings=(shardings, batch_sharding(mesh)),
+                    out_shardings=(shardings, replicated(mesh)),
+                    donate_argnums=donate_argnums,
+                )
+            )
+        return compiled[0](state, batch)
 
-    return DataParallelStep(step, lambda s: replicate(s, mesh), lambda b: shard_batch(b, mesh), lambda s: s, mesh, form)
+    return DataParallelStep(
+        step, lambda s: place_state(s, mesh), lambda b: shard_batch(b, mesh), lambda s: s, mesh, form
+    )
 
 
 def _check_pmap_batch(batch: Any, mesh: Mesh) -> None:

@@ -136,6 +136,7 @@ def train(
         progress=cfg.progress,
         plots=cfg.plots,
         devices=cfg.devices,
+        mesh=cfg.mesh,
         prefetch=cfg.prefetch,
         name=f"{cfg.model}/{data.name}",
     )

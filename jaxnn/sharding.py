@@ -17,6 +17,7 @@ XLA's partitioner derives the collectives. Nothing here writes a collective by h
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -30,8 +31,19 @@ AXES = (DATA, FSDP, TENSOR)
 BATCH_AXES = (DATA, FSDP)  # the axes the batch is split over
 
 # Parameter-path endings (the params tree's last two keys) of the tensor-parallel projections in jaxnn's layers.
-COLUMN_PARALLEL = {("qkv", "w"), ("q", "w"), ("kv", "w"), ("fc", "w"), ("qkv", "b"), ("q", "b"), ("kv", "b"), ("fc", "b")}
+COLUMN_PARALLEL = {
+    ("qkv", "w"),
+    ("q", "w"),
+    ("kv", "w"),
+    ("fc", "w"),
+    ("qkv", "b"),
+    ("q", "b"),
+    ("kv", "b"),
+    ("fc", "b"),
+}
 ROW_PARALLEL = {("out", "w"), ("proj", "w")}
+
+_CHILD_INDEX = re.compile(r"^\d+_")
 
 # FSDP leaves smaller parameters (norm scales, biases) whole: sharding them saves little and costs a collective each.
 MIN_FSDP_SIZE = 1024
@@ -91,7 +103,7 @@ def param_spec(path: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
     """The PartitionSpec of one parameter: tensor-parallel by its path, then FSDP on its largest free dimension."""
     spec: list[Any] = [None] * len(shape)
     tensor, fsdp = axis_size(mesh, TENSOR), axis_size(mesh, FSDP)
-    ending = path[-2:]
+    ending = tuple(_CHILD_INDEX.sub("", key) for key in path[-2:])  # "1_fc" -> "fc": combinators number children
     if tensor > 1 and shape:
         # Dims counted from the end, so the rules hold for Repeat's stacked parameters (a leading layer axis).
         dim = -1 if ending in COLUMN_PARALLEL else -2 if ending in ROW_PARALLEL and len(shape) >= 2 else None
