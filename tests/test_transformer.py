@@ -127,7 +127,7 @@ def test_mask_and_positions_travel_through_serial_and_blocks(key):
         model.apply(params, x, mask=mask[:, :5])
 
 
-def test_repeat_equals_the_flat_stack_and_remat_keeps_gradients(key):
+def test_repeat_equals_the_flat_stack(key):
     block = L.TransformerBlock(2, drop_prob=0.2, num_kv_heads=1, norm="rms", mlp_ratio=1)
     flat, stacked = L.serial(block, block), L.Repeat(block, 2)
     x = jax.random.normal(key, (2, 5, 8))
@@ -140,12 +140,7 @@ def test_repeat_equals_the_flat_stack_and_remat_keeps_gradients(key):
     kwargs = {"key": jax.random.key(3), "train": True}
     y_stacked = jax.jit(lambda p: stacked.apply(p, x, **kwargs))(params)
     np.testing.assert_allclose(y_stacked, jax.jit(lambda p: flat.apply(p, x, **kwargs))(flat_params), atol=2e-6)
-
-    def loss(layer):
-        return jax.jit(jax.grad(lambda p: jnp.sum(layer.apply(p, x, **kwargs) ** 2)))
-
-    grads, remat_grads = loss(stacked)(params), loss(L.remat(stacked))(params)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads, remat_grads)
+    # remat's gradients: the conformance table's "repeat_remat" case checks them against finite differences.
 
 
 def test_repeat_threads_batch_norm_state(key):
