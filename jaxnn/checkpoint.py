@@ -50,11 +50,21 @@ def from_saveable(tree: Any, like: Any) -> Any:
     )
 
 
+def _host_copy(leaf: Any) -> np.ndarray:
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        # Sharded across processes (FSDP over hosts): every process gathers the whole array, so every process must
+        # call this at the same point; saves, restores and the summary do.
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+    return np.asarray(jax.device_get(leaf))
+
+
 def state_digest(tree: Any) -> str:
     """SHA-256 over every leaf's dtype, shape and bytes, in tree order."""
     h = hashlib.sha256()
     for leaf in jax.tree.leaves(to_saveable(tree)):
-        arr = np.asarray(jax.device_get(leaf))
+        arr = _host_copy(leaf)
         h.update(f"{arr.dtype}{arr.shape}".encode())
         h.update(np.ascontiguousarray(arr).tobytes())
     return h.hexdigest()

@@ -284,18 +284,24 @@ def format_summary(s: dict) -> str:
     )
 
 
-def start_processes(args: argparse.Namespace) -> bool:
-    """Joins a multi-process run when flags, JAXNN_* variables or --cluster ask for one (before any jax work)."""
+def multi_process_asked(args: argparse.Namespace) -> bool:
+    """Whether flags, JAXNN_* variables or --cluster ask for a multi-process run."""
     import os
 
     from jaxnn import mesh
 
-    asked = (
+    return bool(
         args.cluster
         or any(v is not None for v in (args.coordinator, args.num_processes, args.process_id))
         or any(os.environ.get(v) for v in (mesh.ENV_COORDINATOR, mesh.ENV_NUM_PROCESSES))
     )
-    if not asked:
+
+
+def start_processes(args: argparse.Namespace) -> bool:
+    """Joins a multi-process run when one is asked for (`multi_process_asked`; before any jax work)."""
+    from jaxnn import mesh
+
+    if not multi_process_asked(args):
         return False
     if args.run_dir is None:
         raise ValueError("a multi-process run needs --run-dir (every process must write the same run)")
@@ -319,7 +325,9 @@ def train_main(args: argparse.Namespace) -> int:
 
     try:
         cfg = config_from_args(args)  # validated here, before jax starts
-        set_cpu_devices(mesh_devices(cfg.mesh) if cfg.mesh else args.devices)
+        # One process simulates the whole mesh; in a multi-process run each has --devices and the mesh spans all.
+        one_process = not multi_process_asked(args)
+        set_cpu_devices(mesh_devices(cfg.mesh) if cfg.mesh and one_process else args.devices)
         multi_process = start_processes(args)
         from jaxnn.recipes import train
 

@@ -25,8 +25,6 @@ class ConfigError(ValueError):
 def _check_mesh(cfg: TrainConfig) -> None:
     from jaxnn.sharding import BATCH_AXES, parse_mesh
 
-    if cfg.devices != 1:
-        raise ConfigError("--mesh and --devices exclude each other: the mesh says how many devices")
     try:
         sizes = parse_mesh(cfg.mesh or "")
     except ValueError as err:

@@ -70,14 +70,16 @@ def restore_params(run_dir):
     return state, step
 
 
-def test_two_processes_resume_a_one_process_checkpoint_and_match_one_process(tmp_path, capsys):
+def test_two_processes_resume_a_one_process_checkpoint_with_fsdp_and_match_one_process(tmp_path, capsys):
     one, two = tmp_path / "one", tmp_path / "two"
     # One process trains to step 6 and stops there with a checkpoint ...
     half = train(dataclasses.replace(CFG, run_dir=str(two)), callbacks=[StopAt(6)])
     assert half["step"] == 6 and half["stopped_by"] == "test"
-    # ... two processes (the `make train-multihost` launcher) resume it and train on to step 12 ...
+    # ... two processes (the `make train-multihost` launcher) resume it, with parameters and Adam moments sharded
+    # over both (FSDP across processes: each holds half), and train on to step 12 ...
     code = multihost.main(
         ["--run-dir", str(two), "--heartbeat-timeout", "10", "--timeout", "240", "--", *ARGS, "--resume"]
+        + ["--mesh", "fsdp=2"]
     )
     out = capsys.readouterr().out
     assert code == 0, out
