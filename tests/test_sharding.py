@@ -1,6 +1,9 @@
 """FSDP and tensor parallelism on 8 simulated devices: the sharding rules, the memory they save, the same training
 as one device, and checkpoints that cross meshes."""
 
+import importlib.util
+import pathlib
+
 import jax
 import numpy as np
 import optax
@@ -161,3 +164,22 @@ def test_fit_and_config_take_a_mesh_spec():
             mesh=sharding.make_sharded_mesh("fsdp=8"),
             form="shard_map",
         )
+
+
+def test_layout_benchmark_reads_collectives_from_hlo():
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "sharding_layouts.py"
+    spec = importlib.util.spec_from_file_location("sharding_layouts", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    collectives = module.collectives
+
+    hlo = """
+  %all-gather.1 = f32[256,64]{1,0} all-gather(f32[32,64]{1,0} %p), replica_groups={}, dimensions={0}
+  %ars = (f32[64]{0}, bf16[8,8]{1,0}) all-reduce-start(f32[64]{0} %a, bf16[8,8]{1,0} %b), to_apply=%add
+  %ard = (f32[64]{0}, bf16[8,8]{1,0}) all-reduce-done((f32[64]{0}, bf16[8,8]{1,0}) %ars)
+  %add.2 = f32[64]{0} add(f32[64]{0} %x, f32[64]{0} %y)
+"""
+    assert collectives(hlo) == {
+        "all-gather": {"count": 1, "bytes": 256 * 64 * 4},
+        "all-reduce": {"count": 1, "bytes": 64 * 4 + 64 * 2},
+    }
