@@ -7,6 +7,8 @@ K key/value heads (N a multiple of K), G = N // K query heads per key/value head
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -170,6 +172,56 @@ def _check_config(num_heads, head_dim, num_kv_heads, implementation, cross, caus
     return kv_heads
 
 
+class _Projections(NamedTuple):
+    """Attention's input and output projections: a fused qkv Dense, or q (from x) and kv (from x or the context)."""
+
+    num_heads: int
+    kv_heads: int
+    head_dim: int | None
+    fused: bool
+    context_features: int | None
+    w_init: initializers.Initializer
+    rope: bool
+    name: str
+
+    def head_width(self, width: int) -> int:
+        return self.head_dim or width // self.num_heads
+
+    def init(self, key: jax.Array, in_shape: tuple[int, ...]) -> dict:
+        if len(in_shape) != 3:
+            raise shape_error(self.name, "of rank 3 (batch, time, features)", in_shape)
+        D, N, K = in_shape[-1], self.num_heads, self.kv_heads
+        if self.head_dim is None and D % N:
+            raise shape_error(self.name, f"with features divisible by num_heads {N}", in_shape)
+        H = self.head_width(D)
+        if self.rope and H % 2:
+            raise shape_error(self.name, f"with an even head width for rotary embeddings (head width {H})", in_shape)
+        # Two keys for the fused form (as jaxnn has always drawn them: a fixed seed keeps its initial weights).
+        k_q, k_out, *k_kv = jax.random.split(key, 2 if self.fused else 3)
+        if self.fused:
+            params = {"qkv": Dense(3 * N * H, w_init=self.w_init).init(k_q, in_shape)[1]}
+        else:
+            source = (in_shape[0], in_shape[1], self.context_features or D)
+            params = {
+                "q": Dense(N * H, w_init=self.w_init).init(k_q, in_shape)[1],
+                "kv": Dense(2 * K * H, w_init=self.w_init).init(k_kv[0], source)[1],
+            }
+        params["out"] = Dense(D, w_init=self.w_init).init(k_out, (*in_shape[:-1], N * H))[1]
+        return params
+
+    def project(self, params: dict, x_BTD: jax.Array, source_BSE: jax.Array, policy: Any) -> tuple:
+        """Queries from x; keys and values from `source` (x itself, or the context)."""
+        B, T, D = x_BTD.shape
+        H, N, K = self.head_width(D), self.num_heads, self.kv_heads
+        if self.fused:
+            qkv = Dense(3 * N * H, name="qkv").apply(params["qkv"], x_BTD, policy=policy)
+            return tuple(t.reshape(B, T, N, H) for t in jnp.split(qkv, 3, axis=-1))
+        q = Dense(N * H, name="q").apply(params["q"], x_BTD, policy=policy)
+        kv = Dense(2 * K * H, name="kv").apply(params["kv"], source_BSE, policy=policy)
+        k, v = (t.reshape(B, source_BSE.shape[1], K, H) for t in jnp.split(kv, 2, axis=-1))
+        return q.reshape(B, T, N, H), k, v
+
+
 def MultiHeadAttention(
     num_heads: int,
     head_dim: int | None = None,
@@ -204,42 +256,10 @@ def MultiHeadAttention(
     fused = not cross and kv_heads == num_heads
     side_inputs = frozenset({"context", "context_mask"} if cross else {"mask", *(("positions",) if rope else ())})
 
-    def head_width(width):
-        return head_dim or width // num_heads
+    heads = _Projections(num_heads, kv_heads, head_dim, fused, context_features, w_init, rope, name)
 
     def init(key, in_shape):
-        if len(in_shape) != 3:
-            raise shape_error(name, "of rank 3 (batch, time, features)", in_shape)
-        D = in_shape[-1]
-        if head_dim is None and D % num_heads:
-            raise shape_error(name, f"with features divisible by num_heads {num_heads}", in_shape)
-        H = head_width(D)
-        if rope and H % 2:
-            raise shape_error(name, f"with an even head width for rotary embeddings (head width {H})", in_shape)
-        # Two keys for the fused form (as jaxnn has always drawn them: a fixed seed keeps its initial weights).
-        k_q, k_out, *k_kv = jax.random.split(key, 2 if fused else 3)
-        if fused:
-            params = {"qkv": Dense(3 * num_heads * H, w_init=w_init).init(k_q, in_shape)[1]}
-        else:
-            source = (in_shape[0], in_shape[1], context_features or D)
-            params = {
-                "q": Dense(num_heads * H, w_init=w_init).init(k_q, in_shape)[1],
-                "kv": Dense(2 * kv_heads * H, w_init=w_init).init(k_kv[0], source)[1],
-            }
-        params["out"] = Dense(D, w_init=w_init).init(k_out, (*in_shape[:-1], num_heads * H))[1]
-        return tuple(in_shape), params
-
-    def project(params, x_BTD, source_BSE, policy):
-        """Queries from x; keys and values from `source` (x itself, or the context)."""
-        B, T, D = x_BTD.shape
-        H = head_width(D)
-        if fused:
-            qkv = Dense(3 * num_heads * H, name="qkv").apply(params["qkv"], x_BTD, policy=policy)
-            return tuple(t.reshape(B, T, num_heads, H) for t in jnp.split(qkv, 3, axis=-1))
-        q = Dense(num_heads * H, name="q").apply(params["q"], x_BTD, policy=policy)
-        kv = Dense(2 * kv_heads * H, name="kv").apply(params["kv"], source_BSE, policy=policy)
-        k, v = (t.reshape(B, source_BSE.shape[1], kv_heads, H) for t in jnp.split(kv, 2, axis=-1))
-        return q.reshape(B, T, num_heads, H), k, v
+        return tuple(in_shape), heads.init(key, in_shape)
 
     def apply(params, x_BTD, *, policy=None, cache=None, **kwargs):
         check_keywords(name, kwargs, side_inputs)
@@ -250,7 +270,7 @@ def MultiHeadAttention(
         positions = kwargs.get("positions")
         if positions is not None:
             check_positions(name, positions, x_BTD.shape)
-        q, k, v = project(params, x_BTD, source, policy)
+        q, k, v = heads.project(params, x_BTD, source, policy)
         if cache is not None:
             o, cache = _decode(q, k, v, cache, positions, rope_base if rope else None, policy)
         else:
@@ -264,7 +284,7 @@ def MultiHeadAttention(
     def init_cache(in_shape, max_len, dtype):
         if len(in_shape) != 3:
             raise shape_error(name, "of rank 3 (batch, time, features)", in_shape)
-        zeros = jnp.zeros((in_shape[0], max_len, kv_heads, head_width(in_shape[-1])), dtype)
+        zeros = jnp.zeros((in_shape[0], max_len, kv_heads, heads.head_width(in_shape[-1])), dtype)
         return {"k": zeros, "v": zeros, "index": jnp.zeros((), jnp.int32)}
 
     decodes = causal and not cross
