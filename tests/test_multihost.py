@@ -3,6 +3,8 @@ checkpoints move between process counts; a dying peer stops the others with a cl
 
 import dataclasses
 import json
+import os
+import socket
 import subprocess
 import sys
 import time
@@ -150,3 +152,57 @@ def test_configure_cpu_devices_in_fresh_process():
     lines = out.stdout.splitlines()
     assert lines[0] == "4"
     assert "configure_cpu_devices(2) called after jax started with 4 devices" in lines[1]
+
+
+def slurm_port() -> int:
+    """A free port in the range jax's SLURM detection derives from the job id (61440 + job id % 4096)."""
+    for port in range(61440 + 1000, 65536):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in jax's SLURM range")
+
+
+def test_a_slurm_job_is_detected_and_fsdp_spans_its_processes(tmp_path):
+    """What `srun jaxnn train --cluster ...` gives each task: SLURM's variables, from which jax's cluster detection
+    takes the coordinator (the first node of the step), the process count and each process's id."""
+    job_id = slurm_port() - 61440
+    run_dir = tmp_path / "slurm"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = []
+    for task in range(2):
+        slurm = {
+            "SLURM_JOB_ID": str(job_id),
+            "SLURM_STEP_NODELIST": "127.0.0.1",
+            "SLURM_NTASKS": "2",
+            "SLURM_PROCID": str(task),
+            "SLURM_LOCALID": str(task),
+            "SLURM_STEP_NUM_NODES": "1",
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "jaxnn.cli",
+            "train",
+            *ARGS,
+            "--run-dir",
+            str(run_dir),
+            "--cluster",
+            "--mesh",
+            "fsdp=2",
+            "--heartbeat-timeout",
+            "10",
+        ]
+        procs.append(
+            subprocess.Popen(cmd, env={**env, **slurm}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    outputs = [p.communicate(timeout=240) for p in procs]
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-2000:]
+    reports = [multihost.RESULT_LINE.search(out) for out, _ in outputs]
+    assert [r and (r["process"], r["processes"], r["devices"]) for r in reports] == [("0", "2", "2"), ("1", "2", "2")]
+    assert reports[0]["params"] == reports[1]["params"]  # one model, gathered from the shards of both
+    assert json.loads((run_dir / "summary.json").read_text())["step"] == 12
