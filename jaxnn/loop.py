@@ -337,11 +337,29 @@ def _evaluate(eval_step, state, batches, place) -> dict:
 # --------------------------------------------------------------------------------------------------- bookkeeping
 
 
+class _NoBar:
+    """Stands in for tqdm's bar when there is none to show."""
+
+    def update(self, n: int) -> None: ...
+
+    def set_postfix(self, *args: Any, **kwargs: Any) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _progress_bar(show: bool, total: int, initial: int, desc: str) -> Any:
+    if not show:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, desc=desc)
+
+
 class _Tracker:
     """Metrics one step late, interval averages, skipped fp16 steps, rows, progress bar and callbacks."""
 
     def __init__(self, cfg: FitConfig, files: RunFiles, callbacks: list[Callback], run: RunInfo, batch_size: int):
-        from tqdm.auto import tqdm
+        from jaxnn.optional import available
 
         self.cfg, self.files, self.callbacks, self.run, self.batch_size = cfg, files, callbacks, run, batch_size
         self.pending: tuple[int, dict] | None = None
@@ -350,14 +368,8 @@ class _Tracker:
         self.wait_total = 0.0
         self.history: list[dict] = []
         self.t_start = self.t_interval = time.perf_counter()
-        self.bar = tqdm(
-            total=cfg.steps,
-            initial=run.start_step,
-            unit="step",
-            dynamic_ncols=True,
-            disable=not (cfg.progress and files.is_main),
-            desc=cfg.name,
-        )
+        show = cfg.progress and files.is_main and available("tqdm", "the progress bar")
+        self.bar = _progress_bar(show, cfg.steps, run.start_step, cfg.name)
 
     def after_step(self, step: int, metrics) -> None:
         self._absorb()

@@ -117,10 +117,12 @@ class TensorBoardWriter:
     """Event files under `<run_dir>/tensorboard`, one scalar per metric tagged `<split>/<metric>`."""
 
     def __init__(self, run_dir: PathLike):
+        from jaxnn.optional import require
+
         try:
-            from tensorboardX import SummaryWriter
-        except ImportError:
-            raise ValueError("metric writer 'tensorboard' needs tensorboardX: pip install tensorboardX") from None
+            SummaryWriter = require("tensorboardX", "metric writer 'tensorboard'").SummaryWriter
+        except ImportError as err:  # a ValueError: bad settings are refused before the run writes anything
+            raise ValueError(str(err)) from None
         self.logdir = pathlib.Path(run_dir) / "tensorboard"
         self._writer = SummaryWriter(logdir=str(self.logdir))
 

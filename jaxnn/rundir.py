@@ -418,7 +418,9 @@ class RunFiles:
             return
         write_json_atomic(self.run_dir / "summary.json", summary)
         metrics = self.run_dir / "metrics.jsonl"
-        if plots and metrics.is_file():
+        from jaxnn.optional import available
+
+        if plots and metrics.is_file() and available("matplotlib", "the loss and accuracy plots"):
             from jaxnn.plots import write_plots
 
             summary["plots"] = write_plots(metrics, self.run_dir)

@@ -6,7 +6,7 @@ BENCH_STAMP := $(VENV)/.installed-bench
 
 # torch==2.13.0 is pinned to the CPU wheel on disk: an unpinned torch would pull a multi-GB CUDA build.
 $(BENCH_STAMP): $(STAMP) pyproject.toml
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,bench]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,all,bench]'
 	touch $(BENCH_STAMP)
 
 install-bench: $(BENCH_STAMP) ## install the peer libraries (Flax, Equinox, Haiku, PyTorch CPU) for bench-peers

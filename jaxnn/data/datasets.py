@@ -119,9 +119,12 @@ def split_dataset(
 
 def load_digits() -> ImageDataset:
     """scikit-learn's 1,797 bundled 8x8 handwritten digits (values 0..16), split 80/20 with a fixed seed."""
-    from sklearn.datasets import load_digits as sk_load_digits
+    from jaxnn.optional import require
 
-    bunch = sk_load_digits()
+    try:
+        bunch = require("sklearn.datasets", "the bundled digits data set").load_digits()
+    except ImportError as err:
+        raise DataError(str(err)) from None
     x = bunch.images.astype(np.uint8).reshape(-1, 8, 8, 1)
     return split_dataset("digits", x, bunch.target, num_classes=10, scale=16.0)
 

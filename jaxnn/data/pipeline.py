@@ -173,20 +173,13 @@ def eval_batches(
     return batches
 
 
-def _grain_available() -> bool:
-    try:
-        import grain  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def host_iterator(source: BatchSource, cfg: PipelineConfig) -> Iterator[dict[str, np.ndarray]]:
     """Iterates the batches of `source` in order, computed by Grain's workers or inline."""
+    from jaxnn.optional import available
+
     backend = cfg.backend
-    if backend == "grain" and not _grain_available():
-        log.warning("grain is not installed; computing batches inline")
-        backend = "inline"
+    if backend == "grain" and not available("grain", "Grain's worker processes"):
+        backend = "inline"  # the same batches, computed in this process
     if backend == "inline":
         return (source[i] for i in range(len(source)))
     import grain.python as grain

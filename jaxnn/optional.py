@@ -1,0 +1,43 @@
+"""Optional dependencies: each belongs to a pip extra, and a missing one is named with the command that adds it.
+
+jaxnn's core needs jax, optax, orbax-checkpoint, numpy and safetensors; what only some users need is an extra:
+`pip install 'jaxnn[plots]'` (matplotlib), `[progress]` (tqdm), `[tensorboard]` (tensorboardX), `[grain]` (Grain's
+worker processes), `[data]` (scikit-learn, for the bundled digits), or `[all]`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+# module -> the extra that installs it
+EXTRAS = {"matplotlib": "plots", "tqdm": "progress", "tensorboardX": "tensorboard", "grain": "grain", "sklearn": "data"}
+_warned: set[str] = set()
+
+
+def hint(module: str) -> str:
+    """`pip install 'jaxnn[extra]'` for the extra that brings `module`."""
+    return f"pip install 'jaxnn[{EXTRAS[module.split('.')[0]]}]'"
+
+
+def require(module: str, what: str) -> ModuleType:
+    """Imports `module`, or raises ImportError in one line: what needs it and the command that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ImportError(f"{what} needs {module.split('.')[0]}: {hint(module)}") from None
+
+
+def available(module: str, what: str) -> bool:
+    """Whether `module` imports; if not, says once (a warning) what is skipped and how to get it."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        if module not in _warned:
+            _warned.add(module)
+            log.warning("%s skipped: %s is not installed (%s)", what, module.split(".")[0], hint(module))
+        return False
+    return True
