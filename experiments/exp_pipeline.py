@@ -22,8 +22,8 @@ from jax import lax
 
 from experiments import common
 from jaxnn.data import DevicePrefetch, PipelineConfig, TrainBatches, host_iterator, synthetic
-from jaxnn.data.pipeline import _grain_available
 from jaxnn.models import CNN, CNNConfig
+from jaxnn.optional import installed
 from jaxnn.timing import time_fn
 from jaxnn.train import classification_loss, make_optimizer, train_step_fn
 
@@ -67,7 +67,7 @@ def run(size: str = "quick", budget: common.Budget | None = None) -> dict:
     state = common.init_train_state(model, tx, (batch, *IMAGE), device=device)
     base_step = train_step_fn(model, classification_loss, tx)
     plain_step = jax.jit(base_step)
-    overlapped_backend = "grain" if _grain_available() else "inline"
+    overlapped_backend = "grain" if installed("grain") else "inline"
 
     def pipeline(cost: int, backend: str, augment_on_host: bool = True):
         pc = PipelineConfig(

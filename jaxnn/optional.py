@@ -8,6 +8,7 @@ worker processes), `[data]` (scikit-learn, for the bundled digits), or `[all]`.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 from types import ModuleType
 
@@ -29,6 +30,11 @@ def require(module: str, what: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError:
         raise ImportError(f"{what} needs {module.split('.')[0]}: {hint(module)}") from None
+
+
+def installed(module: str) -> bool:
+    """Whether `module` can be imported (without importing it)."""
+    return importlib.util.find_spec(module.split(".")[0]) is not None
 
 
 def available(module: str, what: str) -> bool:
