@@ -203,6 +203,13 @@ def einsum(spec: str, a: jax.Array, b: jax.Array, policy: Policy | None = None) 
     return jnp.einsum(spec, a, b, **product_kwargs(a.dtype, policy))
 
 
+def dense(x: jax.Array, w: jax.Array, policy: Policy | None = None) -> jax.Array:
+    """`x @ w` over the last axis of `x` (any batch axes before it), `w` cast to `x`'s dtype, accumulated as
+    `einsum` does: the product of Dense, the recurrent cells and every projection."""
+    y = einsum("mk,kn->mn", x.reshape(-1, x.shape[-1]), w.astype(x.dtype), policy)
+    return y.reshape(*x.shape[:-1], w.shape[-1])
+
+
 def conv(lhs: jax.Array, rhs: jax.Array, policy: Policy | None = None, **conv_kwargs: Any) -> jax.Array:
     """`lax.conv_general_dilated` accumulating in float32 or wider. For half-precision operands the backward
     convolutions take a half-precision cotangent (cuDNN accumulates those in float32; XLA's CPU convolution runs

@@ -26,6 +26,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxnn.pytree import key_name
+
 DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
 AXES = (DATA, FSDP, TENSOR)
 BATCH_AXES = (DATA, FSDP)  # the axes the batch is split over
@@ -96,7 +98,7 @@ def shards_state(mesh: Mesh) -> bool:
 
 
 def _path_keys(path: tuple) -> tuple[str, ...]:
-    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+    return tuple(key_name(k) for k in path)
 
 
 def param_spec(path: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh) -> P:

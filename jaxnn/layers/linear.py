@@ -52,9 +52,7 @@ def Dense(
         if x.ndim < 1:
             raise shape_error(name, "of rank >= 1", x.shape)
         check_params(name, params, {"w": (x.shape[-1], features), **({"b": (features,)} if use_bias else {})})
-        w = params["w"]
-        y = precision.einsum("mk,kn->mn", x.reshape(-1, w.shape[0]), w.astype(x.dtype), policy)
-        y = y.reshape(*x.shape[:-1], w.shape[1])
+        y = precision.dense(x, params["w"], policy)
         if use_bias:
             y = y + along_last_axis(params["b"].astype(y.dtype), y.ndim)
         return y.astype(x.dtype)

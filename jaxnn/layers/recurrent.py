@@ -79,13 +79,6 @@ def _per_gate(init: initializers.Initializer, key: PRNGKey, shape: Shape, gates:
     return jnp.concatenate([init(k, shape, jnp.float32) for k in keys], axis=-1)
 
 
-def _product(x: jax.Array, w: jax.Array, policy: Policy | None) -> jax.Array:
-    """`x @ w` over the last axis of `x` (any batch axes before it), accumulated in float32 or wider."""
-    x2 = x.reshape(-1, x.shape[-1])
-    y = precision.einsum("bf,fg->bg", x2, w.astype(x.dtype), policy)
-    return y.reshape(*x.shape[:-1], w.shape[-1])
-
-
 def _bias(b: jax.Array, like: jax.Array) -> jax.Array:
     return along_last_axis(b.astype(like.dtype), like.ndim)
 
@@ -132,7 +125,7 @@ class LSTMCell:
     def step(self, params: Params, carry: Carry, x_t: jax.Array, policy: Policy | None = None) -> tuple[Carry, Any]:
         """One step: `((c', h'), h')`, the carry in its own dtype and the output in `x_t`'s."""
         c, h = carry
-        z = _product(x_t, params["w_x"], policy) + _product(h.astype(x_t.dtype), params["w_h"], policy)
+        z = precision.dense(x_t, params["w_x"], policy) + precision.dense(h.astype(x_t.dtype), params["w_h"], policy)
         z = z + _bias(params["b"], z)
         i, f, g, o = jnp.split(z, 4, axis=-1)
         new_c = jax.nn.sigmoid(f) * c.astype(z.dtype) + jax.nn.sigmoid(i) * jnp.tanh(g)
@@ -184,9 +177,9 @@ class GRUCell:
     def step(self, params: Params, carry: Carry, x_t: jax.Array, policy: Policy | None = None) -> tuple[Carry, Any]:
         """One step: `(h', h')`, the carry in its own dtype and the output in `x_t`'s."""
         h = carry
-        zx = _product(x_t, params["w_x"], policy)
+        zx = precision.dense(x_t, params["w_x"], policy)
         zx = zx + _bias(params["b_x"], zx)
-        zh = _product(h.astype(x_t.dtype), params["w_h"], policy)
+        zh = precision.dense(h.astype(x_t.dtype), params["w_h"], policy)
         xr, xz, xn = jnp.split(zx, 3, axis=-1)
         hr, hz, hn = jnp.split(zh, 3, axis=-1)
         r = jax.nn.sigmoid(xr + hr)
