@@ -222,75 +222,80 @@ def gpt_model_flops(cfg: dict) -> float:
     return 6.0 * params * tokens + 12.0 * layers * t * d * tokens
 
 
+def _gpt_step_mfu(cfg: dict, impl: str, batch: dict, tx, peak: dict, steps: int, repeats: int) -> dict:
+    """Compiles and times the bf16 GPT step with attention `impl`; its figures, or raises what failed."""
+    from jaxnn import models, train
+
+    gpt_cfg = models.GPTConfig(
+        vocab_size=cfg["vocab"],
+        seq_len=cfg["seq_len"],
+        d_model=cfg["d_model"],
+        num_layers=cfg["num_layers"],
+        num_heads=cfg["num_heads"],
+        attention_implementation=impl,
+    )
+    model = models.GPT(gpt_cfg)
+    state = train.create_train_state(model, tx, jax.random.key(0), batch["x"].shape, "bf16")
+    step = train.make_train_step(model, train.language_model_loss, tx, "bf16")
+    t0 = time.perf_counter()
+    compiled = step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    timing = time_fn(stepper(compiled, state, batch), warmup=2, repeats=repeats, number=steps)
+    model_flops = gpt_model_flops(cfg)
+    return {
+        "attention": impl,
+        "compile_s": compile_s,
+        "num_params": gpt_cfg.num_params(),
+        "step_s": timing.median,
+        "timing": timing.as_dict(),
+        "tokens_per_s": cfg["batch"] * cfg["seq_len"] / timing.median,
+        "model_flops_per_step": model_flops,
+        "model_tflops": model_flops / timing.median / 1e12,
+        "compiled_flops_per_step": flops_of(compiled),
+        "mfu": model_flops / timing.median / (peak["gflops"] * 1e9),
+    }
+
+
 def gpu_mfu(out_dir, dry_run: bool = False, *, steps: int = 3, repeats: int = 5) -> dict:
     """Trains the GPU-sized GPT in bf16 and returns its model FLOP utilisation against the bf16 GEMM peak measured
-    in the same run; writes the result to `out_dir/gpu_mfu.json`. `dry_run` shrinks the model to run on a CPU.
+    in the same run; writes the result to `out_dir/gpu_mfu.json`, also when it fails (then `mfu` is None and
+    `notes` says why). `dry_run` shrinks the model to run on a CPU.
 
-    Attention uses the cuDNN fused kernel on GPUs ("cudnn"); if that kernel is unavailable the XLA path is used
-    and the result says so.
+    Attention uses the cuDNN fused kernel on GPUs ("cudnn"); if that kernel fails to compile or to run, the XLA
+    path is timed instead and the result says so.
     """
     import optax
 
-    from jaxnn import models, train
+    from jaxnn import train
 
     cfg = DRY_RUN_GPT if dry_run else GPU_GPT
     on_gpu = jax.default_backend() == "gpu"
-    peak = measure_matmul_peak(256 if dry_run else 8192, jnp.bfloat16, repeats=repeats)
-    batch = {
-        "x": jnp.asarray(
-            np.random.default_rng(0).integers(0, cfg["vocab"], (cfg["batch"], cfg["seq_len"] + 1), dtype=np.int32)
-        )
-    }
-    batch = {"x": batch["x"][:, :-1], "y": batch["x"][:, 1:]}
-    tx = optax.adamw(3e-4, weight_decay=0.1, mask=train.weight_decay_mask)
-    result = {
-        "config": cfg,
-        "dry_run": dry_run,
-        "device": str(jax.devices()[0]),
-        "jax": jax.__version__,
-        "peak": peak,
-        "notes": [],
-    }
-    attempts = ["cudnn", "xla"] if on_gpu else ["auto"]
-    for impl in attempts:
-        gpt_cfg = models.GPTConfig(
-            vocab_size=cfg["vocab"],
-            seq_len=cfg["seq_len"],
-            d_model=cfg["d_model"],
-            num_layers=cfg["num_layers"],
-            num_heads=cfg["num_heads"],
-            attention_implementation=impl,
-        )
-        model = models.GPT(gpt_cfg)
-        state = train.create_train_state(model, tx, jax.random.key(0), batch["x"].shape, "bf16")
-        step = train.make_train_step(model, train.language_model_loss, tx, "bf16")
-        try:
-            t0 = time.perf_counter()
-            compiled = step.lower(state, batch).compile()
-            result["compile_s"] = time.perf_counter() - t0
-        except Exception as err:  # e.g. no cuDNN attention for this GPU/jax build: record it, try the next one
-            result["notes"].append(f"attention {impl!r} failed to compile: {type(err).__name__}: {err}"[:500])
-            continue
-        timing = time_fn(stepper(compiled, state, batch), warmup=2, repeats=repeats, number=steps)
-        model_flops = gpt_model_flops(cfg)
-        compiled_fl = flops_of(compiled)
-        result.update(
-            attention=impl,
-            num_params=gpt_cfg.num_params(),
-            step_s=timing.median,
-            timing=timing.as_dict(),
-            tokens_per_s=cfg["batch"] * cfg["seq_len"] / timing.median,
-            model_flops_per_step=model_flops,
-            model_tflops=model_flops / timing.median / 1e12,
-            compiled_flops_per_step=compiled_fl,
-            mfu=model_flops / timing.median / (peak["gflops"] * 1e9),
-        )
-        break
-    else:
-        result["mfu"] = None
+    path = os.path.join(out_dir, "gpu_mfu.json")
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "gpu_mfu.json"), "w") as f:
-        json.dump(result, f, indent=2)
+    result: dict = {"config": cfg, "dry_run": dry_run, "device": str(jax.devices()[0]), "jax": jax.__version__}
+    result.update(mfu=None, notes=[])
+
+    def save() -> None:
+        # Written after every stage, so that a crash or the time limit still leaves what was measured.
+        with open(path + ".tmp", "w") as f:
+            json.dump(result, f, indent=2)
+        os.replace(path + ".tmp", path)
+
+    try:
+        result["peak"] = measure_matmul_peak(256 if dry_run else 8192, jnp.bfloat16, repeats=repeats)
+        save()
+        tokens = np.random.default_rng(0).integers(0, cfg["vocab"], (cfg["batch"], cfg["seq_len"] + 1), dtype=np.int32)
+        batch = {"x": jnp.asarray(tokens[:, :-1]), "y": jnp.asarray(tokens[:, 1:])}
+        tx = optax.adamw(3e-4, weight_decay=0.1, mask=train.weight_decay_mask)
+        for impl in ["cudnn", "xla"] if on_gpu else ["auto"]:
+            try:
+                result.update(_gpt_step_mfu(cfg, impl, batch, tx, result["peak"], steps, repeats))
+                break
+            except Exception as err:  # e.g. no cuDNN attention for this GPU/jax build: record it, try the next one
+                result["notes"].append(f"attention {impl!r} failed: {type(err).__name__}: {err}"[:500])
+                save()
+    finally:
+        save()
     return result
 
 

@@ -52,14 +52,30 @@ def cpu_model() -> str:
     return match.group(1).strip() if match else platform.processor() or platform.machine()
 
 
-def cpu_tag() -> str:
-    """E.g. `cpu-2core-avx512-amx`: the core count and the vector/matrix units XLA can use."""
-    flags = cpu_flags()
-    parts = [f"cpu-{cpu_cores()}core"]
+def cpu_model_slug(model: str) -> str:
+    """`intel-xeon` from 'Intel(R) Xeon(R) Processor @ 2.80GHz', `amd-epyc-9r14` from 'AMD EPYC 9R14 96-Core
+    Processor': vendor and model, without trademarks, clock and core count."""
+    text = re.sub(r"\((r|tm)\)|@.*$|\b\d+-core\b|\bcpu\b|\bprocessor\b", " ", model, flags=re.IGNORECASE)
+    slug = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+    return slug[:32].rstrip("-") or "unknown"
+
+
+def cpu_tag(model: str | None = None, flags: set[str] | None = None, cores: int | None = None) -> str:
+    """E.g. `cpu-intel-xeon-2core-avx512-bf16-amx`: the CPU's vendor and model, the cores this process may use,
+    and the vector and matrix units XLA can use (AVX-512, AVX512-BF16 dot products, AMX tiles), so that results of
+    two machines that differ in them never share a folder. Defaults: this machine's."""
+    flags = cpu_flags() if flags is None else flags
+    parts = [
+        "cpu",
+        cpu_model_slug(cpu_model() if model is None else model),
+        f"{cpu_cores() if cores is None else cores}core",
+    ]
     if "avx512f" in flags:
         parts.append("avx512")
     elif "avx2" in flags:
         parts.append("avx2")
+    if "avx512_bf16" in flags:
+        parts.append("bf16")
     if flags & {"amx_tile", "amx_bf16"}:
         parts.append("amx")
     if platform.machine() in ("aarch64", "arm64"):

@@ -28,6 +28,13 @@ PEAK_SIZE = {"tiny": 64, "quick": 2048, "full": 4096, "gpu": 8192}
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 
 
+def decisive_first(sizes: list[int]) -> list[int]:
+    """The largest size (claim 1's comparison) and the smallest (claim 2's latency) first, then the rest: a budget
+    that runs out skips from the end."""
+    ordered = sorted(sizes)
+    return [ordered[-1], *ordered[:-1]] if len(ordered) > 1 else ordered
+
+
 def _product(dtype):
     if dtype == jnp.float32:
         return jax.jit(lambda a, b: jnp.matmul(a, b, precision=lax.Precision.HIGHEST))
@@ -42,7 +49,7 @@ def run(size: str = "quick", budget: common.Budget | None = None) -> dict:
     for backend in common.backends_present():
         device = common.first_device(backend)
         kind = "cpu" if backend == "cpu" else "gpu"
-        for n in common.preset(SIZES, size)[kind]:
+        for n in decisive_first(common.preset(SIZES, size)[kind]):
             for dname, dtype in DTYPES.items():
                 if budget.over(0.85):
                     budget.skip(f"{backend} {dname} n={n}")
@@ -66,8 +73,9 @@ def run(size: str = "quick", budget: common.Budget | None = None) -> dict:
             budget.skip(f"{backend} peak")
             continue
         peaks[backend] = measure_matmul_peak(peak_n, jnp.bfloat16, device, repeats=repeats)
+    order = {b: i for i, b in enumerate(common.backends_present())}
     return {
-        "rows": rows,
+        "rows": sorted(rows, key=lambda r: (order[r["backend"]], r["n"], r["dtype"] != "f32")),
         "peaks": peaks,
         "device_kinds": {b: common.first_device(b).device_kind for b in common.backends_present()},
     }

@@ -10,32 +10,64 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
+import os
 import re
 import sys
 import time
 import traceback
+from pathlib import Path
 
-from experiments import (
-    common,
-    exp_inference,
-    exp_matmul,
-    exp_parallel,
-    exp_pipeline,
-    exp_precision,
-    exp_sequential,
-    exp_train,
-)
-from experiments.run_all import BUDGETS as RUN_BUDGETS
-
-# Seconds each experiment may take at GPU size (run_all.BUDGETS["gpu"]: one table for both entry points). Their sum
-# stays well under the 8 minutes because each budget is soft (a measurement that starts inside the budget is
-# finished) and jax's start, the tensor-core check and the plots come on top.
-BUDGETS = RUN_BUDGETS["gpu"]  # the MFU benchmark (benchmarks.train_steps.gpu_mfu) runs first, outside these
-TOTAL_LIMIT_S = 460  # 8 minutes less jax's start on the GPU and the final writing
-OVERRUN_MARGIN_S = 40
-EXPERIMENTS = [exp_matmul, exp_precision, exp_sequential, exp_pipeline, exp_inference, exp_parallel, exp_train]
+# Seconds each experiment may take at GPU size, in the order they run: the claims a GPU decides first (tensor
+# cores, then matrix throughput, training, inference), the CPU-side claims last. Each budget is soft (a measurement
+# that starts inside it is finished). The MFU benchmark (benchmarks.train_steps.gpu_mfu, about 60-90 s) runs
+# before them; with jax's start and the tensor-core check, the whole run stays inside TOTAL_LIMIT_S.
+BUDGETS = {
+    "exp_precision": 40,
+    "exp_matmul": 45,
+    "exp_train": 70,
+    "exp_inference": 45,
+    "exp_sequential": 30,
+    "exp_pipeline": 40,
+    "exp_parallel": 25,
+}
+TOTAL_LIMIT_S = 430  # 8 minutes of device time, less the start of the machine and the copy of the results
+OVERRUN_MARGIN_S = 40  # what one measurement that starts just inside a budget may take beyond it
+MIN_EXPERIMENT_S = 15  # an experiment given less than this is skipped, not started
+# The dry run: generous budgets so every code path runs, except exp_train's, which is spent before it starts, so
+# that the skipping (decisive rows kept, the rest recorded as skipped) runs before GPU time depends on it.
+DRY_RUN_BUDGETS = {**dict.fromkeys(BUDGETS, 120.0), "exp_train": 0.0}
+DRY_RUN_TOTAL_S = 900.0
 GEMM_TARGET = re.compile(r"cublas|cudnn|triton", re.IGNORECASE)
+# Every module the run imports, checked before anything starts, so a missing one costs no GPU time.
+REQUIRED_MODULES = [
+    "jax",
+    "numpy",
+    "optax",
+    "matplotlib",
+    "sklearn",
+    "jaxnn.layers",
+    "jaxnn.models",
+    "jaxnn.train",
+    "jaxnn.data",
+    "jaxnn.parallel",
+    "jaxnn.timing",
+    "benchmarks.train_steps",
+    *(f"experiments.{name}" for name in BUDGETS),
+]
+
+
+def preflight(modules: list[str] | None = None) -> list[str]:
+    """Imports each module (default: REQUIRED_MODULES); returns one 'module (missing X)' entry for each that fails."""
+    missing = []
+    for name in REQUIRED_MODULES if modules is None else modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            culprit = getattr(err, "name", None) or str(err)
+            missing.append(name if culprit == name else f"{name} (missing {culprit})")
+    return missing
 
 
 class CheckFailed(RuntimeError):
@@ -43,32 +75,43 @@ class CheckFailed(RuntimeError):
 
 
 def tensor_core_check(n: int = 4096) -> dict:
-    """Compiles a bf16 x bf16 -> f32 product and a bf16 convolution; lists the library kernels in their HLO."""
+    """Compiles a bf16 x bf16 -> f32 product and a bf16 convolution in jaxnn's own forms (`jaxnn.precision`); lists
+    the library kernels in their HLO and whether each takes bf16 operands."""
     import jax
     import jax.numpy as jnp
-    from jax import lax
+
+    from experiments import common
+    from jaxnn import precision
 
     a = jnp.ones((n, n), jnp.bfloat16)
-    matmul = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
+    matmul = jax.jit(lambda a, b: precision.einsum("mk,kn->mn", a, b))
     x = jnp.ones((8, 32, 32, 64), jnp.bfloat16)
     w = jnp.ones((3, 3, 64, 64), jnp.bfloat16)
     conv = jax.jit(
-        lambda x, w: lax.conv_general_dilated(
-            x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"), preferred_element_type=jnp.float32
+        lambda x, w: precision.conv(
+            x, w, window_strides=(1, 1), padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
         )
     )
     mm_calls = common.library_calls(common.compiled_hlo(matmul, a, a))
     conv_calls = common.library_calls(common.compiled_hlo(conv, x, w))
     gemms = [c for c in mm_calls if GEMM_TARGET.search(c["target"])]
-    bf16_gemms = [c for c in gemms if c["operand_dtypes"] and all(d == "bf16" for d in c["operand_dtypes"])]
+    cudnn_convs = [c for c in conv_calls if "cudnn" in c["target"].lower()]
     return {
         "matmul_n": n,
         "matmul_calls": mm_calls,
         "conv_calls": conv_calls,
         "gemm_calls": gemms,
-        "bf16_gemm": bool(bf16_gemms),
-        "cudnn_conv": any("cudnn" in c["target"].lower() for c in conv_calls),
+        "bf16_gemm": any(_bf16_operands(c) for c in gemms),
+        "cudnn_conv": bool(cudnn_convs),
+        # cuDNN runs a convolution on tensor cores only with half-precision inputs and filter (its first two
+        # operands); f32 operands would be an f32/TF32 convolution whatever the source asked for.
+        "bf16_conv": any(_bf16_operands(c) for c in cudnn_convs),
     }
+
+
+def _bf16_operands(call: dict) -> bool:
+    dtypes = call["operand_dtypes"][:2]
+    return len(dtypes) == 2 and all(d == "bf16" for d in dtypes)
 
 
 def check_gpu(dry_run: bool) -> dict:
@@ -96,6 +139,16 @@ def check_gpu(dry_run: bool) -> dict:
 
 def headline(name: str, record: dict) -> str:
     """One short line of the figures that matter most, for the final table."""
+    from experiments import (
+        exp_inference,
+        exp_matmul,
+        exp_parallel,
+        exp_pipeline,
+        exp_precision,
+        exp_sequential,
+        exp_train,
+    )
+
     try:
         if name == "exp_matmul":
             s = exp_matmul.summary(record)
@@ -166,7 +219,29 @@ def lowering_ab(dry_run: bool) -> dict:
     }
 
 
-def main(argv=None) -> int:
+class Progress:
+    """gpu_check.json, rewritten (atomically) as each part of the run ends: a crash or the time limit keeps every
+    finished part, and `complete` says whether the run got to its end."""
+
+    def __init__(self, path: Path, record: dict):
+        self.path, self.record = path, {**record, "table": [], "complete": False}
+
+    def add(self, name: str, status: str, seconds: float, line: str) -> None:
+        self.record["table"].append({"name": name, "status": status, "seconds": seconds, "headline": line})
+        print(f"gpu-check: {name} {status} in {seconds:.0f} s", flush=True)
+        self.save()
+
+    def save(self, **fields) -> None:
+        self.record.update(fields)
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.record, indent=1) + "\n")
+        os.replace(tmp, self.path)
+
+    def failed(self) -> bool:
+        return any(row["status"] == "FAILED" for row in self.record["table"])
+
+
+def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m experiments.gpu_check", description=__doc__)
     parser.add_argument("--out", default="results", help="results folder (results/<gpu-tag>/ is written)")
     parser.add_argument(
@@ -174,9 +249,77 @@ def main(argv=None) -> int:
         action="store_true",
         help="tiny sizes on the CPU, GPU assertions skipped: proves the script before GPU time",
     )
-    parser.add_argument("--only", nargs="*", default=None, help="run only these experiments (names)")
+    parser.add_argument("--only", nargs="*", default=None, choices=list(BUDGETS), help="run only these experiments")
+    parser.add_argument("--total-limit", type=float, default=None, help="seconds for the whole run (default 430)")
+    parser.add_argument(
+        "--budget", action="append", default=[], metavar="NAME=SECONDS", help="one experiment's budget (repeatable)"
+    )
     args = parser.parse_args(argv)
+    args.budgets = dict(DRY_RUN_BUDGETS if args.dry_run else BUDGETS)
+    for item in args.budget:
+        name, _, seconds = item.partition("=")
+        if name not in BUDGETS:
+            parser.error(f"--budget {item!r}: unknown experiment {name!r}; choose from {', '.join(BUDGETS)}")
+        try:
+            args.budgets[name] = float(seconds)
+        except ValueError:
+            parser.error(f"--budget {item!r}: seconds must be a number")
+    if args.total_limit is None:
+        args.total_limit = DRY_RUN_TOTAL_S if args.dry_run else TOTAL_LIMIT_S
+    return args
+
+
+def run_mfu(out_dir: Path, dry_run: bool, progress: Progress) -> None:
+    """make bench-gpu (the MFU target) first: one measurement that cannot be cut short, so it runs while the whole
+    budget is there, and the experiments' soft budgets shrink to what it leaves."""
+    t0 = time.perf_counter()
+    try:
+        from benchmarks.train_steps import gpu_mfu
+
+        mfu = gpu_mfu(str(out_dir), dry_run=dry_run)
+        status = "ok" if mfu.get("mfu") is not None else "FAILED"
+        line = (
+            f"GPT {mfu.get('num_params', 0) / 1e6:.3g}M bf16 attention {mfu.get('attention')}: "
+            f"{mfu.get('step_s', float('nan')) * 1e3:.1f} ms/step, MFU "
+            + ("-" if mfu.get("mfu") is None else f"{100 * mfu['mfu']:.1f}%")
+            + f" of a {mfu['peak']['gflops'] / 1e3:.3g} TFLOP/s bf16 GEMM peak"
+        )
+    except Exception as err:  # one failing measurement must not cost the experiments their GPU time
+        traceback.print_exc()
+        status, line = "FAILED", f"{type(err).__name__}: {err}"[:100]
+    progress.add("bench_gpu_mfu", status, time.perf_counter() - t0, line)
+
+
+def run_experiments(args, size: str, start: float, progress: Progress) -> None:
+    from experiments import common
+
+    for name, budget in args.budgets.items():
+        if args.only is not None and name not in args.only:
+            continue
+        # An experiment's budget shrinks to what the whole run has left, less a margin for the measurement that
+        # overruns a soft budget, so the last experiment cannot push the run past its ceiling.
+        left = args.total_limit - OVERRUN_MARGIN_S - (time.perf_counter() - start)
+        if left < MIN_EXPERIMENT_S:
+            progress.add(name, "skipped", 0.0, f"out of total time ({left:.0f} s left)")
+            continue
+        module = importlib.import_module(f"experiments.{name}")
+        t0 = time.perf_counter()
+        try:
+            _, record = common.run_and_save(name, module.run, module.plot, size, args.out, min(budget, left))
+            status = "ok" if not record.get("skipped") else f"ok, {len(record['skipped'])} skipped"
+            progress.add(name, status, time.perf_counter() - t0, headline(name, record))
+        except Exception as err:  # one failing experiment must not cost the others their GPU time
+            traceback.print_exc()
+            progress.add(name, "FAILED", time.perf_counter() - t0, f"{type(err).__name__}: {err}"[:100])
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     start = time.perf_counter()
+    missing = preflight()
+    if missing:
+        print(f"gpu-check: cannot start, missing modules: {', '.join(missing)}", file=sys.stderr)
+        return 2
     if args.dry_run:
         # Two simulated CPU devices, so exp_parallel exercises the sharded path; must precede jax's start.
         from jaxnn.parallel import configure_cpu_devices
@@ -190,84 +333,55 @@ def main(argv=None) -> int:
     except CheckFailed as err:
         print(err, file=sys.stderr)
         return 2
-    tag = common.machine_tag()
-    out_dir = common.results_path(args.out, "gpu_check", tag).parent
+    from experiments import common
+
+    out_dir = common.results_path(args.out, "gpu_check", common.machine_tag()).parent
     out_dir.mkdir(parents=True, exist_ok=True)
-    gemm = ", ".join(sorted({f"{c['target']}({'/'.join(c['operand_dtypes'])})" for c in info["gemm_calls"]}))
-    print(
-        f"gpu-check: {info['device_kind']} ({info['backend']}), jax {info['jax_version']}; bf16 GEMM: "
-        f"{gemm or 'none'}; cuDNN convolution: {info['cudnn_conv']}"
-    )
     size = "tiny" if args.dry_run else "gpu"
+    progress = Progress(out_dir / "gpu_check.json", {"name": "gpu_check", "machine": common.machine_info()})
+    progress.save(
+        size=size,
+        dry_run=args.dry_run,
+        date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        check=info,
+        budgets_s=args.budgets,
+        total_limit_s=args.total_limit,
+    )
+    report_check(info, args.dry_run, progress)
     try:
         lowerings = lowering_ab(args.dry_run)
         print(
-            "gpu-check: gradient ms by lowering: "
-            + ", ".join(f"{name} {ms:.2f}" for name, ms in lowerings["grad_ms"].items()),
-            flush=True,
+            "gpu-check: gradient ms by lowering: " + ", ".join(f"{k} {v:.2f}" for k, v in lowerings["grad_ms"].items())
         )
     except Exception as err:  # a side measurement; it must not cost the experiments their GPU time
         traceback.print_exc()
         lowerings = {"error": f"{type(err).__name__}: {err}"[:300]}
-    table = []
-    # make bench-gpu (the MFU target) first: it is one measurement that cannot be cut short, so it runs while
-    # the whole budget is there, and the experiments' soft budgets shrink to what it leaves.
-    t0 = time.perf_counter()
-    try:
-        from benchmarks.train_steps import gpu_mfu
-
-        mfu = gpu_mfu(str(out_dir), dry_run=args.dry_run)
-        status = "ok" if mfu.get("mfu") is not None else "FAILED"
-        line = (
-            f"GPT {mfu.get('num_params', 0) / 1e6:.3g}M bf16 attention {mfu.get('attention')}: "
-            f"{mfu.get('step_s', float('nan')) * 1e3:.1f} ms/step, MFU "
-            + ("-" if mfu.get("mfu") is None else f"{100 * mfu['mfu']:.1f}%")
-            + f" of a {mfu['peak']['gflops'] / 1e3:.3g} TFLOP/s bf16 GEMM peak"
-        )
-    except Exception as err:  # one failing measurement must not cost the experiments their GPU time
-        traceback.print_exc()
-        status, line = "FAILED", f"{type(err).__name__}: {err}"[:100]
-    table.append(("bench_gpu_mfu", status, time.perf_counter() - t0, line))
-    print(f"gpu-check: bench_gpu_mfu {status} in {table[-1][2]:.0f} s", flush=True)
-    for module in EXPERIMENTS:
-        name = module.NAME
-        if args.only is not None and name not in args.only:
-            continue
-        # An experiment's budget shrinks to what the whole run has left, less a margin for the measurement that
-        # overruns a soft budget, so the last experiment cannot push the run past its ceiling.
-        left = TOTAL_LIMIT_S - OVERRUN_MARGIN_S - (time.perf_counter() - start)
-        if not args.dry_run and left < 15:
-            table.append((name, "skipped", 0.0, "out of total time"))
-            continue
-        budget_s = min(BUDGETS[name], left) if not args.dry_run else None
-        t0 = time.perf_counter()
-        try:
-            path, record = common.run_and_save(name, module.run, module.plot, size, args.out, budget_s)
-            status = "ok" if not record.get("skipped") else f"ok, {len(record['skipped'])} skipped"
-            table.append((name, status, time.perf_counter() - t0, headline(name, record)))
-        except Exception as err:  # one failing experiment must not cost the others their GPU time
-            traceback.print_exc()
-            table.append((name, "FAILED", time.perf_counter() - t0, f"{type(err).__name__}: {err}"[:100]))
-        print(f"gpu-check: {name} {table[-1][1]} in {table[-1][2]:.0f} s", flush=True)
+    progress.save(lowerings=lowerings)
+    run_mfu(out_dir, args.dry_run, progress)
+    run_experiments(args, size, start, progress)
     total = time.perf_counter() - start
-    record = {
-        "name": "gpu_check",
-        "machine": common.machine_info(),
-        "size": size,
-        "dry_run": args.dry_run,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "check": info,
-        "lowerings": lowerings,
-        "total_s": total,
-        "budgets_s": BUDGETS,
-        "table": [dict(zip(("name", "status", "seconds", "headline"), row)) for row in table],
-    }
-    (out_dir / "gpu_check.json").write_text(json.dumps(record, indent=1) + "\n")
+    progress.save(total_s=total, complete=True)
     print(f"\n{'experiment':16s} {'status':16s} {'seconds':>7s}  headline")
-    for name, status, seconds, line in table:
-        print(f"{name:16s} {status:16s} {seconds:7.1f}  {line}")
+    for row in progress.record["table"]:
+        print(f"{row['name']:16s} {row['status']:16s} {row['seconds']:7.1f}  {row['headline']}")
     print(f"{'total':16s} {'':16s} {total:7.1f}  results in {out_dir}")
-    return 1 if any(row[1] == "FAILED" for row in table) else 0
+    return 1 if progress.failed() else 0
+
+
+def report_check(info: dict, dry_run: bool, progress: Progress) -> None:
+    """Prints what the tensor-core check found; a convolution that would not run on tensor cores is a failed row
+    (the run goes on: its other figures are still worth the GPU time)."""
+    gemm = ", ".join(sorted({f"{c['target']}({'/'.join(c['operand_dtypes'])})" for c in info["gemm_calls"]}))
+    conv = ", ".join(sorted({f"{c['target']}({'/'.join(c['operand_dtypes'])})" for c in info["conv_calls"]}))
+    print(
+        f"gpu-check: {info['device_kind']} ({info['backend']}), jax {info['jax_version']}; bf16 GEMM: "
+        f"{gemm or 'none'}; convolution: {conv or 'none'}",
+        flush=True,
+    )
+    if not dry_run and not info["bf16_conv"]:
+        progress.add(
+            "tensor_core_conv", "FAILED", 0.0, f"the bf16 convolution is not a cuDNN call on bf16 operands: {conv}"
+        )
 
 
 if __name__ == "__main__":

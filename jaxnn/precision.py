@@ -168,7 +168,9 @@ def _canonical_einsum(spec_x: str, spec_y: str, spec_out: str, x, y):
     Why: XLA's CPU backend runs a bf16 x bf16 -> f32 dot only in that layout; given, say, a weight gradient that
     contracts the leading axes, it folds the transpose into the dot and then fails at run time ("Unsupported
     element type for DotThunk::Execute: BF16 x BF16 = F32", jax 0.10.2). The optimization barrier keeps the
-    transposes out of the dot; on GPUs they are cheap next to the products.
+    transposes out of the dot there. Only there: elsewhere (GPUs) it would force every transpose to be
+    materialised before its GEMM, where cuBLAS takes transposed operands for free; the choice follows the platform
+    jax lowers for (`lax.platform_dependent`), like the layers' lowerings.
     """
     batch = [c for c in spec_x if c in spec_y and c in spec_out]
     contracted = [c for c in spec_x if c in spec_y and c not in spec_out]
@@ -176,7 +178,7 @@ def _canonical_einsum(spec_x: str, spec_y: str, spec_out: str, x, y):
     order_y = batch + contracted + [c for c in spec_y if c not in spec_x]
     x = jnp.transpose(x, [spec_x.index(c) for c in order_x])
     y = jnp.transpose(y, [spec_y.index(c) for c in order_y])
-    x, y = lax.optimization_barrier((x, y))
+    x, y = lax.platform_dependent(x, y, cpu=lambda x, y: lax.optimization_barrier((x, y)), default=lambda x, y: (x, y))
     return jnp.einsum(f"{''.join(order_x)},{''.join(order_y)}->{spec_out}", x, y, preferred_element_type=jnp.float32)
 
 
@@ -210,16 +212,37 @@ def dense(x: jax.Array, w: jax.Array, policy: Policy | None = None) -> jax.Array
     return y.reshape(*x.shape[:-1], w.shape[-1])
 
 
+def _half_conv_forward(lhs: jax.Array, rhs: jax.Array, conv_kwargs: dict[str, Any]) -> jax.Array:
+    """A half-precision convolution's forward product, as an f32 result, in the form that reaches each platform's
+    matrix units.
+
+    On the CPU, bf16 x bf16 -> f32 (XLA's CPU convolution accepts it and runs at the same rate as bf16 -> bf16).
+    On GPUs, XLA's compiler upcasts both operands of a convolution whose result is wider than them (they are no
+    longer "the same type" cuDNN needs), so cuDNN would run an f32/TF32 convolution; asking for a half-precision
+    result keeps the operands half precision, and cuDNN accumulates half-precision convolutions in f32 inside the
+    kernel. Only the stored result is rounded, once, before the cast to f32.
+    """
+
+    def accelerator(lhs, rhs):
+        return lax.conv_general_dilated(lhs, rhs, **conv_kwargs).astype(jnp.float32)
+
+    def cpu(lhs, rhs):
+        return lax.conv_general_dilated(lhs, rhs, **conv_kwargs, preferred_element_type=jnp.float32)
+
+    return lax.platform_dependent(lhs, rhs, cpu=cpu, default=accelerator)
+
+
 def conv(lhs: jax.Array, rhs: jax.Array, policy: Policy | None = None, **conv_kwargs: Any) -> jax.Array:
     """`lax.conv_general_dilated` accumulating in float32 or wider. For half-precision operands the backward
-    convolutions take a half-precision cotangent (cuDNN accumulates those in float32; XLA's CPU convolution runs
-    at the same rate in either form)."""
+    convolutions take a half-precision cotangent and return half-precision gradients (cuDNN accumulates those in
+    float32; XLA's CPU convolution runs at the same rate in either form), and the forward product takes each
+    platform's fast form (`_half_conv_forward`)."""
     if not (_is_half(lhs.dtype) and lhs.dtype == rhs.dtype):
         return lax.conv_general_dilated(lhs, rhs, **conv_kwargs, **product_kwargs(lhs.dtype, policy))
 
     @jax.custom_vjp
     def half_conv(lhs, rhs):
-        return lax.conv_general_dilated(lhs, rhs, **conv_kwargs, preferred_element_type=jnp.float32)
+        return _half_conv_forward(lhs, rhs, conv_kwargs)
 
     def fwd(lhs, rhs):
         return half_conv(lhs, rhs), (lhs, rhs)

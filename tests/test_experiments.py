@@ -2,8 +2,14 @@
 (through `gpu_check --dry-run` at tiny sizes), and the report builder on a fixture of results files."""
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 import types
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -30,12 +36,24 @@ EXPERIMENTS = [
 # ----------------------------------------------------------------------------------------------- helpers
 
 
-def test_cpu_tag_names_cores_and_units():
+def test_cpu_tag_names_model_cores_and_units():
     tag = common.cpu_tag()
-    assert re.fullmatch(r"cpu-\d+core(-avx512|-avx2)?(-amx)?(-arm64)?", tag), tag
-    assert f"-{common.cpu_cores()}core" in tag
+    assert re.fullmatch(r"cpu-[a-z0-9-]+-\d+core(-avx512|-avx2)?(-bf16)?(-amx)?(-arm64)?", tag), tag
+    assert f"-{common.cpu_cores()}core" in tag and common.cpu_model_slug(common.cpu_model()) in tag
     assert ("avx512" in tag) == ("avx512f" in common.cpu_flags())
+    assert ("-bf16" in tag) == ("avx512_bf16" in common.cpu_flags())
     assert ("amx" in tag) == bool(common.cpu_flags() & {"amx_tile", "amx_bf16"})
+
+
+def test_machines_that_differ_in_matrix_units_get_their_own_tags():
+    # Two 2-core machines whose bf16 products differ by 4x (no bf16 instructions against AVX512-BF16) must not
+    # overwrite each other's results.
+    xeon = common.cpu_tag("Intel(R) Xeon(R) Processor @ 2.80GHz", {"avx2", "avx512f"}, 2)
+    epyc = common.cpu_tag("AMD EPYC 9R14 96-Core Processor", {"avx2", "avx512f", "avx512_bf16"}, 2)
+    amx = common.cpu_tag("Intel(R) Xeon(R) Platinum 8488C", {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, 2)
+    assert xeon == "cpu-intel-xeon-2core-avx512"
+    assert epyc == "cpu-amd-epyc-9r14-2core-avx512-bf16"
+    assert amx == "cpu-intel-xeon-platinum-8488c-2core-avx512-bf16-amx"
 
 
 # One worker runs the whole module: its dry run of every experiment (a session fixture) is the expensive part.
@@ -232,6 +250,48 @@ def test_gpu_check_stops_with_a_clear_message_off_the_gpu(tmp_path, capsys):
     assert not list(tmp_path.iterdir())  # nothing measured, nothing written
 
 
+def test_gpu_check_names_every_missing_module_before_starting(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(gpu_check, "REQUIRED_MODULES", ["json", "no_such_module", "experiments.no_such_experiment"])
+    assert gpu_check.main(["--dry-run", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no_such_module" in err and "experiments.no_such_experiment" in err, err
+    assert "json" not in err.split(":", 2)[-1].split(", ")  # present modules are not listed
+    assert not list(tmp_path.iterdir())
+
+
+def test_gpu_budgets_fit_the_run():
+    # The MFU benchmark (~60-90 s) and jax's start come on top of the experiments' soft budgets.
+    assert sum(gpu_check.BUDGETS.values()) + 90 + gpu_check.OVERRUN_MARGIN_S <= gpu_check.TOTAL_LIMIT_S <= 430
+
+
+@pytest.mark.slow
+def test_gpu_check_killed_midway_keeps_the_finished_parts(tmp_path):
+    """SIGKILL (what a machine's time limit does) once the first experiment has finished: every finished part's
+    file is there and readable, and gpu_check.json says the run did not complete."""
+    cmd = [sys.executable, "-m", "experiments.gpu_check", "--dry-run", "--out", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([*cmd, "--only", "exp_precision", "exp_train"], env=env, stdout=subprocess.DEVNULL)
+    deadline, check = time.monotonic() + 240, None
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            found = list(tmp_path.glob("*/gpu_check.json"))
+            check = json.loads(found[0].read_text()) if found else None
+            if check and any(row["name"] == "exp_precision" for row in check["table"]):
+                break
+            time.sleep(0.2)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert check is not None and proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    folder = found[0].parent
+    check = json.loads((folder / "gpu_check.json").read_text())
+    assert check["complete"] is False and [r["name"] for r in check["table"]] == ["bench_gpu_mfu", "exp_precision"]
+    assert "lowerings" in check and check["check"]["backend"] == jax.default_backend()
+    assert json.loads((folder / "gpu_mfu.json").read_text())["mfu"] > 0
+    assert json.loads((folder / "exp_precision.json").read_text())["rows"]
+    assert not (folder / "exp_train.json").exists()  # killed while it ran
+
+
 # ----------------------------------------------------------------------------------------------- the dry run
 
 
@@ -252,8 +312,9 @@ def dry_run(tmp_path_factory):
 def test_gpu_check_dry_run_runs_every_experiment(dry_run):
     code, folder = dry_run
     check = json.loads((folder / "gpu_check.json").read_text())
-    failed = [row for row in check["table"] if row["status"] != "ok"]
+    failed = [row for row in check["table"] if not row["status"].startswith("ok")]
     assert code == 0 and not failed, failed
+    assert check["complete"] is True and [row["name"] for row in check["table"][1:]] == list(gpu_check.BUDGETS)
     assert check["dry_run"] is True and check["check"]["backend"] == jax.default_backend()
     mfu = json.loads((folder / "gpu_mfu.json").read_text())
     assert mfu["dry_run"] is True and mfu["mfu"] > 0 and mfu["num_params"] > 0
@@ -296,7 +357,10 @@ def test_dry_run_figures_are_measured(dry_run):
     assert {r["form"] for r in par["rows"]} == {"jit", "shard_map", "pmap"}
     assert max(losses) - min(losses) < 1e-4  # the three forms compute the same step on the same batch
     train = load("exp_train")
-    assert {(r["model"], r["precision"]) for r in train["rows"]} == {("cnn", "fp32"), ("cnn", "bf16"), ("gpt", "fp16")}
+    # The dry run spends exp_train's budget before it starts: its two decisive rows run (bf16 first, then the
+    # fp32 baseline it is compared with), and the rest is recorded as skipped.
+    assert [(r["model"], r["precision"]) for r in train["rows"]] == [("cnn", "bf16"), ("cnn", "fp32")]
+    assert train["skipped"] == ["gpt fp16"] and train["budget_s"] == 0.0
     assert all(r["finite"] for r in train["rows"])
 
 
