@@ -191,3 +191,84 @@ def test_cpu_jit_of_auto_attention_is_bitwise_the_explicit_one(dtype, cpu_impl):
     y_auto = jax.jit(lambda p, x: auto.apply(p, x, policy=policy))(params, x)
     y_explicit = jax.jit(lambda p, x: explicit.apply(p, x, policy=policy))(params, x)
     np.testing.assert_array_equal(y_auto, y_explicit)
+
+
+# ------------------------------------------------------------------------------------ whole steps lowered for CUDA
+# What a GPU run would compile, checked on this CPU: the bf16 train steps lowered for CUDA
+# (`jit(...).trace(...).lower(lowering_platforms=("cuda",))`) and read as StableHLO.
+
+
+@pytest.fixture
+def cudnn_present(monkeypatch):
+    """jax checks for cuDNN (through its CUDA plugin) and the GPU's compute capability when it traces cuDNN
+    attention; stand in an H200's answers (cuDNN 9.10, Hopper), so the CUDA lowering can take the fused kernel."""
+    from jax._src.cudnn import fused_attention_stablehlo as fused
+
+    monkeypatch.setattr(fused, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(fused, "check_compute_capability", lambda capability: True)
+    monkeypatch.setattr(fused, "is_cuda_compute_capability_equal", lambda capability: False)
+
+
+def cuda_train_step_module(model, in_shape, in_dtype, loss) -> str:
+    tx = train.make_optimizer(1e-3, total_steps=10)
+    state = jax.eval_shape(lambda k: train.create_train_state(model, tx, k, in_shape, "bf16"), jax.random.key(0))
+    batch = {
+        "x": jax.ShapeDtypeStruct(in_shape, in_dtype),
+        "y": jax.ShapeDtypeStruct(in_shape[:2] if in_dtype == jnp.int32 else in_shape[:1], jnp.int32),
+    }
+    step = train.make_train_step(model, loss, tx, "bf16")
+    return step.trace(state, batch).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def assert_no_cpu_only_lowering(text: str) -> None:
+    assert "optimization_barrier" not in text  # the CPU's bf16-dot workaround would serialise GPU transposes
+    assert not TILE_MAX.search(text)  # the CPU's reshape-and-max pool
+
+
+def test_bf16_gpt_train_step_lowered_for_cuda(cudnn_present):
+    text = cuda_train_step_module(GPT(GPT_CFG), GPT_SHAPE, jnp.int32, train.language_model_loss)
+    types = collections.Counter(products(text))
+    # Forward and both backward products of every projection: bf16 operands, f32 result (tensor cores).
+    assert set(types) == {("dot_general", "bf16", "bf16", "f32")}, types
+    assert types[("dot_general", "bf16", "bf16", "f32")] >= 3 * 4 * GPT_CFG.num_layers, types
+    # Attention is cuDNN's fused kernel, forward and backward, on bf16 operands.
+    calls = re.findall(r"stablehlo\.custom_call @(__cudnn\$fmha\w+)\((.*)", text)
+    assert collections.Counter(name for name, _ in calls) == {
+        "__cudnn$fmhaSoftmax": GPT_CFG.num_layers,
+        "__cudnn$fmhaSoftmaxBackward": GPT_CFG.num_layers,
+    }, calls
+    forward = [rest for name, rest in calls if name == "__cudnn$fmhaSoftmax"]
+    assert all(re.search(r": \(tensor<[^>]*xbf16>, tensor<[^>]*xbf16>, tensor<[^>]*xbf16>", r) for r in forward)
+    assert_no_cpu_only_lowering(text)
+
+
+def test_bf16_cnn_train_step_lowered_for_cuda():
+    text = cuda_train_step_module(CNN(CNN_CFG), CNN_SHAPE, jnp.float32, train.classification_loss)
+    types = collections.Counter(products(text))
+    n = len(CNN_CFG.widths)
+    # Each Conv: the forward and its two backward convolutions (the first layer's input gradient is not needed),
+    # all bf16 x bf16 -> bf16: a wider result would make XLA's GPU compiler upcast the operands to f32.
+    assert types[("convolution", "bf16", "bf16", "bf16")] == 3 * n - 1, types
+    assert {t for t in types if t[0] == "convolution"} == {("convolution", "bf16", "bf16", "bf16")}, types
+    # The only dots are the classifier's forward and two backward products: no im2col patch matrix is contracted
+    # (its residuals appear only as the zero placeholders platform_dependent gives the branch not taken).
+    assert types[("dot_general", "bf16", "bf16", "f32")] == 3 and sum(types.values()) == 3 * n - 1 + 3, types
+    # XLA's convolution and reduce_window, not the CPU's im2col taps and reshape pool.
+    assert ops(text)["concatenate"] == 0
+    assert REDUCE_WINDOW.findall(text).count("maximum") == n
+    assert_no_cpu_only_lowering(text)
+
+
+def test_bf16_attention_lowered_for_cuda_takes_cudnn(cudnn_present, key):
+    layer = L.MultiHeadAttention(2, causal=True)
+    params = jax.eval_shape(lambda k: layer.init(k, (2, 16, 32))[1], key)
+
+    def loss(p, x):
+        y = layer.apply(BF16.cast_to_compute(p), x.astype(jnp.bfloat16), policy=BF16)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    x = jax.ShapeDtypeStruct((2, 16, 32), jnp.float32)
+    text = jax.jit(jax.grad(loss)).trace(params, x).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__cudnn$fmhaSoftmax(" in text and "__cudnn$fmhaSoftmaxBackward(" in text
+    assert set(products(text)) == {("dot_general", "bf16", "bf16", "f32")}, products(text)
+    assert_no_cpu_only_lowering(text)
