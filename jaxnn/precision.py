@@ -5,7 +5,7 @@ levanter); layers then follow the dtype of their input. Every forward matmul, co
 is computed with `preferred_element_type=float32`: a bf16 x bf16 -> f32 product is the form tensor cores and
 Intel's AMX units execute fast (~1070 GFLOP/s at 2048^3 on an AMX Xeon, against ~190 for bf16 x bf16 -> bf16).
 Backward matmuls take the same form; the backward products of XLA's convolution op are bf16 x bf16 -> bf16
-(README, "Mixed precision"). Normalisation statistics and softmax are computed in float32.
+(docs/precision.md). Normalisation statistics and softmax are computed in float32.
 """
 
 from __future__ import annotations
