@@ -23,7 +23,10 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-from jaxnn.optional import require
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the checkout's jaxnn, whichever one the environment has installed
+
+from jaxnn.optional import require  # noqa: E402
 
 require("pdoc", "make docs")  # where pdoc is missing: one line naming the extra, not a traceback
 import pdoc  # noqa: E402
@@ -31,7 +34,6 @@ import pdoc.doc  # noqa: E402
 import pdoc.render  # noqa: E402
 import pdoc.render_helpers  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 # The modules a user imports; their submodules (jaxnn.layers.conv, ...) are implementation, reached through these.
 MODULES = (
