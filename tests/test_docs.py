@@ -15,9 +15,10 @@ _spec.loader.exec_module(build_docs)
 def test_docs_build_with_no_problem(tmp_path):
     problems = build_docs.build(tmp_path)
     assert problems == []
-    index = (tmp_path / "index.html").read_text()
+    front = (REPO / "docs" / "index.md").read_text()
     for page in build_docs.PAGES[1:]:
-        assert f'href="{page}.html"' in index, f"the front page links {page}"
+        assert f"]({page}.md)" in front, f"docs/index.md links {page}.md"
+        assert (tmp_path / f"{page}.html").is_file()
     layers = (tmp_path / "jaxnn" / "layers.html").read_text()
     assert 'id="Dense"' in layers and "Affine map over the last axis" in layers  # rendered from the docstring
     assert 'href="jaxnn/precision.html#Policy"' in (tmp_path / "precision.html").read_text()
