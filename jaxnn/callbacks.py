@@ -48,6 +48,7 @@ class RunInfo:
     stop_reason: str | None = None
 
     def request_stop(self, reason: str) -> None:
+        """End the run cleanly after the current step, with a checkpoint; the first reason asked for is kept."""
         if self.stop_reason is None:
             self.stop_reason = reason
 
@@ -55,17 +56,23 @@ class RunInfo:
 class Callback:
     """Base class: every hook does nothing."""
 
-    def on_start(self, run: RunInfo) -> None: ...
+    def on_start(self, run: RunInfo) -> None:
+        """Before the first step, after any restore (`run.start_step` is where the run resumes)."""
 
-    def on_step(self, run: RunInfo, step: int, metrics: dict) -> None: ...
+    def on_step(self, run: RunInfo, step: int, metrics: dict) -> None:
+        """Step `step`'s metrics as host numbers, read once step + 1 is dispatched so the device never waits."""
 
-    def on_log(self, run: RunInfo, row: dict) -> None: ...
+    def on_log(self, run: RunInfo, row: dict) -> None:
+        """A train row about to be written to the metrics files; scalars added to `row` are written with it."""
 
-    def on_eval(self, run: RunInfo, step: int, metrics: dict) -> None: ...
+    def on_eval(self, run: RunInfo, step: int, metrics: dict) -> None:
+        """After each evaluation, with its metrics (`loss`, and `accuracy` for classification)."""
 
-    def on_checkpoint(self, run: RunInfo, step: int) -> None: ...
+    def on_checkpoint(self, run: RunInfo, step: int) -> None:
+        """After the checkpoint of `step` is written (or handed to orbax, with asynchronous checkpoints)."""
 
-    def on_end(self, run: RunInfo, summary: dict) -> None: ...
+    def on_end(self, run: RunInfo, summary: dict) -> None:
+        """Once, with the summary about to be written to `summary.json`; entries added to it are written too."""
 
 
 class NonFiniteGuard(Callback):

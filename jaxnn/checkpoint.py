@@ -120,12 +120,15 @@ class Checkpointer:
         self._bad: set[int] = set()  # steps a restore found damaged: a later save at that step replaces them
 
     def all_steps(self) -> list[int]:
+        """Every step with a checkpoint in the directory, oldest first."""
         return sorted(self._manager.all_steps())
 
     def latest_step(self) -> int | None:
+        """The newest saved step, or None when the directory holds none."""
         return self._manager.latest_step()
 
     def should_save(self, step: int) -> bool:
+        """Whether `step` is one `save_every` asks for (never when `save_every` is 0)."""
         return self.save_every > 0 and step % self.save_every == 0
 
     def save(self, step: int, state: Any, *, data_state: dict, config: dict, force: bool = False) -> bool:
@@ -199,10 +202,13 @@ class Checkpointer:
             self._manager.close()
 
     def read_meta(self, step: int) -> dict:
+        """The JSON saved beside step `step`'s state: the run's config, the data position, the digests."""
         ocp = self._ocp
         return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
     def check_compatible(self, step: int, meta: dict, config: dict) -> None:
+        """Refuses (`CheckpointError`, naming each difference) a checkpoint whose config differs from `config`
+        in a field other than those in `ignore`."""
         diffs = config_differences(meta.get("config", {}), config, self.ignore)
         if diffs:
             raise CheckpointError(

@@ -149,6 +149,7 @@ class FitConfig:
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.RUN_ONLY}
 
     def eval_interval(self) -> int:
+        """Steps between evaluations: `eval_every`, or a fifth of the run when it is 0."""
         return self.eval_every or max(self.steps // 5, 1)
 
 
@@ -235,6 +236,7 @@ class TrainConfig:
         validate(self)
 
     def small(self) -> TrainConfig:
+        """The same run at the smallest size (model, steps, batch, context), for tests and smoke runs."""
         return dataclasses.replace(
             self,
             size="small",
@@ -248,6 +250,7 @@ class TrainConfig:
         )
 
     def as_dict(self) -> dict:
+        """A JSON-ready dict of every field (tuples as lists): what `config.json` and the checkpoints hold."""
         d = dataclasses.asdict(self)
         d["model_overrides"] = [list(kv) for kv in self.model_overrides]
         d["metrics"] = list(self.metrics)

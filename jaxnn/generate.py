@@ -29,6 +29,7 @@ class Sampler(NamedTuple):
     top_p: float | None = None
 
     def check(self) -> None:
+        """Refuses settings that sample nothing: a negative temperature, top_k < 1, top_p outside (0, 1]."""
         if not self.temperature >= 0:
             raise ValueError(f"generate: temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
         if self.top_k is not None and not (isinstance(self.top_k, int) and self.top_k >= 1):

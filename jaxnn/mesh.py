@@ -76,6 +76,7 @@ def batch_devices(mesh: Mesh) -> int:
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
+    """A sharding that keeps a whole copy on every device of `mesh`."""
     return NamedSharding(mesh, P())
 
 

@@ -25,9 +25,13 @@ WRITERS = ("jsonl", "csv", "tensorboard")
 
 
 class MetricWriter(Protocol):
-    def write(self, row: dict) -> None: ...
+    """What `jaxnn.fit` writes metric rows to (`metrics=` names them: "jsonl", "csv", "tensorboard")."""
 
-    def close(self) -> None: ...
+    def write(self, row: dict) -> None:
+        """Record one row: `split` ("train" or "eval"), `step`, and that step's scalar metrics."""
+
+    def close(self) -> None:
+        """Flush and release the files, once, when the run ends."""
 
 
 def _json_safe(value):
@@ -45,9 +49,11 @@ class JsonlWriter:
         repair_jsonl(self.path)
 
     def write(self, row: dict) -> None:
+        """Append the row as one JSON line (NaN and Inf as strings, which JSON lacks)."""
         append_line(self.path, json.dumps({k: _json_safe(v) for k, v in row.items()}))
 
     def close(self) -> None:
+        """Nothing to release: each row is appended and closed as it is written."""
         pass
 
 
@@ -84,6 +90,7 @@ class CsvWriter:
         return self._columns[split]
 
     def write(self, row: dict) -> None:
+        """Append the row to its split's file, rewriting the file with a wider header when a new metric appears."""
         split = str(row.get("split", "train"))
         values = {k: v for k, v in row.items() if k != "split"}
         columns = self._known_columns(split)
@@ -110,6 +117,7 @@ class CsvWriter:
         self._columns[split] = columns
 
     def close(self) -> None:
+        """Nothing to release: each row is appended and closed as it is written."""
         pass
 
 
@@ -127,6 +135,7 @@ class TensorBoardWriter:
         self._writer = SummaryWriter(logdir=str(self.logdir))
 
     def write(self, row: dict) -> None:
+        """One scalar per numeric metric at the row's step, flushed so TensorBoard sees it at once."""
         split, step = row.get("split", "train"), int(row["step"])
         for name, value in row.items():
             if name not in ("split", "step") and isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -134,10 +143,12 @@ class TensorBoardWriter:
         self._writer.flush()
 
     def close(self) -> None:
+        """Close the event file."""
         self._writer.close()
 
 
 def check_writer_names(names: Iterable[str]) -> tuple[str, ...]:
+    """The names as a tuple, or a ValueError naming the unknown ones and the writers there are."""
     names = tuple(names)
     unknown = [n for n in names if n not in WRITERS]
     if unknown:

@@ -2,7 +2,8 @@
 
 jaxnn's core needs jax, optax, orbax-checkpoint, numpy and safetensors; what only some users need is an extra:
 `pip install 'jaxnn[plots]'` (matplotlib), `[progress]` (tqdm), `[tensorboard]` (tensorboardX), `[grain]` (Grain's
-worker processes), `[data]` (scikit-learn, for the bundled digits), or `[all]`.
+worker processes), `[data]` (scikit-learn, for the bundled digits), or `[all]`; `[docs]` (pdoc) builds the
+documentation (`make docs`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 # module -> the extra that installs it
-EXTRAS = {"matplotlib": "plots", "tqdm": "progress", "tensorboardX": "tensorboard", "grain": "grain", "sklearn": "data"}
+EXTRAS = {
+    "matplotlib": "plots",
+    "tqdm": "progress",
+    "tensorboardX": "tensorboard",
+    "grain": "grain",
+    "sklearn": "data",
+    "pdoc": "docs",
+}
 _warned: set[str] = set()
 
 

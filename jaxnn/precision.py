@@ -5,7 +5,7 @@ levanter); layers then follow the dtype of their input. Every forward matmul, co
 is computed with `preferred_element_type=float32`: a bf16 x bf16 -> f32 product is the form tensor cores and
 Intel's AMX units execute fast (~1070 GFLOP/s at 2048^3 on an AMX Xeon, against ~190 for bf16 x bf16 -> bf16).
 Backward matmuls take the same form; the backward products of XLA's convolution op are bf16 x bf16 -> bf16
-(README, "Mixed precision"). Normalisation statistics and softmax are computed in float32.
+(docs/precision.md). Normalisation statistics and softmax are computed in float32.
 """
 
 from __future__ import annotations
@@ -53,9 +53,11 @@ class Policy:
         return _cast_floats(tree, self.compute_dtype)
 
     def cast_to_param(self, tree: Tree) -> Tree:
+        """The tree's floating-point leaves in `param_dtype` (other leaves unchanged)."""
         return _cast_floats(tree, self.param_dtype)
 
     def cast_to_output(self, tree: Tree) -> Tree:
+        """The tree's floating-point leaves in `output_dtype` (other leaves unchanged)."""
         return _cast_floats(tree, self.output_dtype)
 
     def dot_precision(self, dtype: DTypeLike) -> lax.Precision | None:
@@ -114,6 +116,7 @@ class LossScale(NamedTuple):
 
     @classmethod
     def create(cls, initial_scale: float = 2.0**15, period: int = 2000) -> LossScale:
+        """A scale of `initial_scale`, doubled after `period` finite steps in a row and halved on a non-finite one."""
         if not initial_scale > 0 or not math.isfinite(initial_scale):
             raise ValueError(f"LossScale: initial_scale must be positive and finite, got {initial_scale!r}")
         if not isinstance(period, int) or isinstance(period, bool) or period < 1:
@@ -123,9 +126,11 @@ class LossScale(NamedTuple):
         return cls(jnp.asarray(initial_scale, jnp.float32), jnp.zeros((), jnp.int32), jnp.asarray(period, jnp.int32))
 
     def scale_loss(self, loss: jax.Array) -> jax.Array:
+        """The loss times the scale, so that small fp16 gradients do not flush to zero."""
         return loss * self.scale.astype(loss.dtype)
 
     def unscale(self, grads: Tree) -> Tree:
+        """The gradients in float32, divided by the scale: the true gradients of the unscaled loss."""
         return jax.tree.map(lambda g: g.astype(jnp.float32) / self.scale, grads)
 
     def adjust(self, grads_finite: jax.Array) -> LossScale:
@@ -137,6 +142,7 @@ class LossScale(NamedTuple):
 
 
 def all_finite(tree: Any) -> jax.Array:
+    """One boolean array: whether every element of every leaf is finite (no NaN, no Inf)."""
     return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 

@@ -85,10 +85,12 @@ def make_sharded_mesh(spec: str | Mapping[str, int], devices: list | None = None
 
 
 def axis_size(mesh: Mesh, axis: str) -> int:
+    """How many devices the mesh has along `axis` (1 when it has no such axis)."""
     return mesh.shape[axis] if axis in mesh.axis_names else 1
 
 
 def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh's axes the batch is split over (data, fsdp), in that order."""
     return tuple(a for a in BATCH_AXES if a in mesh.axis_names)
 
 

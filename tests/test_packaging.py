@@ -35,7 +35,9 @@ def test_wheel_installs_and_trains_outside_the_checkout(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     python = venv / "bin" / "python"
-    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True, timeout=300)
+    # Without PYTHONPATH: a checkout on it (with the jaxnn.egg-info the wheel build leaves) reads as jaxnn installed.
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True, timeout=300, env=clean)
     # The dependencies (not jaxnn) come from this environment's site-packages: a path line in a .pth file, which
     # adds the directory without running the .pth files in it (so this checkout's editable install stays out).
     venv_site = subprocess.run(

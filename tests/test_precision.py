@@ -167,7 +167,7 @@ def test_bf16_train_step_with_xla_convolutions(key):
     """What a bf16 CNN step lowers to with XLA's convolution op (`Conv(lowering="xla")`, which "auto" picks on
     accelerators): the forward convolutions are bf16 x bf16 -> f32, while the backward ones (the transposes in
     `precision.conv`) are bf16 x bf16 -> bf16: their cotangent is rounded to bf16, but the transpose does not ask
-    for an f32 result. README.md ("Mixed precision") says so; this test pins it either way."""
+    for an f32 result. docs/precision.md says so; this test pins it either way."""
     model = L.serial(L.Conv(4, 3, lowering="xla"), L.Relu, L.Conv(8, 3, lowering="xla"), L.Flatten(), L.Dense(3))
     tx = optax.sgd(0.1)
     # Lowered from shapes only: initialising the parameters op by op would cost more than the lowering.

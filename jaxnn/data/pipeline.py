@@ -60,6 +60,7 @@ class PipelineConfig:
             raise ValueError("PipelineConfig: workers and threads must be >= 0 and buffer >= 1")
 
     def small(self) -> PipelineConfig:
+        """The same pipeline with 16-example batches and 32-token windows, for tests and smoke runs."""
         return dataclasses.replace(self, batch_size=16, seq_len=32)
 
 
@@ -72,6 +73,7 @@ class BatchSource(Protocol):
 
 
 def steps_per_epoch(num_examples: int, batch_size: int, ragged: str = "drop") -> int:
+    """Batches in one pass over `num_examples`: a partial last batch is dropped ("drop") or padded ("pad")."""
     if ragged == "drop":
         return max(num_examples // batch_size, 1)
     return -(-num_examples // batch_size)
@@ -135,6 +137,7 @@ class TrainBatches(CachedPermutations):
         return np.random.default_rng([self.cfg.seed, 0, epoch]).permutation(len(self.data.x_train))
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
+        """Batch number `step` of the run (not of this slice), the same on every call and every machine."""
         cfg = self.cfg
         rng = np.random.default_rng([cfg.seed, 1, step])
         d = self.data

@@ -10,10 +10,13 @@ from jaxnn.layers import BatchNorm, Conv, Dense, Flatten, GlobalAvgPool, Layer, 
 
 @dataclasses.dataclass(frozen=True)
 class CNNConfig:
+    """A small VGG-style CNN: per width a 3x3 convolution, ReLU and 2x2 max pooling, then a linear classifier."""
+
     widths: tuple[int, ...] = (32, 64, 128)
     num_classes: int = 10
 
     def small(self) -> CNNConfig:
+        """Two narrow stages (8, 16): the same model for tests and smoke runs."""
         return dataclasses.replace(self, widths=(8, 16))
 
 
@@ -36,6 +39,7 @@ class ResNetConfig:
     bn_axis_name: str | None = None
 
     def small(self) -> ResNetConfig:
+        """Two narrow stages (8, 16) of one block each: the same model for tests and smoke runs."""
         return dataclasses.replace(self, widths=(8, 16), blocks_per_stage=1)
 
 

@@ -22,6 +22,9 @@ POSITIONS = ("learned", "rope")
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
+    """A decoder-only transformer over bytes: GPT-2-like by default, Llama-like with `position="rope"`,
+    `norm="rms"` and `num_kv_heads` < `num_heads`."""
+
     vocab_size: int = 256  # bytes
     seq_len: int = 128
     d_model: int = 256
@@ -41,9 +44,11 @@ class GPTConfig:
             raise ValueError(f"GPTConfig: unknown position {self.position!r}; choose one of {POSITIONS}")
 
     def small(self) -> GPTConfig:
+        """Width 64, 2 blocks of 2 heads, 32 bytes of context: the same model for tests and smoke runs."""
         return dataclasses.replace(self, seq_len=32, d_model=64, num_layers=2, num_heads=2)
 
     def num_params(self) -> int:
+        """The parameter count, computed from the config without building the model."""
         d, heads = self.d_model, self.num_heads
         kv_width = (self.num_kv_heads or heads) * (d // heads)
         norm = 2 * d if self.norm == "layer" else d

@@ -9,10 +9,13 @@ from jaxnn.layers import Dense, Flatten, Layer, Relu, serial
 
 @dataclasses.dataclass(frozen=True)
 class MLPConfig:
+    """A multilayer perceptron on the flattened input: one Dense + ReLU per `hidden` width, then the classifier."""
+
     hidden: tuple[int, ...] = (512, 512)
     num_classes: int = 10
 
     def small(self) -> MLPConfig:
+        """One hidden layer of 64: the same model for tests and smoke runs."""
         return dataclasses.replace(self, hidden=(64,))
 
 
