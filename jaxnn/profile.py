@@ -206,11 +206,12 @@ def profile_layers(
     if dtype.name not in peaks.matmul_flops:
         raise ProfileError(f"profile_layers: the peaks given have no {dtype.name} matmul; measure_peaks with it")
     shape = (batch_size, *in_shape)
-    key = jax.random.key(seed)
-    _, params, state = init_model(model, key, shape)
+    # One compiled initialisation: eagerly, every initialiser op compiles on its own (seconds for a few layers).
+    params, state = jax.jit(lambda key: init_model(model, key, shape)[1:])(jax.random.key(seed))
     params = policy.cast_to_param(params)
     spec = _guess_input(model, shape, params, state, policy)
-    x = _example(spec, id_range, key)
+    rng = np.random.default_rng(seed)
+    x = _example(spec, id_range, rng)
     measure = _Measure(peaks, accelerator, dtype, policy, repeats, min_window_s)
     rows: list[LayerRow] = []
     children = [] if splits_input(model) else _children(model)
@@ -220,7 +221,7 @@ def profile_layers(
         row, y = measure.forward(name, child, p, s, x)
         rows += [row, measure.backward(name, child, p, s, x, wrt_input=i > 0)]
         x = y  # the next layer is timed on the input it really receives
-    x = _example(spec, id_range, key)
+    x = _example(spec, id_range, rng)
     whole = (
         measure.forward("whole model", model, params, state, x)[0],
         measure.backward("whole model", model, params, state, x, wrt_input=False),
@@ -247,10 +248,11 @@ def _check_args(model, in_shape, batch_size, repeats, id_range) -> tuple[int, ..
     return tuple(in_shape)
 
 
-def _example(spec: jax.ShapeDtypeStruct, id_range: int, key: jax.Array) -> jax.Array:
+def _example(spec: Any, id_range: int, rng: np.random.Generator) -> jax.Array:
+    """Random inputs drawn on the host: no eager jax op, so nothing compiles but the programs measured."""
     if jnp.issubdtype(spec.dtype, jnp.integer):
-        return jax.random.randint(key, spec.shape, 0, id_range, spec.dtype)
-    return jax.random.normal(key, spec.shape, jnp.float32).astype(spec.dtype)
+        return jnp.asarray(rng.integers(0, id_range, spec.shape).astype(spec.dtype))
+    return jnp.asarray(rng.standard_normal(spec.shape, np.float32).astype(spec.dtype))
 
 
 def _forward(layer: Layer, policy: Policy) -> Callable:
@@ -292,7 +294,7 @@ class _Measure:
     def backward(self, name: str, layer: Layer, params, state, x, *, wrt_input: bool) -> LayerRow:
         wrt_input = wrt_input and jnp.issubdtype(x.dtype, jnp.floating)
         y = jax.eval_shape(_forward(layer, self.policy), params, state, x)
-        g = jax.random.normal(jax.random.key(1), y.shape, jnp.float32).astype(y.dtype)
+        g = _example(y, 2, np.random.default_rng(1))
         args = (params, state, x, g, jax.random.key(2))
         compiled = jax.jit(_forward_backward(layer, self.policy, wrt_input)).lower(*args).compile()
         return self._row(name, PASSES[1], compiled, args, x)

@@ -33,14 +33,14 @@ def test_dense_flops_are_the_analytic_count():
     assert r["1_dense", "forward+backward"].flops == 6 * b * n_mid * n_out + b * n_out + (b - 1) * n_out
 
 
-@pytest.mark.parametrize("padding", ["VALID", "SAME"])
-def test_conv_forward_flops_are_the_analytic_count(padding):
-    b, h, w, c_in, c_out, k = 2, 6, 6, 3, 4, 3
-    model = serial(Relu, Conv(c_out, k, padding=padding))
-    prof = profile_layers(model, (h, w, c_in), batch_size=b, peaks=PEAKS, repeats=1, min_window_s=1e-3)
-    ho, wo = (h - k + 1, w - k + 1) if padding == "VALID" else (h, w)
+def test_conv_forward_flops_are_the_analytic_count():
+    b, h, w, c_in, c_mid, c_out, k = 2, 6, 6, 3, 4, 5, 3
+    model = serial(Conv(c_mid, k, padding="VALID"), Conv(c_out, k, padding="SAME"))
+    r = rows(profile_layers(model, (h, w, c_in), batch_size=b, peaks=PEAKS, repeats=1, min_window_s=1e-3))
     # XLA counts every kernel tap at every output position, taps on SAME's zero padding included, plus the bias.
-    assert rows(prof)["1_conv", "forward"].flops == 2 * b * ho * wo * c_out * k * k * c_in + b * ho * wo * c_out
+    ho, wo = h - k + 1, w - k + 1
+    assert r["0_conv", "forward"].flops == 2 * b * ho * wo * c_mid * k * k * c_in + b * ho * wo * c_mid
+    assert r["1_conv", "forward"].flops == 2 * b * ho * wo * c_out * k * k * c_mid + b * ho * wo * c_out
 
 
 def test_rows_derive_from_time_flops_and_bytes():
@@ -120,3 +120,23 @@ def test_fit_profile_dir_writes_a_trace(tmp_path):
     )
     assert list(trace.glob("plugins/profile/*/*.xplane.pb"))
     assert list(trace.glob("plugins/profile/*/perfetto_trace.json.gz"))
+
+
+def test_report_section_labels_projections_and_prefers_measured_gpu_peaks(tmp_path):
+    from experiments import common, roofline
+
+    prof = profile_layers(
+        serial(Dense(8)), (4,), batch_size=2, peaks=PEAKS, repeats=1, min_window_s=1e-3, accelerator=Accelerator()
+    )
+    figures = {"model": "cnn", "profiles": [prof.as_dict()], "peaks": PEAKS.as_dict()}
+    common.write_results(tmp_path, "roofline_cnn", "tiny", {**figures, "accelerator": Accelerator().as_dict()}, None)
+    text = "\n".join(roofline.section(common.load_results(tmp_path), tmp_path, tmp_path))
+    assert "projected, not measured" in text and "No GPU run yet" in text and "0_dense" in text
+    assert roofline.projected_accelerator(tmp_path).peak("bfloat16") == 790e12  # no GPU results: the defaults
+    gpu = {"name": "exp_matmul", "date": "2027-01-01", "peaks": {"gpu": {"gflops": 600e3}}}
+    gpu["rows"] = [{"backend": "gpu", "dtype": "f32", "n": 8192, "gflops": 50e3}]
+    (tmp_path / "gpu-h200").mkdir()
+    (tmp_path / "gpu-h200" / "exp_matmul.json").write_text(json.dumps(gpu))
+    measured = roofline.projected_accelerator(tmp_path)
+    assert measured.peak("bfloat16") == pytest.approx(600e12) and measured.peak("float32") == pytest.approx(50e12)
+    assert "measured in results/gpu-h200/" in measured.source
