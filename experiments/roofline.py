@@ -161,6 +161,12 @@ def _projected_table(record: dict, gpu: dict | None) -> list[str]:
     return lines
 
 
+def _cache(pk: dict) -> str:
+    if not pk.get("cache_bandwidth"):
+        return ""
+    return f"; {pk['cache_bandwidth'] / 1e9:.0f} GB/s over {pk['cache_mib']} MiB, which stay in cache"
+
+
 def _model_part(name: str, tag: str, rec: dict, gpu: dict | None, report_dir: Path, root: Path) -> list[str]:
     pk, acc = rec["peaks"], rec["accelerator"]
     flops = ", ".join(f"{d} {v / 1e9:,.0f} GFLOP/s" for d, v in sorted(pk["matmul_flops"].items()))
@@ -171,7 +177,7 @@ def _model_part(name: str, tag: str, rec: dict, gpu: dict | None, report_dir: Pa
         "",
         f"Input {tuple(shape)}, {pk['device']} ({rec['date'][:10]}, load {rec['machine'].get('load_avg_1m', 0):.1f}). "
         f"Measured ceilings on this CPU: matmul {flops} ({pk['matmul_size']}^3), copy {pk['bandwidth'] / 1e9:.1f} GB/s "
-        f"({pk['copy_mib']} MiB). Forward+backward per layer (forward rows are in the JSON):",
+        f"({pk['copy_mib']} MiB){_cache(pk)}. Forward+backward per layer (forward rows are in the JSON):",
         "",
         *_measured_table(rec),
         "",
@@ -202,8 +208,10 @@ def section(results: dict[str, dict[str, dict]], report_dir: Path, results_root:
         "",
         "Each top-level layer compiled and timed alone (`make exp-roofline`, i.e. `python -m experiments.roofline`; "
         "`jaxnn profile --model cnn|gpt` prints the same table): median time, XLA's FLOPs and bytes of the timed "
-        "program, and the bound (compute above the ridge point peak/bandwidth, memory below). Measured figures and "
-        "projections are separate tables.",
+        "program, and the bound (compute above the ridge point peak/bandwidth, memory below). Ceilings are the "
+        "fastest of five windows of a large matmul per dtype and of a large elementwise pass; the bandwidth roof is "
+        "main memory's, so a layer whose bytes stay in cache can run above it (the dotted roof in the plots is a "
+        "pass of a few MiB). Measured figures and projections are separate tables.",
         "",
     ]
     if not gpu_tags:

@@ -22,11 +22,13 @@ def _pyplot() -> Any:
     return require("matplotlib.pyplot", _WHAT)
 
 
-def _ceilings(ax: Any, peak: float, bandwidth: float, color: str, label: str, span: tuple[float, float]) -> None:
+def _ceilings(
+    ax: Any, peak: float, bandwidth: float, color: str, label: str, span: tuple[float, float], style: str = "-"
+) -> None:
     import numpy as np
 
     xs = np.logspace(np.log10(span[0]), np.log10(span[1]), 200)
-    ax.plot(xs, np.minimum(peak, xs * bandwidth), color=color, lw=1.5, label=label)
+    ax.plot(xs, np.minimum(peak, xs * bandwidth), style, color=color, lw=1.5, label=label)
 
 
 def _span(profiles: Sequence[Profile]) -> tuple[float, float]:
@@ -56,6 +58,16 @@ def roofline_png(profiles: Sequence[Profile], path: str | pathlib.Path) -> pathl
             f"{p.policy}: {pk.peak(p.dtype) / 1e9:,.0f} GFLOP/s, {pk.bandwidth / 1e9:.1f} GB/s",
             span,
         )
+        if pk.cache_bandwidth and i == 0:
+            _ceilings(
+                axes[0][0],
+                pk.peak(p.dtype),
+                pk.cache_bandwidth,
+                "gray",
+                f"{pk.cache_mib} MiB pass (in cache): {pk.cache_bandwidth / 1e9:.0f} GB/s",
+                span,
+                style=":",
+            )
         for r in p.rows:
             if r.intensity and r.flops_per_s:
                 axes[0][0].scatter(r.intensity, r.flops_per_s, color=color, marker=_MARKERS[r.pass_], s=28)

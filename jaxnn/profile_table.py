@@ -56,7 +56,9 @@ def format_profile(p: Profile) -> str:
         f"{p.model}: input {p.in_shape}, policy {p.policy} ({p.dtype}), measured on {pk.device}",
         f"measured ceilings (fastest window): {p.dtype} matmul {pk.peak(p.dtype) / 1e9:,.0f} GFLOP/s "
         f"({pk.matmul_size}^3 product), "
-        f"copy {pk.bandwidth / 1e9:.1f} GB/s ({pk.copy_mib} MiB); ridge point {pk.ridge(p.dtype):.1f} FLOP/B",
+        f"copy {pk.bandwidth / 1e9:.1f} GB/s ({pk.copy_mib} MiB"
+        + (f"; {pk.cache_bandwidth / 1e9:.0f} GB/s over {pk.cache_mib} MiB, in cache" if pk.cache_bandwidth else "")
+        + f"); ridge point {pk.ridge(p.dtype):.1f} FLOP/B",
     ]
     if p.accelerator:
         a = p.accelerator
