@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 
 class TraceSteps(Callback):
-    """Traces `steps` training steps, starting once `warmup` steps of this call have finished (the first compiles).
+    """Traces `steps` training steps after `warmup` steps of this call (at least 2; the first compiles).
 
     `on_step(s)` runs once step s + 1 is dispatched: the trace starts after waiting for it (so no warm-up step is in
     it) and stops, after waiting again, once the last traced step is dispatched, so every traced step is complete
@@ -36,7 +36,7 @@ class TraceSteps(Callback):
     def on_step(self, run: RunInfo, step: int, metrics: dict) -> None:
         if not run.is_main or self.done:
             return
-        if not self.active and step >= run.start_step + self.warmup:
+        if not self.active and step + 1 >= run.start_step + self.warmup:
             jax.block_until_ready(run.state)  # the warm-up steps stay out of the trace
             jax.profiler.start_trace(self.log_dir, create_perfetto_trace=True)
             self.active, self.first = True, step + 2  # step + 1 ran before the trace started
