@@ -79,6 +79,12 @@ class MachinePeaks:
     cache_bandwidth: float | None = None
     cache_mib: int | None = None
 
+    def __post_init__(self) -> None:
+        rates = {f"{d} matmul FLOP/s": v for d, v in self.matmul_flops.items()} | {"bandwidth": self.bandwidth}
+        for what, value in rates.items():
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ProfileError(f"MachinePeaks: {what} must be a positive number, got {value!r}")
+
     def peak(self, dtype: Any) -> float:
         return self.matmul_flops[jnp.dtype(dtype).name]
 

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from jaxnn.profile import Profile
 
 _MARKERS = {"forward": "o", "forward+backward": "^"}
-_WHAT = "the profile plots"
+_WHAT = "plotting the profile"
 
 
 def _pyplot() -> Any:

@@ -69,6 +69,8 @@ def test_bad_input_is_refused():
         profile_layers(Dense(2), (3,), batch_size=0, peaks=PEAKS)
     with pytest.raises(ProfileError, match="Layer"):
         profile_layers("dense", (3,), peaks=PEAKS)
+    with pytest.raises(ProfileError, match="bandwidth"):
+        MachinePeaks("test", {"float32": 1e11}, 0.0, 0, 0)
     with pytest.raises(ProjectionError, match="positive"):
         accelerator(bf16_tflops=0)
     with pytest.raises(ProjectionError, match="bandwidth"):
@@ -140,3 +142,13 @@ def test_report_section_labels_projections_and_prefers_measured_gpu_peaks(tmp_pa
     measured = roofline.projected_accelerator(tmp_path)
     assert measured.peak("bfloat16") == pytest.approx(600e12) and measured.peak("float32") == pytest.approx(50e12)
     assert "measured in results/gpu-h200/" in measured.source
+
+
+def test_plots_without_matplotlib_name_the_extra(tmp_path, monkeypatch):
+    import sys
+
+    from jaxnn.profile_plots import roofline_png
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # an import of it now fails, as when it is not installed
+    with pytest.raises(ImportError, match=r"pip install 'jaxnn\[plots\]'"):
+        roofline_png([], tmp_path / "roofline.png")
