@@ -29,19 +29,25 @@ def add_profile_parser(sub: Any) -> None:
     a = p.add_argument
     a("--model", default="cnn", help=f"model: {', '.join(MODELS)}")
     a("--size", default="base", choices=("base", "small"), help="model size, as for `jaxnn train`")
-    a("--batch-size", type=int, default=None, help="batch size (default: the model's `jaxnn train` default)")
-    a("--in-shape", default=None, metavar="H,W,C", help="one image's shape (default 28,28,1)")
-    a("--seq-len", type=int, default=None, help="gpt: tokens per sequence (default: its `jaxnn train` default)")
+    a("--batch-size", type=int, default=None, help="batch size (None: the model's `jaxnn train` default)")
+    a("--in-shape", default=None, metavar="H,W,C", help="one image's shape (None: 28,28,1)")
+    a("--seq-len", type=int, default=None, help="gpt: tokens per sequence (None: its `jaxnn train` default)")
     a("--model-config", nargs="+", default=[], metavar="FIELD=VALUE", help="set fields of the model's config")
     a("--precision", nargs="+", default=["fp32", "bf16"], help="precision policies to profile")
     a("--repeats", type=int, default=5, help="timing windows per program (the median is reported)")
     a("--matmul-size", type=int, default=2048, metavar="N", help="the peak's N x N x N product")
     a("--copy-mib", type=int, default=256, metavar="MIB", help="the bandwidth's elementwise pass over this many MiB")
-    a("--out", default=None, metavar="DIR", help="output directory (default runs/profile-<model>/<time>)")
+    a("--out", default=None, metavar="DIR", help="output directory (None: runs/profile-<model>/<time>)")
     a("--accelerator", default="H200", help="name of the projected accelerator")
-    a("--peak-bf16", type=float, default=None, metavar="TFLOPS", help="its bf16 peak (default 790, given figure)")
-    a("--peak-fp32", type=float, default=None, metavar="TFLOPS", help="its fp32 peak (default 67, spec sheet)")
-    a("--bandwidth", type=float, default=None, metavar="TB/S", help="its memory bandwidth (default 4.3)")
+    a(
+        "--peak-bf16",
+        type=float,
+        default=None,
+        metavar="TFLOPS",
+        help="its bf16 peak (None: 790, the figure given for an H200)",
+    )
+    a("--peak-fp32", type=float, default=None, metavar="TFLOPS", help="its fp32 peak (None: 67, the H200 spec sheet)")
+    a("--bandwidth", type=float, default=None, metavar="TB/S", help="its memory bandwidth (None: 4.3)")
     a("--no-plots", action="store_true", help="write no PNG plots")
 
 
