@@ -595,6 +595,9 @@ def build(results_root: str | Path, report_path: str | Path) -> str:
             pics = _plots(m, name, report_dir, root)
             if pics:
                 out += [pics, ""]
+    from experiments.roofline import section as roofline_section
+
+    out += roofline_section(m.results, report_dir, root)
     out[out.index("## Machines") : out.index("## Machines")] = (
         ["## Verdicts", "", "| claim | verdict |", "|---|---|"]
         + [f"| {n}. {t} | {v} |" for n, t, v in summary_rows]

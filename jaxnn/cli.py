@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     add_export_parser(sub)
     add_generate_parser(sub)
+    from jaxnn.profile_cli import add_profile_parser
+
+    add_profile_parser(sub)
     return parser
 
 
@@ -113,6 +116,7 @@ def add_train_parser(sub: Any) -> None:
         help="metric writers besides metrics.jsonl: CSV files, TensorBoard event files (<run-dir>/tensorboard)",
     )
     a("--no-summary", action="store_true", help="do not print the model's per-layer table at the start")
+    a("--profile-dir", default=None, metavar="DIR", help="write a jax.profiler trace of a few steps after warm-up")
 
 
 def add_multiprocess_flags(p: argparse.ArgumentParser) -> None:
@@ -262,6 +266,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         progress=not args.no_progress,
         plots=not args.no_plots,
         metrics=tuple(args.metrics),
+        profile_dir=args.profile_dir,
     )
 
 
@@ -421,6 +426,10 @@ def main(argv: list[str] | None = None) -> int:
         return export_main(args)
     if args.command == "generate":
         return generate_main(args)
+    if args.command == "profile":
+        from jaxnn.profile_cli import profile_main
+
+        return profile_main(args)
     return EXIT_USAGE
 
 

@@ -67,6 +67,7 @@ class FitConfig:
     guard_nonfinite: (run) stop at the first NaN/Inf loss (fp16: report long runs of skipped steps instead).
     async_checkpoints: (run) write checkpoints in the background while training goes on (orbax's async save).
     name: (run) label for the progress bar and summary.
+    profile_dir: (run) write a `jax.profiler` trace of a few steps after warm-up here (see jaxnn.trace).
     """
 
     steps: int = 1000
@@ -90,6 +91,7 @@ class FitConfig:
     guard_nonfinite: bool = True
     async_checkpoints: bool = True
     name: str = "fit"
+    profile_dir: str | None = None
 
     RUN_ONLY = (
         "eval_every",
@@ -109,6 +111,7 @@ class FitConfig:
         "guard_nonfinite",
         "async_checkpoints",
         "name",
+        "profile_dir",
     )
 
     def __post_init__(self):
@@ -189,6 +192,7 @@ RUN_ONLY_FIELDS = (
     "plots",
     "sample_bytes",
     "metrics",
+    "profile_dir",
 )
 
 
@@ -231,6 +235,7 @@ class TrainConfig:
     plots: bool = True
     sample_bytes: int = 300
     metrics: tuple[str, ...] = ()
+    profile_dir: str | None = None  # a jax.profiler trace of a few steps (jaxnn.trace)
 
     def __post_init__(self):
         validate(self)

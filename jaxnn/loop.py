@@ -137,6 +137,10 @@ def _train(model, loss, tx, cfg, source, evals, mesh, state, record, files, call
     run = RunInfo(cfg.steps, cfg.run_dir, files.is_main, start, start, state, get_policy(cfg.precision).loss_scaling)
     if cfg.guard_nonfinite and not any(isinstance(c, NonFiniteGuard) for c in callbacks):
         callbacks = [NonFiniteGuard(), *callbacks]
+    if cfg.profile_dir:
+        from jaxnn.trace import TraceSteps
+
+        callbacks = [*callbacks, TraceSteps(cfg.profile_dir)]
     tracker = _Tracker(cfg, files, callbacks, run, _batch_size(source.example()))
     for c in callbacks:
         c.on_start(run)

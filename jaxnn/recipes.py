@@ -139,6 +139,7 @@ def train(
         mesh=cfg.mesh,
         prefetch=cfg.prefetch,
         name=f"{cfg.model}/{data.name}",
+        profile_dir=cfg.profile_dir,
     )
     summary = {"model": cfg.model, "dataset": data.name, **result.summary}
     finished_now = not (summary.get("interrupted_by") or summary.get("already_finished"))

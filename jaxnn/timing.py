@@ -150,3 +150,24 @@ def measure_matmul_peak(
         "gflops": matmul_flops(size, size, size) / timing.median / 1e9,
         "timing": timing.as_dict(),
     }
+
+
+def measure_copy_bandwidth(
+    mib: int = 256, device: jax.Device | None = None, repeats: int = 5, dtype: DTypeLike = jnp.float32
+) -> dict[str, Any]:
+    """The achieved bytes/s of one large elementwise pass (`x + 1`: reads `mib` MiB, writes as much).
+
+    An add rather than a plain copy, because XLA forwards a jitted identity's input buffer and does no work; the
+    bytes counted are XLA's own cost analysis of the compiled program (read plus written), so they are the same
+    measure as the per-layer bytes they are compared with.
+    """
+    device = device or jax.devices()[0]
+    n = mib * 2**20 // jnp.dtype(dtype).itemsize
+    x = jax.device_put(jnp.zeros((n,), dtype), device)
+    compiled = jax.jit(lambda x: x + jnp.asarray(1, dtype)).lower(x).compile()
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+    moved = float((cost or {}).get("bytes accessed") or 2 * n * jnp.dtype(dtype).itemsize)
+    timing = time_fn(lambda: compiled(x), repeats=repeats)
+    return {"mib": mib, "bytes": moved, "bytes_per_s": moved / timing.median, "timing": timing.as_dict()}

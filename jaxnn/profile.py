@@ -1,0 +1,355 @@
+"""Where a model's time goes, layer by layer, on the machine at hand: a measured roofline.
+
+    prof = jaxnn.profile.profile_layers(model, (28, 28, 1), batch_size=64, policy="bf16")
+    print(prof)
+
+Each top-level layer (each child of a `serial`, as in `jaxnn.layers.summary`) is compiled alone, twice: its forward
+pass (inference: eval mode) and its forward+backward pass (training mode; gradients with respect to its parameters
+and, except for the first layer, to its input, as the backward pass of a step needs). Each program is timed
+(waiting for the device, median of several windows) and XLA's cost analysis of the same compiled program gives its
+FLOPs and bytes accessed. From those: arithmetic intensity (FLOP/byte), achieved FLOP/s and bytes/s, their fractions
+of the machine's matmul peak (for the policy's compute dtype) and copy bandwidth, both measured in the same run, and
+the bound: compute when the intensity is above the machine's ridge point (peak / bandwidth), memory below it.
+
+The whole model is compiled and timed the same way: the sum of the layers' times minus the whole model's time is
+what compiling the layers together saves (fusion across layer boundaries) or costs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import pathlib
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxnn.layers.core import Layer, init_model, run, splits_input
+from jaxnn.layers.tabulate import _children, _guess_input
+from jaxnn.precision import Policy, get_policy
+from jaxnn.projection import Accelerator
+from jaxnn.timing import measure_copy_bandwidth, measure_matmul_peak, time_fn
+
+PASSES = ("forward", "forward+backward")
+# The CPU features that decide what XLA can use for products; named next to every CPU figure.
+_CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+
+
+class ProfileError(ValueError):
+    """Input `profile_layers` cannot profile (not a Layer, a bad shape or batch size); nothing was measured."""
+
+
+# ---------------------------------------------------------------------------------------------------- the machine
+
+
+def describe_device(device: jax.Device | None = None) -> str:
+    """The device in words: for a CPU its model name, the cores this process may use and its matrix/vector units
+    (from /proc/cpuinfo); otherwise jax's device kind."""
+    device = device or jax.devices()[0]
+    if device.platform != "cpu":
+        return f"{device.platform} {device.device_kind}"
+    try:
+        info = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return f"cpu ({os.cpu_count()} cores)"
+    model = re.search(r"^model name\s*:\s*(.*)$", info, re.MULTILINE)
+    flags = re.search(r"^flags\s*:\s*(.*)$", info, re.MULTILINE)
+    features = [f for f in _CPU_FEATURES if flags and f in flags.group(1).split()]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    name = model.group(1).strip() if model else "cpu"
+    return f"{name}, {cores} cores, {' '.join(features) or 'no AVX-512/AMX'}"
+
+
+@dataclasses.dataclass(frozen=True)
+class MachinePeaks:
+    """The measured ceilings of the roofline: a large matmul's FLOP/s per dtype name and a large copy's bytes/s."""
+
+    device: str
+    matmul_flops: dict[str, float]
+    bandwidth: float
+    matmul_size: int
+    copy_mib: int
+    # The same pass over a few MiB, which stay in the caches: layers whose data fits there run above the
+    # main-memory roof, and this second roof (drawn, not used for the bound) shows how far.
+    cache_bandwidth: float | None = None
+    cache_mib: int | None = None
+
+    def __post_init__(self) -> None:
+        rates = {f"{d} matmul FLOP/s": v for d, v in self.matmul_flops.items()} | {"bandwidth": self.bandwidth}
+        for what, value in rates.items():
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ProfileError(f"MachinePeaks: {what} must be a positive number, got {value!r}")
+
+    def peak(self, dtype: Any) -> float:
+        return self.matmul_flops[jnp.dtype(dtype).name]
+
+    def ridge(self, dtype: Any) -> float:
+        """FLOP/byte where the matmul ceiling meets the bandwidth ceiling."""
+        return self.peak(dtype) / self.bandwidth
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def measure_peaks(
+    dtypes: Sequence[Any] = (jnp.float32, jnp.bfloat16),
+    *,
+    matmul_size: int = 2048,
+    copy_mib: int = 256,
+    repeats: int = 5,
+) -> MachinePeaks:
+    """Times a `matmul_size`^2 product per dtype (accumulating in float32) and an elementwise pass over `copy_mib`
+    MiB on the default device; each ceiling is the rate of the fastest of `repeats` windows."""
+    names = sorted({jnp.dtype(d).name for d in dtypes})
+    # A ceiling is what the machine can reach, so each comes from its fastest timing window: on a shared machine
+    # the median of a few windows often catches another process's load and would put layers above the roof.
+    flops = {}
+    for name in names:
+        peak = measure_matmul_peak(matmul_size, name, repeats=repeats)
+        flops[name] = peak["gflops"] * 1e9 * peak["timing"]["median"] / peak["timing"]["min"]
+    copy = measure_copy_bandwidth(copy_mib, repeats=repeats)
+    cache_mib = max(1, min(4, copy_mib // 8))
+    cached = measure_copy_bandwidth(cache_mib, repeats=repeats)
+    bandwidth = copy["bytes"] / copy["timing"]["min"]
+    cache_bandwidth = cached["bytes"] / cached["timing"]["min"]
+    return MachinePeaks(describe_device(), flops, bandwidth, matmul_size, copy_mib, cache_bandwidth, cache_mib)
+
+
+# ---------------------------------------------------------------------------------------------------- results
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRow:
+    """One compiled program: a layer's (or the whole model's) forward or forward+backward pass.
+
+    `seconds` is the median time per call (`p25`, `p75` its spread); `flops` and `bytes` are XLA's cost analysis of
+    the program that was timed (None when the backend reports none). `projected_s` is the projected accelerator's
+    lower bound for the same counts, `speedup` this machine's measured time over it.
+    """
+
+    layer: str
+    pass_: str
+    in_shape: tuple
+    seconds: float
+    p25: float
+    p75: float
+    flops: float | None
+    bytes: float | None
+    intensity: float | None
+    flops_per_s: float | None
+    bytes_per_s: float | None
+    peak_fraction: float | None
+    bandwidth_fraction: float | None
+    bound: str | None
+    projected_s: float | None = None
+    speedup: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """A model's per-layer rows for one policy, the whole model's two rows, and the ceilings they are measured
+    against; `str()` gives the table."""
+
+    model: str
+    in_shape: tuple
+    policy: str
+    dtype: str
+    peaks: MachinePeaks
+    rows: tuple[LayerRow, ...]
+    whole: tuple[LayerRow, ...]
+    accelerator: Accelerator | None = None
+
+    def layer_sum(self, pass_: str) -> float:
+        """The sum of the layers' median times for one pass."""
+        return sum(r.seconds for r in self.rows if r.pass_ == pass_)
+
+    def whole_time(self, pass_: str) -> float | None:
+        return next((r.seconds for r in self.whole if r.pass_ == pass_), None)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["accelerator"] = self.accelerator.as_dict() if self.accelerator else None
+        d["layer_sum_s"] = {p: self.layer_sum(p) for p in PASSES}
+        d["whole_s"] = {p: self.whole_time(p) for p in PASSES}
+        return d
+
+    def __str__(self) -> str:
+        from jaxnn.profile_table import format_profile
+
+        return format_profile(self)
+
+
+# ---------------------------------------------------------------------------------------------------- measuring
+
+
+def profile_layers(
+    model: Layer,
+    in_shape: Sequence[int],
+    *,
+    batch_size: int = 32,
+    policy: Policy | str | None = "fp32",
+    peaks: MachinePeaks | None = None,
+    accelerator: Accelerator | None = None,
+    repeats: int = 5,
+    min_window_s: float = 0.02,
+    id_range: int = 2,
+    seed: int = 0,
+    print_fn: Callable[[str], Any] | None = None,
+) -> Profile:
+    """Profiles each top-level layer of `model` on a batch of `batch_size` inputs of `in_shape` (one example's shape,
+    without the batch dimension); see the module docstring for what is measured.
+
+    Float inputs are standard normal in the policy's compute dtype; a model that fails on floats gets integer ids
+    drawn from [0, `id_range`) (token ids: pass the vocabulary size). `peaks` defaults to measuring them now (a few
+    seconds); pass one `MachinePeaks` to several calls to measure once. With an `accelerator`, each row also gets
+    the projected lower bound and speed-up. The table goes through `print_fn` unless it is None.
+    """
+    in_shape = _check_args(model, in_shape, batch_size, repeats, id_range)
+    policy = get_policy(policy)
+    dtype = jnp.dtype(policy.compute_dtype)
+    peaks = peaks or measure_peaks((dtype,))
+    if dtype.name not in peaks.matmul_flops:
+        raise ProfileError(f"profile_layers: the peaks given have no {dtype.name} matmul; measure_peaks with it")
+    shape = (batch_size, *in_shape)
+    # One compiled initialisation: eagerly, every initialiser op compiles on its own (seconds for a few layers).
+    params, state = jax.jit(lambda key: init_model(model, key, shape)[1:])(jax.random.key(seed))
+    params = policy.cast_to_param(params)
+    spec = _guess_input(model, shape, params, state, policy)
+    rng = np.random.default_rng(seed)
+    x = _example(spec, id_range, rng)
+    measure = _Measure(peaks, accelerator, dtype, policy, repeats, min_window_s)
+    rows: list[LayerRow] = []
+    children = [] if splits_input(model) else _children(model)
+    for i, (name, child) in enumerate(children or [(model.name, model)]):
+        p = params.get(name, {}) if children else params
+        s = (state.get(name) if child.stateful else None) if children else state
+        row, y = measure.forward(name, child, p, s, x)
+        rows += [row, measure.backward(name, child, p, s, x, wrt_input=i > 0)]
+        x = y  # the next layer is timed on the input it really receives
+    x = _example(spec, id_range, rng)
+    whole = (
+        measure.forward("whole model", model, params, state, x)[0],
+        measure.backward("whole model", model, params, state, x, wrt_input=False),
+    )
+    result = Profile(model.name, shape, policy.name, dtype.name, peaks, tuple(rows), whole, accelerator)
+    if print_fn is not None:
+        print_fn(str(result))
+    return result
+
+
+def _check_args(model, in_shape, batch_size, repeats, id_range) -> tuple[int, ...]:
+    if not isinstance(model, Layer):
+        raise ProfileError(f"profile_layers: model must be a jaxnn Layer, got {type(model).__name__}")
+    ok = isinstance(in_shape, (tuple, list)) and all(
+        isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in in_shape
+    )
+    if not ok:
+        raise ProfileError(
+            f"profile_layers: in_shape must be a tuple of positive ints (one example, no batch), got {in_shape!r}"
+        )
+    for what, value in (("batch_size", batch_size), ("repeats", repeats), ("id_range", id_range)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ProfileError(f"profile_layers: {what} must be a positive integer, got {value!r}")
+    return tuple(in_shape)
+
+
+def _example(spec: Any, id_range: int, rng: np.random.Generator) -> jax.Array:
+    """Random inputs drawn on the host: no eager jax op, so nothing compiles but the programs measured."""
+    if jnp.issubdtype(spec.dtype, jnp.integer):
+        return jnp.asarray(rng.integers(0, id_range, spec.shape).astype(spec.dtype))
+    return jnp.asarray(rng.standard_normal(spec.shape, np.float32).astype(spec.dtype))
+
+
+def _forward(layer: Layer, policy: Policy) -> Callable:
+    def forward(params, state, x):
+        return run(layer, policy.cast_to_compute(params), x, state=state, key=None, train=False, policy=policy)[0]
+
+    return forward
+
+
+def _forward_backward(layer: Layer, policy: Policy, wrt_input: bool) -> Callable:
+    """The output and the gradients a training step's backward pass needs from this layer, given the output's
+    cotangent `g`; the output is returned so that XLA cannot drop the forward work the gradients do not need."""
+
+    def apply(params, x, state, key):
+        return run(layer, policy.cast_to_compute(params), x, state=state, key=key, train=True, policy=policy)
+
+    def step(params, state, x, g, key):
+        if wrt_input:
+            y, vjp, new_state = jax.vjp(lambda p, x: apply(p, x, state, key), params, x, has_aux=True)
+        else:
+            y, vjp, new_state = jax.vjp(lambda p: apply(p, x, state, key), params, has_aux=True)
+        return y, vjp(g), new_state
+
+    return step
+
+
+class _Measure:
+    """Compiles, costs and times one program, and turns the figures into a row."""
+
+    def __init__(self, peaks, accelerator, dtype, policy, repeats, min_window_s):
+        self.peaks, self.accelerator, self.dtype, self.policy = peaks, accelerator, dtype, policy
+        self.repeats, self.min_window_s = repeats, min_window_s
+
+    def forward(self, name: str, layer: Layer, params, state, x) -> tuple[LayerRow, Any]:
+        """The row, and the layer's output (the next layer's input)."""
+        compiled = jax.jit(_forward(layer, self.policy)).lower(params, state, x).compile()
+        return self._row(name, PASSES[0], compiled, (params, state, x), x), compiled(params, state, x)
+
+    def backward(self, name: str, layer: Layer, params, state, x, *, wrt_input: bool) -> LayerRow:
+        wrt_input = wrt_input and jnp.issubdtype(x.dtype, jnp.floating)
+        y = jax.eval_shape(_forward(layer, self.policy), params, state, x)
+        g = _example(y, 2, np.random.default_rng(1))
+        args = (params, state, x, g, jax.random.key(2))
+        compiled = jax.jit(_forward_backward(layer, self.policy, wrt_input)).lower(*args).compile()
+        return self._row(name, PASSES[1], compiled, args, x)
+
+    def _row(self, name: str, pass_: str, compiled, args, x) -> LayerRow:
+        flops, nbytes = _costs(compiled)
+        t = time_fn(lambda: compiled(*args), repeats=self.repeats, min_window_s=self.min_window_s)
+        intensity = flops / nbytes if flops is not None and nbytes else None
+        flop_s = flops / t.median if flops is not None else None
+        byte_s = nbytes / t.median if nbytes is not None else None
+        ridge = self.peaks.ridge(self.dtype)
+        projected = self.accelerator.lower_bound(flops, nbytes, self.dtype) if self.accelerator else None
+        return LayerRow(
+            layer=name,
+            pass_=pass_,
+            in_shape=tuple(np.shape(x)),
+            seconds=t.median,
+            p25=t.p25,
+            p75=t.p75,
+            flops=flops,
+            bytes=nbytes,
+            intensity=intensity,
+            flops_per_s=flop_s,
+            bytes_per_s=byte_s,
+            peak_fraction=flop_s / self.peaks.peak(self.dtype) if flop_s is not None else None,
+            bandwidth_fraction=byte_s / self.peaks.bandwidth if byte_s is not None else None,
+            bound=None if intensity is None else "compute" if intensity >= ridge else "memory",
+            projected_s=projected,
+            speedup=t.median / projected if projected else None,
+        )
+
+
+def _costs(compiled: jax.stages.Compiled) -> tuple[float | None, float | None]:
+    """(FLOPs, bytes accessed) from XLA's cost analysis; XLA leaves out zero counts, so a missing key with others
+    present means 0, and no analysis at all means unknown."""
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # some backends do not implement cost analysis
+        return None, None
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+    if not isinstance(cost, dict) or not cost:
+        return None, None
+    flops, nbytes = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+    return (flops if flops >= 0 else None), (nbytes if nbytes > 0 and math.isfinite(nbytes) else None)

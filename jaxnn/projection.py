@@ -1,0 +1,101 @@
+"""A projected accelerator: per layer, the time no device with these peaks can beat, and the speed-up it implies.
+
+The lower bound of one compiled program is max(FLOPs / peak FLOP/s of its dtype, bytes / memory bandwidth): the
+roofline model. It is a bound, not a prediction: it leaves out kernel launches (microseconds each on a GPU, which
+dominate small layers), and it uses the FLOPs and bytes of the program XLA compiled for the machine at hand, whose
+fusion decisions differ from a GPU compiler's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+
+
+class ProjectionError(ValueError):
+    """An accelerator description that cannot be used (a missing dtype, a non-positive peak)."""
+
+
+# The H200 figures used when nothing else is given. bf16: the dense bf16 product rate given for an H200 (not
+# measured by this project); fp32: NVIDIA's spec sheet (no tensor cores); bandwidth: about 90% of the spec sheet's
+# 4.8 TB/s, as a large copy reaches in practice. fp16 runs on the same tensor cores as bf16.
+H200_PEAK_FLOPS = {"bfloat16": 790e12, "float16": 790e12, "float32": 67e12}
+H200_BANDWIDTH = 4.3e12
+H200_SOURCE = (
+    "defaults, not measured here: bf16 790 TFLOP/s and 4.3 TB/s as given for an H200, "
+    "fp32 67 TFLOP/s from NVIDIA's spec sheet"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    """Peak FLOP/s per dtype name ("float32", "bfloat16", ...) and memory bandwidth (bytes/s); `source` says where
+    the figures come from (a spec sheet, or a measured run), and is printed next to every projection."""
+
+    name: str = "H200"
+    peak_flops: dict[str, float] = dataclasses.field(default_factory=lambda: dict(H200_PEAK_FLOPS))
+    bandwidth: float = H200_BANDWIDTH
+    source: str = H200_SOURCE
+
+    def __post_init__(self) -> None:
+        for dtype, value in self.peak_flops.items():
+            _check_positive(f"{self.name} peak FLOP/s for {dtype}", value)
+        _check_positive(f"{self.name} bandwidth", self.bandwidth)
+
+    def peak(self, dtype: DTypeLike) -> float:
+        name = jnp.dtype(dtype).name
+        if name not in self.peak_flops:
+            raise ProjectionError(f"{self.name}: no peak FLOP/s for {name}; it has {sorted(self.peak_flops)}")
+        return self.peak_flops[name]
+
+    def lower_bound(self, flops: float | None, nbytes: float | None, dtype: DTypeLike) -> float | None:
+        """max(flops / peak, bytes / bandwidth) in seconds; None when neither count is known."""
+        if flops is None and nbytes is None:
+            return None
+        return max((flops or 0.0) / self.peak(dtype), (nbytes or 0.0) / self.bandwidth)
+
+    def ridge(self, dtype: DTypeLike) -> float:
+        """The arithmetic intensity (FLOP/byte) above which a program is compute-bound on this device."""
+        return self.peak(dtype) / self.bandwidth
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def accelerator(
+    name: str = "H200",
+    *,
+    bf16_tflops: float | None = None,
+    fp32_tflops: float | None = None,
+    bandwidth_tbs: float | None = None,
+    source: str | None = None,
+) -> Accelerator:
+    """The default H200 with any figure replaced (TFLOP/s and TB/s, as spec sheets print them); a replaced figure
+    changes `source` to say so unless `source` is given."""
+    peaks = dict(H200_PEAK_FLOPS)
+    changed = []
+    if bf16_tflops is not None:
+        _check_positive("bf16 peak", bf16_tflops)
+        peaks["bfloat16"] = peaks["float16"] = bf16_tflops * 1e12
+        changed.append(f"bf16 {bf16_tflops:g} TFLOP/s")
+    if fp32_tflops is not None:
+        _check_positive("fp32 peak", fp32_tflops)
+        peaks["float32"] = fp32_tflops * 1e12
+        changed.append(f"fp32 {fp32_tflops:g} TFLOP/s")
+    bandwidth = H200_BANDWIDTH
+    if bandwidth_tbs is not None:
+        _check_positive("bandwidth", bandwidth_tbs)
+        bandwidth = bandwidth_tbs * 1e12
+        changed.append(f"{bandwidth_tbs:g} TB/s")
+    if source is None:
+        source = H200_SOURCE if not changed else f"given: {', '.join(changed)}; other figures: {H200_SOURCE}"
+    return Accelerator(name, peaks, bandwidth, source)
+
+
+def _check_positive(what: str, value: Any) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise ProjectionError(f"{what} must be a positive number, got {value!r}")
