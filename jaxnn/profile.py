@@ -86,6 +86,7 @@ class MachinePeaks:
                 raise ProfileError(f"MachinePeaks: {what} must be a positive number, got {value!r}")
 
     def peak(self, dtype: Any) -> float:
+        """The measured matmul FLOP/s for `dtype`."""
         return self.matmul_flops[jnp.dtype(dtype).name]
 
     def ridge(self, dtype: Any) -> float:
@@ -93,6 +94,7 @@ class MachinePeaks:
         return self.peak(dtype) / self.bandwidth
 
     def as_dict(self) -> dict[str, Any]:
+        """The fields as plain JSON-ready values."""
         return dataclasses.asdict(self)
 
 
@@ -150,6 +152,7 @@ class LayerRow:
     speedup: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
+        """The fields as plain JSON-ready values."""
         return dataclasses.asdict(self)
 
 
@@ -172,9 +175,11 @@ class Profile:
         return sum(r.seconds for r in self.rows if r.pass_ == pass_)
 
     def whole_time(self, pass_: str) -> float | None:
+        """Seconds of the whole model compiled as one program for `pass_` ("forward" or "train"), if measured."""
         return next((r.seconds for r in self.whole if r.pass_ == pass_), None)
 
     def as_dict(self) -> dict[str, Any]:
+        """The profile as plain JSON-ready values, with the per-pass sums of the layers' times."""
         d = dataclasses.asdict(self)
         d["accelerator"] = self.accelerator.as_dict() if self.accelerator else None
         d["layer_sum_s"] = {p: self.layer_sum(p) for p in PASSES}

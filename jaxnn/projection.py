@@ -47,6 +47,7 @@ class Accelerator:
         _check_positive(f"{self.name} bandwidth", self.bandwidth)
 
     def peak(self, dtype: DTypeLike) -> float:
+        """The device's peak FLOP/s for `dtype`; an error naming the dtypes it has when there is none."""
         name = jnp.dtype(dtype).name
         if name not in self.peak_flops:
             raise ProjectionError(f"{self.name}: no peak FLOP/s for {name}; it has {sorted(self.peak_flops)}")
@@ -63,6 +64,7 @@ class Accelerator:
         return self.peak(dtype) / self.bandwidth
 
     def as_dict(self) -> dict[str, Any]:
+        """The fields as plain JSON-ready values."""
         return dataclasses.asdict(self)
 
 

@@ -54,6 +54,8 @@ MODULES = (
     "jaxnn.mesh",
     "jaxnn.sharding",
     "jaxnn.parallel",
+    "jaxnn.profile",
+    "jaxnn.projection",
 )
 # The guide, in reading order: docs/index.md is the front page, and every page in docs/ must be listed here.
 PAGES = (
@@ -69,6 +71,7 @@ PAGES = (
     "experiments",
     "claims",
     "performance",
+    "profiling",
     "testing",
 )
 REFERENCE = re.compile(r"`(jaxnn(?:\.[A-Za-z_]\w*)+)")
