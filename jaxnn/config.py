@@ -34,6 +34,11 @@ def _check_mesh(cfg: TrainConfig) -> None:
         raise ConfigError(f"batch size {cfg.batch_size} is not divisible by the {split} devices of the batch axes")
 
 
+def _check_compile_cache(owner: str, value) -> None:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{owner}: compile_cache must be 'auto', 'off' or a directory, got {value!r}")
+
+
 def _positive_int(owner: str, name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"{owner}: {name} must be a positive integer, got {value!r}")
@@ -67,6 +72,8 @@ class FitConfig:
     guard_nonfinite: (run) stop at the first NaN/Inf loss (fp16: report long runs of skipped steps instead).
     async_checkpoints: (run) write checkpoints in the background while training goes on (orbax's async save).
     name: (run) label for the progress bar and summary.
+    compile_cache: (run) JAX's persistent compilation cache: "auto" ($JAXNN_COMPILE_CACHE, else
+      ~/.cache/jaxnn/xla), "off", or a directory (see jaxnn.compile_cache).
     """
 
     steps: int = 1000
@@ -90,6 +97,7 @@ class FitConfig:
     guard_nonfinite: bool = True
     async_checkpoints: bool = True
     name: str = "fit"
+    compile_cache: str = "auto"
 
     RUN_ONLY = (
         "eval_every",
@@ -109,6 +117,7 @@ class FitConfig:
         "guard_nonfinite",
         "async_checkpoints",
         "name",
+        "compile_cache",
     )
 
     def __post_init__(self):
@@ -134,6 +143,7 @@ class FitConfig:
             raise ConfigError(f"{owner}: resume and overwrite exclude each other")
         if self.run_dir is None and (self.resume or self.ckpt_dir):
             raise ConfigError(f"{owner}: resume and ckpt_dir need a run_dir")
+        _check_compile_cache(owner, self.compile_cache)
 
     @classmethod
     def from_settings(cls, settings: dict[str, Any]) -> FitConfig:
@@ -188,6 +198,7 @@ RUN_ONLY_FIELDS = (
     "plots",
     "sample_bytes",
     "metrics",
+    "compile_cache",
 )
 
 
@@ -230,6 +241,7 @@ class TrainConfig:
     plots: bool = True
     sample_bytes: int = 300
     metrics: tuple[str, ...] = ()
+    compile_cache: str = "auto"  # "auto", "off" or a directory (jaxnn.compile_cache)
 
     def __post_init__(self):
         validate(self)
@@ -296,3 +308,4 @@ def validate(cfg: TrainConfig) -> None:
     unknown = [m for m in cfg.metrics if m not in METRIC_WRITERS]
     if unknown:
         raise ConfigError(f"unknown metric writer(s) {unknown}; choose from {list(METRIC_WRITERS)}")
+    _check_compile_cache("--compile-cache", cfg.compile_cache)

@@ -138,6 +138,7 @@ def train(
         devices=cfg.devices,
         mesh=cfg.mesh,
         prefetch=cfg.prefetch,
+        compile_cache=cfg.compile_cache,
         name=f"{cfg.model}/{data.name}",
     )
     summary = {"model": cfg.model, "dataset": data.name, **result.summary}
