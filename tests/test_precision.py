@@ -60,6 +60,18 @@ def test_bf16_train_step_backward_products_are_bf16_too(name, key):
     assert bool(jnp.isfinite(metrics["loss"])) and bool(jnp.isfinite(metrics["grad_norm"]))
 
 
+def test_compiled_bf16_weight_gradient_is_not_upcast(key):
+    # XLA's CPU backend upcasts a bf16 dot to f32 when an operand arrives transposed (as a column-major layout),
+    # which cost the bf16 GPT step ~1.5x on an AMX CPU (benchmarks/ab_bf16_layout.py).
+    x = jax.random.normal(key, (64, 16)).astype(jnp.bfloat16)
+    w = jax.random.normal(key, (16, 32)).astype(jnp.bfloat16)
+    grads = jax.jit(jax.grad(lambda x, w: precision.einsum("mk,kn->mn", x, w).sum(), argnums=(0, 1)))
+    hlo = grads.lower(x, w).compile().as_text()
+    dots = [line for line in hlo.splitlines() if " dot(" in line]
+    converted = [line for line in hlo.splitlines() if "convert" in line and "dot_general" in line and "f32[" in line]
+    assert len(dots) == 2 and not converted, converted
+
+
 def test_fp32_matmul_precision_is_explicit(key):
     layer = L.Dense(4)
     _, params = layer.init(key, (2, 3))
