@@ -120,14 +120,15 @@ def measure(args: argparse.Namespace) -> dict:
             seq_len=w.get("seq_len", 128),
             buffer=8,
         )
-        rates: dict[str, list[float]] = {b: [] for b in BACKENDS}
+        rates: dict[str, list[float]] = {b: [] for b in args.backends}
         for _ in range(args.repeats):  # interleaved: load from other processes falls on every backend
-            for b, kw in BACKENDS.items():
-                rates[b].append(batches_per_s(data, dataclasses.replace(base, **kw), args.batches))
+            for b in args.backends:
+                rates[b].append(batches_per_s(data, dataclasses.replace(base, **BACKENDS[b]), args.batches))
         per_backend = {}
-        for b, kw in BACKENDS.items():
+        for b in args.backends:
             rate = statistics.median(rates[b])
-            per_backend[b] = {"batches_per_s": rate, "per_core": rate / backend_cores(dataclasses.replace(base, **kw))}
+            cores = backend_cores(dataclasses.replace(base, **BACKENDS[b]))
+            per_backend[b] = {"batches_per_s": rate, "per_core": rate / cores}
         best = max(per_backend.values(), key=lambda v: v["per_core"])["per_core"]
         flops, need = h200_steps_per_s(name, args.peak_tflops, args.mfu)
         rows.append(
@@ -142,11 +143,17 @@ def measure(args: argparse.Namespace) -> dict:
             }
         )
         print(f"{name}: best {best:,.0f} batches/s per core; H200 projection {need:,.0f} steps/s", flush=True)
-    return {"cpu": cpu_label(), "peak_tflops": args.peak_tflops, "mfu": args.mfu, "rows": rows}
+    return {
+        "cpu": cpu_label(),
+        "peak_tflops": args.peak_tflops,
+        "mfu": args.mfu,
+        "backends": args.backends,
+        "rows": rows,
+    }
 
 
 def format_table(result: dict) -> str:
-    names = list(BACKENDS)
+    names = result["backends"]
     lines = [
         f"host batches/s (median of interleaved repeats) on {result['cpu']}; H200 steps/s PROJECTED at "
         f"{100 * result['mfu']:.0f}% of {result['peak_tflops']:.0f} TFLOP/s bf16",
@@ -166,6 +173,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.input_pipeline --capacity", description=__doc__)
     parser.add_argument("--capacity", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
     parser.add_argument("--batches", type=int, default=200, help="timed batches per measurement")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved measurements per backend (median)")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="H200 bf16 peak assumed, TFLOP/s")
