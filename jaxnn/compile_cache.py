@@ -13,6 +13,7 @@ A cache directory the user gave jax directly (`JAX_COMPILATION_CACHE_DIR`, `jax.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import pathlib
 from typing import Any
@@ -27,6 +28,7 @@ MIN_COMPILE_SECONDS = 0.0
 MAX_BYTES = 2 * 1024**3
 
 _enabled_dir: str | None = None
+log = logging.getLogger(__name__)
 
 
 class CompileCacheError(ValueError):
@@ -76,7 +78,11 @@ def enable(setting: str | None = "auto") -> str | None:
     try:
         pathlib.Path(path).mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise CompileCacheError(f"compile cache directory {path}: {err.strerror or err}") from None
+        if setting != "auto":
+            raise CompileCacheError(f"compile cache directory {path}: {err.strerror or err}") from None
+        # The default place may be read-only (a locked-down home): run without the cache rather than not at all.
+        log.warning("compilation cache off: cannot create %s (%s)", path, err.strerror or err)
+        return None
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
     if importlib.util.find_spec("filelock") is not None and _jax_option("jax_compilation_cache_max_size") == -1:

@@ -49,6 +49,13 @@ def test_bad_settings_are_refused():
         compile_cache.resolve(None)
 
 
+def test_an_unusable_directory_is_refused_by_name(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(compile_cache.CompileCacheError, match="file"):
+        compile_cache.enable(str(blocker / "xla"))
+
+
 def test_cli_flags_set_the_cache(tmp_path):
     parse = cli.build_parser().parse_args
     base = ["train", "--run-dir", str(tmp_path / "run")]
