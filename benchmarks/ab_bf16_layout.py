@@ -46,16 +46,12 @@ def before():
 
 
 def f32_dots(hlo: str) -> tuple[int, int]:
-    """(dots whose first operand is f32, all dots) in a compiled module's text."""
-    total = upcast = 0
-    for comp in hlo.split("\n\n"):
-        if " dot(" not in comp:
-            continue
-        total += comp.count(" dot(")
-        head = comp.strip().split("\n")[0]
-        if re.findall(r"param_\d+[.\d]*: (\w+)\[", head)[:1] == ["f32"]:
-            upcast += 1
-    return upcast, total
+    """(dots whose left operand is f32, all dots) in a compiled module's text; the step's own operands are bf16,
+    so an f32 operand is one XLA upcast."""
+    dtype_of = dict(re.findall(r"(%[\w.\-]+) = (\w+)\[", hlo))
+    dtype_of.update(re.findall(r"(%?[\w.\-]+): (\w+)\[", hlo))  # computation parameters
+    lhs = re.findall(r" dot\((%?[\w.\-]+),", hlo)
+    return sum(dtype_of.get(name, dtype_of.get("%" + name)) == "f32" for name in lhs), len(lhs)
 
 
 def main() -> None:

@@ -18,7 +18,8 @@ def preload() -> threading.Thread:
     the device then): the import took ~0.8 s of the plots' 1.2 s at the end of a run (docs/performance.md)."""
 
     def load() -> None:
-        with contextlib.suppress(ImportError):
+        # A failed import here only means the plots import it again at the end, where errors are reported.
+        with contextlib.suppress(Exception):
             import matplotlib
 
             matplotlib.use("Agg")

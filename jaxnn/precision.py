@@ -181,7 +181,16 @@ def _canonical_einsum(spec_x: str, spec_y: str, spec_out: str, x, y):
     y = jnp.transpose(y, [spec_y.index(c) for c in order_y])
     flat_x, flat_y = lax.optimization_barrier((x.reshape(-1), y.reshape(-1)))
     x, y = flat_x.reshape(x.shape), flat_y.reshape(y.shape)
-    return jnp.einsum(f"{''.join(order_x)},{''.join(order_y)}->{spec_out}", x, y, preferred_element_type=jnp.float32)
+    order_out = batch + [c for c in spec_x if c not in spec_y] + [c for c in spec_y if c not in spec_x]
+    out = jnp.einsum(
+        f"{''.join(order_x)},{''.join(order_y)}->{''.join(order_out)}", x, y, preferred_element_type=jnp.float32
+    )
+    if order_out == list(spec_out):
+        return out
+    # The same for the result: XLA would fold a transpose after the dot into it by swapping the operands, which
+    # puts the contracted axis of the new left operand first (the attention's value gradient did).
+    (flat_out,) = lax.optimization_barrier((out.reshape(-1),))
+    return jnp.transpose(flat_out.reshape(out.shape), [order_out.index(c) for c in spec_out])
 
 
 def _half_einsum_bwd(spec, residuals, g):
