@@ -7,7 +7,7 @@ forward, weight gradient (dw, as a first layer needs) and both gradients (dw+dx)
 - hybrid: XLA's forward and input-gradient convolutions with the weight gradient as patches^T @ dy (tried and
   dropped; defined here only);
 and the scan cliff: two weight-gradient steps unrolled against the same inside `lax.scan`, for xla and im2col.
-Figures and what they decided: docs/performance.md ("Convolution lowerings", "Tried and dropped").
+Figures and what they decided: docs/performance.md, "im2col convolutions".
 """
 
 import functools

@@ -1,7 +1,7 @@
 """Side by side: MaxPool's two lowerings, the pool's gradient alone and the benchmark CNN's whole train step.
 
 Run: `.venv/bin/python benchmarks/ab_max_pool.py [fp32|bf16]`; interleaved windows, medians, one process.
-Figures and what they decided: docs/performance.md, "Max pooling's gradient".
+Figures and what they decided: docs/performance.md, "Reshape max pooling".
 """
 
 import sys

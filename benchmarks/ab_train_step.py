@@ -10,7 +10,7 @@ donation (the "plain jax.jit" baseline). Variants, all on the `make bench` model
 - jaxnn model, peers' step: jaxnn's layers inside the peers' own plain-jit Adam step (benchmarks/peers);
 - flax linen: plain `jax.jit`, no donation; flax linen, donated: the `make bench-peers` Linen step.
 
-Figures and what they decided: docs/performance.md ("Tiny-step dispatch", "What the metrics cost").
+Figures and what they decided: docs/performance.md, "Dispatch of the tiny step".
 """
 
 import argparse

@@ -1,6 +1,8 @@
 """`make bench-input`: step time and device-idle fraction, prefetch on and off, as host augmentation gets dearer.
 
 Also compares the host backends (Grain threads, Grain worker processes, inline) at one cost.
+`--capacity` measures instead how many batches per second per core the host can deliver at most, against the
+step rate each benchmark model would have on an H200 (benchmarks/host_capacity.py).
 """
 
 # The CPU stands in for an accelerator: XLA's threads are pinned to core 0 ("the device") and the host pipeline to
@@ -30,7 +32,10 @@ import time
 
 HOST_CORES: set[int] = set()  # the cores left to the host pipeline once XLA has core 0 (empty: not pinned)
 
-if __name__ == "__main__":  # before jax starts: one XLA thread, one device, XLA's thread pool on core 0 only
+CAPACITY = "--capacity" in sys.argv  # the capacity mode uses every core for the host and leaves XLA alone
+
+# Before jax starts: one XLA thread, one device, XLA's thread pool on core 0 only.
+if __name__ == "__main__" and not CAPACITY:
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false --xla_force_host_platform_device_count=1"
     ).strip()
@@ -111,6 +116,10 @@ def run_loop(step_fn, state, source, cfg, *, prefetch: bool, n: int):
 
 
 def main(argv=None) -> int:
+    if "--capacity" in (sys.argv[1:] if argv is None else argv):
+        from benchmarks import host_capacity
+
+        return host_capacity.main(argv)
     parser = argparse.ArgumentParser(prog="python -m benchmarks.input_pipeline", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="timed steps per measurement")
     parser.add_argument("--repeats", type=int, default=2, help="measurements per setting (median reported)")

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.machine import cpu_label
 from jaxnn.timing import flops_of, measure_matmul_peak, stepper, time_fn
 
 # The benchmark models, shared with the peers in benchmarks/peers so that every library builds the same network.
@@ -96,7 +97,12 @@ def bench_jaxnn(name: str, precision: str, *, scan: bool = True, repeats: int = 
     in_shape = batch["x"].shape
     state = train.create_train_state(model, tx, jax.random.key(0), in_shape, precision)
     step = train.make_train_step(model, loss_fn, tx, precision)
-    compiled = step.lower(state, batch).compile()
+    # Cold compile times: benchmarks never enable the persistent compilation cache.
+    t0 = time.perf_counter()
+    lowered = step.lower(state, batch)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    compile_s = {"trace_lower_s": t1 - t0, "compile_s": time.perf_counter() - t1}
     flops = flops_of(compiled)
     timing = time_fn(stepper(compiled, state, batch), repeats=repeats)
     row = {
@@ -106,6 +112,7 @@ def bench_jaxnn(name: str, precision: str, *, scan: bool = True, repeats: int = 
         "step_ms": timing.median * 1e3,
         "timing": timing.as_dict(),
         "flops_per_step": flops,
+        **compile_s,
     }
     if scan:
         k = SPECS[name]["scan_k"]
@@ -168,6 +175,7 @@ def run_benchmarks(
         "platform": jax.default_backend(),
         "jax": jax.__version__,
         "cpu_count": os.cpu_count(),
+        "cpu": cpu_label(),
         "peaks": peaks,
         "rows": rows,
     }
@@ -181,10 +189,10 @@ def format_report(result: dict) -> str:
     """The `make bench` table as text."""
     peaks = result["peaks"]
     lines = [
-        f"device {result['device']} (jax {result['jax']}); large-GEMM peak: "
+        f"device {result['device']} ({result.get('cpu', 'CPU not recorded')}; jax {result['jax']}); large-GEMM peak: "
         + ", ".join(f"{p} {v['gflops']:.0f} GFLOP/s ({v['size']}^3)" for p, v in peaks.items()),
         f"{'model':6} {'prec':5} {'jit ms/step':>12} {'scan ms/step':>13} {'K':>3} {'scan/jit':>8} "
-        f"{'GFLOP/step':>10} {'GFLOP/s':>8} {'of peak':>8}",
+        f"{'GFLOP/step':>10} {'GFLOP/s':>8} {'of peak':>8} {'trace s':>7} {'compile s':>9}",
     ]
     for r in result["rows"]:
         scan_ms, flops, gflops, frac = (
@@ -200,9 +208,11 @@ def format_report(result: dict) -> str:
             f"{r['model']:6} {r['precision']:5} {r['step_ms']:12.4g} {_fmt(scan_ms, '.4g'):>13} "
             f"{r.get('scan_k', '-'):>3} {_fmt(scan_ms and scan_ms / r['step_ms'], '.2f'):>8} "
             f"{_fmt(flops and flops / 1e9, '.3g'):>10} {_fmt(gflops, '.1f'):>8} "
-            f"{_fmt(frac and 100 * frac, '.0f', '%'):>8}"
+            f"{_fmt(frac and 100 * frac, '.0f', '%'):>8} {_fmt(r.get('trace_lower_s'), '.2f'):>7} "
+            f"{_fmt(r.get('compile_s'), '.2f'):>9}"
         )
     lines.append("GFLOP/s uses the faster of the two variants; 'of peak' is against the GEMM peak of the row's dtype.")
+    lines.append("trace s: tracing and lowering the jitted step; compile s: XLA compiling it (no persistent cache).")
     return "\n".join(lines)
 
 

@@ -117,6 +117,13 @@ def add_train_parser(sub: Any) -> None:
     )
     a("--no-summary", action="store_true", help="do not print the model's per-layer table at the start")
     a("--profile-dir", default=None, metavar="DIR", help="write a jax.profiler trace of a few steps after warm-up")
+    a(
+        "--compile-cache",
+        default="auto",
+        metavar="DIR",
+        help="directory of JAX's persistent compilation cache; auto: $JAXNN_COMPILE_CACHE, else ~/.cache/jaxnn/xla",
+    )
+    a("--no-compile-cache", action="store_true", help="compile every program afresh (no persistent cache)")
 
 
 def add_multiprocess_flags(p: argparse.ArgumentParser) -> None:
@@ -267,6 +274,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         plots=not args.no_plots,
         metrics=tuple(args.metrics),
         profile_dir=args.profile_dir,
+        compile_cache="off" if args.no_compile_cache else args.compile_cache,
     )
 
 
@@ -334,6 +342,9 @@ def train_main(args: argparse.Namespace) -> int:
         one_process = not multi_process_asked(args)
         set_cpu_devices(mesh_devices(cfg.mesh) if cfg.mesh and one_process else args.devices)
         multi_process = start_processes(args)
+        from jaxnn import compile_cache
+
+        compile_cache.enable(cfg.compile_cache)  # before the model summary and data set-up compile anything
         from jaxnn.recipes import train
 
         summary = train(

@@ -34,6 +34,11 @@ def _check_mesh(cfg: TrainConfig) -> None:
         raise ConfigError(f"batch size {cfg.batch_size} is not divisible by the {split} devices of the batch axes")
 
 
+def _check_compile_cache(owner: str, value) -> None:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{owner}: compile_cache must be 'auto', 'off' or a directory, got {value!r}")
+
+
 def _positive_int(owner: str, name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"{owner}: {name} must be a positive integer, got {value!r}")
@@ -68,6 +73,8 @@ class FitConfig:
     async_checkpoints: (run) write checkpoints in the background while training goes on (orbax's async save).
     name: (run) label for the progress bar and summary.
     profile_dir: (run) write a `jax.profiler` trace of a few steps after warm-up here (see jaxnn.trace).
+    compile_cache: (run) JAX's persistent compilation cache: "auto" ($JAXNN_COMPILE_CACHE, else
+      ~/.cache/jaxnn/xla), "off", or a directory (see jaxnn.compile_cache).
     """
 
     steps: int = 1000
@@ -92,6 +99,7 @@ class FitConfig:
     async_checkpoints: bool = True
     name: str = "fit"
     profile_dir: str | None = None
+    compile_cache: str = "auto"
 
     RUN_ONLY = (
         "eval_every",
@@ -112,6 +120,7 @@ class FitConfig:
         "async_checkpoints",
         "name",
         "profile_dir",
+        "compile_cache",
     )
 
     def __post_init__(self):
@@ -137,6 +146,7 @@ class FitConfig:
             raise ConfigError(f"{owner}: resume and overwrite exclude each other")
         if self.run_dir is None and (self.resume or self.ckpt_dir):
             raise ConfigError(f"{owner}: resume and ckpt_dir need a run_dir")
+        _check_compile_cache(owner, self.compile_cache)
 
     @classmethod
     def from_settings(cls, settings: dict[str, Any]) -> FitConfig:
@@ -193,6 +203,7 @@ RUN_ONLY_FIELDS = (
     "sample_bytes",
     "metrics",
     "profile_dir",
+    "compile_cache",
 )
 
 
@@ -236,6 +247,7 @@ class TrainConfig:
     sample_bytes: int = 300
     metrics: tuple[str, ...] = ()
     profile_dir: str | None = None  # a jax.profiler trace of a few steps (jaxnn.trace)
+    compile_cache: str = "auto"  # "auto", "off" or a directory (jaxnn.compile_cache)
 
     def __post_init__(self):
         validate(self)
@@ -304,3 +316,4 @@ def validate(cfg: TrainConfig) -> None:
     unknown = [m for m in cfg.metrics if m not in METRIC_WRITERS]
     if unknown:
         raise ConfigError(f"unknown metric writer(s) {unknown}; choose from {list(METRIC_WRITERS)}")
+    _check_compile_cache("--compile-cache", cfg.compile_cache)

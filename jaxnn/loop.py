@@ -24,6 +24,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from jaxnn import compile_cache
 from jaxnn.callbacks import Callback, NonFiniteError, NonFiniteGuard, RunInfo
 from jaxnn.checkpoint import Checkpointer, CheckpointError, StopSignal, config_differences, state_digest
 from jaxnn.config import ConfigError, FitConfig
@@ -33,7 +34,9 @@ from jaxnn.data.prefetch import DevicePrefetch
 from jaxnn.data.sources import as_eval_batches, as_train_source
 from jaxnn.layers.core import Layer
 from jaxnn.mesh import check_batch_divisible, create_sharded_state, make_mesh, process_slice
+from jaxnn.optional import installed
 from jaxnn.parallel import data_parallel_train_step
+from jaxnn.plots import preload as preload_plotting
 from jaxnn.precision import all_finite, get_policy
 from jaxnn.rundir import RunFiles
 from jaxnn.sharding import make_sharded_mesh
@@ -93,6 +96,7 @@ def fit(
     settings: the fields of `jaxnn.config.FitConfig` (steps, batch_size, precision, run_dir, resume, ...).
     """
     cfg = FitConfig.from_settings(settings)
+    compile_cache.enable(cfg.compile_cache)
     if pipeline is not None and cfg.batch_size not in (None, pipeline.batch_size):
         raise ConfigError(f"fit: batch_size {cfg.batch_size} differs from the pipeline's {pipeline.batch_size}")
     source = as_train_source(data, pipeline, cfg.batch_size, cfg.seed)
@@ -142,6 +146,8 @@ def _train(model, loss, tx, cfg, source, evals, mesh, state, record, files, call
 
         callbacks = [*callbacks, TraceSteps(cfg.profile_dir)]
     tracker = _Tracker(cfg, files, callbacks, run, _batch_size(source.example()))
+    if cfg.plots and files.run_dir and files.is_main and installed("matplotlib"):
+        preload_plotting()
     for c in callbacks:
         c.on_start(run)
 

@@ -138,6 +138,7 @@ def train(
         devices=cfg.devices,
         mesh=cfg.mesh,
         prefetch=cfg.prefetch,
+        compile_cache=cfg.compile_cache,
         name=f"{cfg.model}/{data.name}",
         profile_dir=cfg.profile_dir,
     )

@@ -169,7 +169,7 @@ def train_step_fn(
 
     Metrics: the loss, what `loss_fn` returns besides it, and (unless `grad_norm=False`) the global gradient
     norm, which costs a reduction over every gradient and one more output: with the accuracy, ~11% of the
-    benchmark MLP's step and ~27% of a tiny model's (docs/performance.md, "What the metrics cost").
+    benchmark MLP's step and ~27% of a tiny model's (docs/performance.md, "Dispatch of the tiny step").
     """
     check_optimizer(tx)
     policy = get_policy(policy)

@@ -2,6 +2,10 @@
 
 import os
 
+# Tests compile afresh: no test reads programs another run (or another xdist worker) wrote to the user's cache;
+# tests/test_compile_cache.py points the cache at its own directory.
+os.environ["JAXNN_COMPILE_CACHE"] = "off"
+
 # Must happen before jax initialises its backends.
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 

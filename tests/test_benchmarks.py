@@ -74,6 +74,16 @@ def test_bench_input_pins_the_device_core_and_reports_idle_fractions(tmp_path):
     assert len(record["backends"]) == 5 and all(s > 0 for s in record["backends"].values())
 
 
+def test_bench_input_capacity_sets_host_rates_against_the_projected_step_rate(tmp_path):
+    out = tmp_path / "capacity.json"
+    args = ["--capacity", "--workloads", "mlp", "--batches", "3", "--repeats", "1", "--out", str(out)]
+    text = run_module("benchmarks.input_pipeline", *args, "--backends", "inline", "grain threads=1")
+    assert "PROJECTED" in text
+    (row,) = json.loads(out.read_text())["rows"]
+    assert set(row["backends"]) == {"inline", "grain threads=1"} and row["best_per_core"] > 0
+    assert row["step_flops"] > 0 and row["h200_steps_per_s"] > 0 and row["cores_needed"] > 0
+
+
 def test_bench_parallel_times_every_form_on_each_device_count(tmp_path):
     out = tmp_path / "parallel.jsonl"
     run_module(

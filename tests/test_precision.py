@@ -60,6 +60,22 @@ def test_bf16_train_step_backward_products_are_bf16_too(name, key):
     assert bool(jnp.isfinite(metrics["loss"])) and bool(jnp.isfinite(metrics["grad_norm"]))
 
 
+@pytest.mark.parametrize(
+    "spec, shape_a, shape_b", [("mk,kn->mn", (64, 16), (16, 32)), ("BNTS,BSNH->BTNH", (2, 2, 8, 8), (2, 8, 2, 4))]
+)
+def test_compiled_bf16_backward_products_are_not_upcast(spec, shape_a, shape_b, key):
+    # XLA's CPU backend upcasts a bf16 dot to f32 when an operand arrives transposed (as a column-major layout, or
+    # by swapping the operands to absorb a transposed result): ~1.6x on the bf16 GPT step of an AMX CPU
+    # (benchmarks/ab_bf16_layout.py).
+    a = jax.random.normal(key, shape_a).astype(jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), shape_b).astype(jnp.bfloat16)
+    grads = jax.jit(jax.grad(lambda a, b: precision.einsum(spec, a, b).sum(), argnums=(0, 1)))
+    hlo = grads.lower(a, b).compile().as_text()
+    dots = [line for line in hlo.splitlines() if " dot(" in line]
+    converted = [line for line in hlo.splitlines() if "convert" in line and "dot_general" in line and "f32[" in line]
+    assert len(dots) == 2 and not converted, converted
+
+
 def test_fp32_matmul_precision_is_explicit(key):
     layer = L.Dense(4)
     _, params = layer.init(key, (2, 3))

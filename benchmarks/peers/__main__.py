@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 
+from benchmarks.machine import cpu_label
 from benchmarks.train_steps import PRECISIONS, SPECS
 
 PEERS = {
@@ -115,12 +116,14 @@ def main(argv=None) -> int:
             )
     times = collect(results)
     print(format_table(times, libraries, args.models, args.precisions))
+    print(f"measured on {cpu_label()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     path = args.json or os.path.join("results", "bench", time.strftime("peers-%Y%m%dT%H%M%SZ.json", time.gmtime()))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(
             {
                 "cpu_count": os.cpu_count(),
+                "cpu": cpu_label(),
                 "rounds": args.rounds,
                 "repeats": args.repeats,
                 "median_ms": [

@@ -149,13 +149,13 @@ def _conv_fn(
         if lowering == "xla" or feature_group_count != 1:
             return xla_conv(x, w, policy)
         # "auto": im2col where the computation is lowered for the CPU, XLA's convolution on every other platform.
-        # On the CPU (measured, docs/performance.md "Convolution lowerings"): as fast as XLA's convolution in a
+        # On the CPU (measured, docs/performance.md, "im2col convolutions"): as fast as XLA's convolution in a
         # jitted step (2x faster for a 3-channel stem), 20x and more faster inside lax.scan (make_multi_step),
         # where XLA's weight-gradient convolution falls off a cliff; and in half precision its dots keep every
         # backward product bf16 x bf16 -> f32 (precision.einsum), which XLA's convolution transposes cannot.
         # The choice follows the platform the computation is lowered for, not this process's default backend, so
         # that a program traced here and exported for a GPU (jax.export) gets the GPU's lowering; both branches
-        # are traced, only the lowering platform's is lowered (docs/performance.md "Lowering for another platform").
+        # are traced, only the lowering platform's is lowered (docs/performance.md, "Lowering per platform").
         return lax.platform_dependent(
             x,
             w,
