@@ -1,10 +1,20 @@
 """Test settings: 8 simulated CPU devices (for the sharding tests), strict rank promotion, a fixed key."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
-# Tests compile afresh: no test reads programs another run (or another xdist worker) wrote to the user's cache;
-# tests/test_compile_cache.py points the cache at its own directory.
+# No test reads programs another run wrote to the user's cache (~/.cache/jaxnn/xla); tests/test_compile_cache.py
+# points the cache at its own directory.
 os.environ["JAXNN_COMPILE_CACHE"] = "off"
+# One compilation cache for this session instead, shared by the xdist workers and the processes tests start (they
+# inherit the environment): the suite compiles the same small models many times over, in different processes, and
+# a cache hit costs milliseconds. A fresh directory per session, removed by the process that made it.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxnn-tests-xla-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")  # only what is worth a disk entry
 
 # Must happen before jax initialises its backends.
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
