@@ -103,6 +103,12 @@ def add_train_parser(sub: Any) -> None:
         "tensor (attention heads and MLP width), e.g. data=2,fsdp=4; on a CPU, that many simulated devices",
     )
     add_multiprocess_flags(p)
+    add_pipeline_and_output_flags(p)
+
+
+def add_pipeline_and_output_flags(p: argparse.ArgumentParser) -> None:
+    """`jaxnn train`'s flags for the host pipeline, what the run writes and prints, and its compilation cache."""
+    a = p.add_argument
     a("--prefetch", type=int, default=2, help="batches put on the device ahead of the step (0: none)")
     a("--backend", default="grain", choices=("grain", "inline"), help="host pipeline: Grain workers or inline")
     a("--workers", type=int, default=0, help="Grain worker processes (0: reader threads in this process)")
