@@ -94,9 +94,8 @@ MUTATIONS = (
     Mutation(
         "LayerNorm statistics in the compute dtype",
         "jaxnn/layers/norm.py",
-        "    def apply(params, x, **_):\n        x32 = x.astype(accumulation_dtype(x.dtype))\n"
-        "        mean = jnp.mean(x32, axis=-1, keepdims=True)",
-        "    def apply(params, x, **_):\n        x32 = x\n        mean = jnp.mean(x32, axis=-1, keepdims=True)",
+        "_scale_and_shift(_normalise(x.astype(accumulation_dtype(x.dtype)), (-1,), eps), params, x.dtype)",
+        "_scale_and_shift(_normalise(x, (-1,), eps), params, x.dtype)",
         ("tests/test_layers.py", "tests/test_references.py"),
     ),
     Mutation(
