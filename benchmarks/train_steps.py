@@ -72,14 +72,15 @@ def jaxnn_model(name: str):
         return models.CNN(
             models.CNNConfig(widths=spec["widths"], num_classes=spec["classes"])
         ), train.classification_loss
-    cfg = models.GPTConfig(
-        vocab_size=spec["vocab"],
-        seq_len=spec["seq_len"],
-        d_model=spec["d_model"],
-        num_layers=spec["num_layers"],
-        num_heads=spec["num_heads"],
-    )
-    return models.GPT(cfg), train.language_model_loss
+    return models.GPT(gpt_config(spec)), train.language_model_loss
+
+
+def gpt_config(spec: dict, **overrides):
+    """The GPTConfig of a benchmark spec (SPECS' and GPU_GPT's keys), with `overrides` for other fields."""
+    from jaxnn import models
+
+    sizes = {name: spec[name] for name in ("seq_len", "d_model", "num_layers", "num_heads")}
+    return models.GPTConfig(vocab_size=spec["vocab"], **sizes, **overrides)
 
 
 def bench_jaxnn(name: str, precision: str, *, scan: bool = True, repeats: int = 7) -> dict:
@@ -236,14 +237,7 @@ def _gpt_step_mfu(cfg: dict, impl: str, batch: dict, tx, peak: dict, steps: int,
     """Compiles and times the bf16 GPT step with attention `impl`; its figures, or raises what failed."""
     from jaxnn import models, train
 
-    gpt_cfg = models.GPTConfig(
-        vocab_size=cfg["vocab"],
-        seq_len=cfg["seq_len"],
-        d_model=cfg["d_model"],
-        num_layers=cfg["num_layers"],
-        num_heads=cfg["num_heads"],
-        attention_implementation=impl,
-    )
+    gpt_cfg = gpt_config(cfg, attention_implementation=impl)
     model = models.GPT(gpt_cfg)
     state = train.create_train_state(model, tx, jax.random.key(0), batch["x"].shape, "bf16")
     step = train.make_train_step(model, train.language_model_loss, tx, "bf16")
