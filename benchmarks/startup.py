@@ -25,7 +25,7 @@ import time
 
 from benchmarks.machine import cpu_label
 
-IMPORT_ONLY = "import jax, jaxnn.recipes, jaxnn.loop; jax.devices()"
+IMPORT_ONLY = "import jax, jaxnn.cli.recipes, jaxnn.loop; jax.devices()"
 
 
 def train_cmd(model: str, run_dir: str, cache: str | None, gpt_steps: int) -> list[str]:

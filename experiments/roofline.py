@@ -4,7 +4,7 @@ this machine, with each layer's projected lower bound on an accelerator.
 Writes results/<machine-tag>/roofline_<model>.json, roofline_<model>.png (the roofline) and roofline_<model>_time.png
 (time per layer). The accelerator's peaks are the measured ones of a GPU run when results/gpu-*/ holds one (its
 `make gpu-check` matmul peaks; a roofline run there also gives its bandwidth), else the H200 defaults of
-`jaxnn.projection`, labelled as such. `section()` is the part of REPORT.md built from these files.
+`jaxnn.profile.projection`, labelled as such. `section()` is the part of REPORT.md built from these files.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import os
 from pathlib import Path
 
 from experiments import common
+from jaxnn.models.factory import train_default_model
 from jaxnn.precision import get_policy
 from jaxnn.profile import measure_peaks, profile_layers
-from jaxnn.profile_cli import build_model
-from jaxnn.profile_plots import roofline_png, time_png
-from jaxnn.projection import H200_SOURCE, Accelerator, accelerator
+from jaxnn.profile.plots import roofline_png, time_png
+from jaxnn.profile.projection import H200_SOURCE, Accelerator, accelerator
 
 MODELS = ("cnn", "gpt")
 POLICIES = ("fp32", "bf16")
@@ -67,7 +67,7 @@ def run(size: str, out: str | Path) -> list[Path]:
     accel = projected_accelerator(out)
     written = []
     for name in MODELS:
-        model, mcfg = build_model(argparse.Namespace(model=name, size=model_size, seq_len=None, model_config=[]))
+        model, mcfg = train_default_model(name, size=model_size)
         shape = (mcfg.seq_len,) if name == "gpt" else (28, 28, 1)
         budget = common.Budget(None)
         profiles = [

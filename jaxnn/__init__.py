@@ -1,21 +1,59 @@
 """jaxnn: pure-functional neural-network layers and compiled training steps for JAX.
 
 `jaxnn.fit(model, data, ...)` is the training loop (`jaxnn.loop`); layers are in `jaxnn.layers`, models in
-`jaxnn.models`, callbacks in `jaxnn.callbacks`.
+`jaxnn.models`, callbacks in `jaxnn.callbacks`. Every public submodule is reachable as an attribute
+(`jaxnn.layers`, `jaxnn.train`, ...) and is imported on first use, so that `import jaxnn.cli` stays light and
+leaves jax's device set-up to the command line.
 """
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-_LAZY = {"fit": "jaxnn.loop", "FitResult": "jaxnn.loop", "FitConfig": "jaxnn.config"}
+# Names re-exported from the module that defines them.
+_NAMES = {"fit": "jaxnn.loop", "FitResult": "jaxnn.loop", "FitConfig": "jaxnn.config"}
+
+SUBMODULES = (
+    "callbacks",
+    "checkpoint",
+    "cli",
+    "compile_cache",
+    "config",
+    "data",
+    "export",
+    "finetune",
+    "generate",
+    "layers",
+    "loop",
+    "mesh",
+    "metrics",
+    "models",
+    "optional",
+    "parallel",
+    "plots",
+    "precision",
+    "profile",
+    "pytree",
+    "rundir",
+    "sharding",
+    "storage",
+    "timing",
+    "trace",
+    "train",
+)
 
 
-def __getattr__(name: str):
-    # Lazy, so that `import jaxnn.cli` stays light and leaves jax's device set-up to the command line.
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
+def __getattr__(name: str) -> Any:
+    if name in _NAMES:
+        return getattr(importlib.import_module(_NAMES[name]), name)
+    if name in SUBMODULES:
+        return importlib.import_module(f"jaxnn.{name}")
     raise AttributeError(f"module 'jaxnn' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_NAMES, *SUBMODULES])
 
 
 __all__ = ["FitConfig", "FitResult", "fit"]

@@ -24,8 +24,9 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxnn.pytree import path_name
-from jaxnn.rundir import StorageError, quiet_storage_noise, storage_error
+from jaxnn.config import config_differences
+from jaxnn.pytree import is_prng_key, path_name
+from jaxnn.storage import StorageError, quiet_storage_noise, storage_error
 
 log = logging.getLogger(__name__)
 
@@ -34,19 +35,15 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used: incompatible with this run, or no readable one left."""
 
 
-def _is_key(x) -> bool:
-    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
 def to_saveable(tree: Any) -> Any:
     """Typed PRNG keys become their raw uint32 data (orbax stores plain arrays)."""
-    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
+    return jax.tree.map(lambda x: jax.random.key_data(x) if is_prng_key(x) else x, tree)
 
 
 def from_saveable(tree: Any, like: Any) -> Any:
     """Inverse of `to_saveable`, using `like` (a tree of the original structure) to find the keys."""
     return jax.tree.map(
-        lambda x, ref: jax.random.wrap_key_data(x, impl=jax.random.key_impl(ref)) if _is_key(ref) else x, tree, like
+        lambda x, ref: jax.random.wrap_key_data(x, impl=jax.random.key_impl(ref)) if is_prng_key(ref) else x, tree, like
     )
 
 
@@ -68,19 +65,6 @@ def state_digest(tree: Any) -> str:
         h.update(f"{arr.dtype}{arr.shape}".encode())
         h.update(np.ascontiguousarray(arr).tobytes())
     return h.hexdigest()
-
-
-def config_differences(
-    saved: dict, current: dict, ignore: Iterable[str] = (), *, saved_as: str = "checkpoint"
-) -> list[str]:
-    """Human-readable `field: checkpoint X, now Y` lines for the fields where two config dicts differ."""
-    keys = sorted((set(saved) | set(current)) - set(ignore))
-    missing = object()
-    return [
-        f"{k}: {saved_as} {saved.get(k, missing)!r}, now {current.get(k, missing)!r}".replace(repr(missing), "-")
-        for k in keys
-        if saved.get(k, missing) != current.get(k, missing)
-    ]
 
 
 class Checkpointer:

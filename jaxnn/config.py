@@ -1,8 +1,9 @@
 """Run configurations, validated when they are built, with every default in one place.
 
 `FitConfig` holds how `jaxnn.fit` runs (steps, cadence, run directory, devices); `TrainConfig` is what
-`jaxnn train` runs: a built-in model on a built-in or local data set. Both are frozen dataclasses whose
-construction refuses an impossible value with a `ConfigError` naming the field, before anything is written.
+`jaxnn train` runs: a built-in model on a built-in or local data set, with the `FitConfig` it hands to `fit`. Both
+are frozen dataclasses whose construction refuses an impossible value with a `ConfigError` naming the field,
+before anything is written; each field is checked once, by the dataclass that holds it.
 """
 
 from __future__ import annotations
@@ -10,28 +11,45 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Iterable
 from typing import Any
+
+from jaxnn.metrics import check_writer_names
 
 MODELS = ("mlp", "cnn", "resnet", "gpt")
 SIZES = ("small", "base")
-FORMS = ("jit", "shard_map")
-METRIC_WRITERS = ("jsonl", "csv", "tensorboard")
+# The data-parallel forms of `jaxnn.parallel` that `fit` runs: their state has the model's own shapes, where pmap's
+# carries a device axis in front (kept in jaxnn.parallel for comparison, not for checkpointed runs).
+FIT_FORMS = ("jit", "shard_map")
 
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the field."""
 
 
-def _check_mesh(cfg: TrainConfig) -> None:
+def config_differences(
+    saved: dict, current: dict, ignore: Iterable[str] = (), *, saved_as: str = "checkpoint"
+) -> list[str]:
+    """Human-readable `field: checkpoint X, now Y` lines for the fields where two config dicts differ."""
+    keys = sorted((set(saved) | set(current)) - set(ignore))
+    missing = object()
+    return [
+        f"{k}: {saved_as} {saved.get(k, missing)!r}, now {current.get(k, missing)!r}".replace(repr(missing), "-")
+        for k in keys
+        if saved.get(k, missing) != current.get(k, missing)
+    ]
+
+
+def _check_mesh(mesh: str, batch_size: int) -> None:
     from jaxnn.sharding import BATCH_AXES, parse_mesh
 
     try:
-        sizes = parse_mesh(cfg.mesh or "")
+        sizes = parse_mesh(mesh)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     split = math.prod(sizes.get(axis, 1) for axis in BATCH_AXES)
-    if cfg.batch_size % split:
-        raise ConfigError(f"batch size {cfg.batch_size} is not divisible by the {split} devices of the batch axes")
+    if batch_size % split:
+        raise ConfigError(f"batch size {batch_size} is not divisible by the {split} devices of the batch axes")
 
 
 def _check_compile_cache(owner: str, value) -> None:
@@ -135,13 +153,14 @@ class FitConfig:
             _non_negative(owner, name, getattr(self, name))
         if self.precision not in PRESETS:
             raise ConfigError(f"{owner}: unknown precision {self.precision!r}; choose one of {sorted(PRESETS)}")
-        if self.form not in FORMS:
-            raise ConfigError(f"{owner}: form must be one of {list(FORMS)}, got {self.form!r}")
+        if self.form not in FIT_FORMS:
+            raise ConfigError(f"{owner}: form must be one of {list(FIT_FORMS)}, got {self.form!r}")
         if isinstance(self.metrics, str):
             object.__setattr__(self, "metrics", (self.metrics,))
-        unknown = [m for m in self.metrics if m not in METRIC_WRITERS]
-        if unknown:
-            raise ConfigError(f"{owner}: unknown metric writer(s) {unknown}; choose from {list(METRIC_WRITERS)}")
+        try:
+            object.__setattr__(self, "metrics", check_writer_names(self.metrics))
+        except ValueError as err:
+            raise ConfigError(f"{owner}: {err}") from None
         if self.resume and self.overwrite:
             raise ConfigError(f"{owner}: resume and overwrite exclude each other")
         if self.run_dir is None and (self.resume or self.ckpt_dir):
@@ -183,35 +202,48 @@ MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 
-# TrainConfig fields that do not change what a run computes: a checkpoint may be resumed with them changed.
-RUN_ONLY_FIELDS = (
-    "mesh",
-    "run_dir",
-    "ckpt_dir",
-    "resume",
-    "overwrite",
-    "devices",
-    "eval_every",
-    "log_every",
-    "ckpt_every",
-    "keep",
-    "prefetch",
-    "backend",
-    "workers",
-    "progress",
-    "plots",
-    "sample_bytes",
-    "metrics",
-    "profile_dir",
-    "compile_cache",
-)
+
+def default_model_overrides(model: str, size: str) -> dict[str, Any]:
+    """The model-config fields `jaxnn train` (and `jaxnn profile`) set for `model` at `size`: the base size's
+    cut-down widths; the small size keeps the small config's own."""
+    return dict(MODEL_DEFAULTS.get(model, {}).get("model_overrides", ())) if size == "base" else {}
+
+
+def parse_model_config(items: list[str], flag: str = "--model-config") -> dict[str, Any]:
+    """`["position=rope", "num_kv_heads=2"]` -> {"position": "rope", "num_kv_heads": 2}: JSON values, else text.
+
+    A field named twice is refused rather than silently taking the last value."""
+    fields: dict[str, Any] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"{flag}: expected FIELD=VALUE, got {item!r}")
+        if name in fields:
+            raise ConfigError(f"{flag}: field {name!r} is given twice")
+        try:
+            fields[name] = json.loads(text)
+        except json.JSONDecodeError:
+            fields[name] = text
+    return fields
+
+
+# TrainConfig's own fields that do not change what a run computes: a checkpoint may be resumed with them changed
+# (the FitConfig's are its RUN_ONLY).
+RUN_ONLY_FIELDS = ("mesh", "backend", "workers", "sample_bytes")
+BACKENDS = ("grain", "inline")
+
+
+def _quick_fit() -> FitConfig:
+    return FitConfig(steps=600, batch_size=64, run_dir="runs/default")
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """One `jaxnn train` run. `dataset` "auto": text for gpt, else the format found in `data_dir`, else digits.
+    """One `jaxnn train` run: what to train, on what data, with which optimizer, and how `fit` runs it (`fit`).
 
-    `model_overrides` replaces fields of the model's config, as ((field, value), ...), e.g. (("d_model", 128),).
+    `dataset` "auto": text for gpt, else the format found in `data_dir`, else digits. `model_overrides` replaces
+    fields of the model's config, as ((field, value), ...), e.g. (("d_model", 128),). `mesh` ("data=2,fsdp=4",
+    see jaxnn.sharding) replaces `fit.devices`.
     """
 
     model: str = "cnn"
@@ -219,101 +251,56 @@ class TrainConfig:
     data_dir: str | None = None
     size: str = "base"
     model_overrides: tuple = ()
-    steps: int = 600
-    batch_size: int = 64
-    precision: str = "fp32"
     lr: float = 3e-3
     warmup: int = 0
     weight_decay: float = 0.0
-    seed: int = 0
     crop_pad: int = 0
     flip: bool = False
     seq_len: int = 128
-    run_dir: str = "runs/default"
-    ckpt_dir: str | None = None
-    resume: bool = False
-    overwrite: bool = False
-    devices: int = 1
-    mesh: str | None = None  # e.g. "data=2,fsdp=4" (jaxnn.sharding); replaces `devices`
-    eval_every: int = 0  # 0: five evaluations over the run
-    log_every: int = 50
-    ckpt_every: int = 0  # 0: only at the end (and on a signal)
-    keep: int = 3
-    prefetch: int = 2
+    mesh: str | None = None
     backend: str = "grain"
     workers: int = 0
-    progress: bool = True
-    plots: bool = True
     sample_bytes: int = 300
-    metrics: tuple[str, ...] = ()
-    profile_dir: str | None = None  # a jax.profiler trace of a few steps (jaxnn.trace)
-    compile_cache: str = "auto"  # "auto", "off" or a directory (jaxnn.compile_cache)
+    fit: FitConfig = dataclasses.field(default_factory=_quick_fit)
 
     def __post_init__(self):
-        validate(self)
+        _validate(self)
 
     def small(self) -> TrainConfig:
         """The same run at the smallest size (model, steps, batch, context), for tests and smoke runs."""
-        return dataclasses.replace(
-            self,
-            size="small",
-            steps=30,
-            batch_size=16,
-            seq_len=32,
-            log_every=10,
-            plots=False,
-            progress=False,
-            sample_bytes=32,
-        )
+        fit = dataclasses.replace(self.fit, steps=30, batch_size=16, log_every=10, plots=False, progress=False)
+        return dataclasses.replace(self, size="small", seq_len=32, sample_bytes=32, fit=fit)
 
     def as_dict(self) -> dict:
-        """A JSON-ready dict of every field (tuples as lists): what `config.json` and the checkpoints hold."""
-        d = dataclasses.asdict(self)
-        d["model_overrides"] = [list(kv) for kv in self.model_overrides]
-        d["metrics"] = list(self.metrics)
-        return d
+        """A JSON-ready dict of every field (tuples as lists, the FitConfig as a dict)."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
 
     def trajectory(self) -> dict:
-        """The fields that determine the computed parameters (what a resumed run must share)."""
-        # Through JSON, so that it compares equal to a saved copy (tuples come back as lists).
-        return json.loads(json.dumps({k: v for k, v in self.as_dict().items() if k not in RUN_ONLY_FIELDS}))
+        """This config's own fields that determine the computed parameters (what a resumed run must share);
+        `fit` adds the FitConfig's (`FitConfig.record`)."""
+        d = self.as_dict()
+        return {k: v for k, v in d.items() if k not in RUN_ONLY_FIELDS and k != "fit"}
 
 
-def validate(cfg: TrainConfig) -> None:
-    """Refuses impossible values up front, one field per message."""
-    from jaxnn.precision import PRESETS
-
+def _validate(cfg: TrainConfig) -> None:
+    """Refuses impossible values of TrainConfig's own fields, one field per message (FitConfig checks its own)."""
     if cfg.model not in MODELS:
         raise ConfigError(f"unknown model {cfg.model!r}; choose one of {list(MODELS)}")
     if cfg.size not in SIZES:
         raise ConfigError(f"unknown size {cfg.size!r}; choose one of {list(SIZES)}")
-    if cfg.precision not in PRESETS:
-        raise ConfigError(f"unknown precision {cfg.precision!r}; choose one of {sorted(PRESETS)}")
-    for name in ("steps", "batch_size", "devices", "log_every", "seq_len", "keep"):
-        value = getattr(cfg, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    if not isinstance(cfg.fit, FitConfig):
+        raise ConfigError(f"TrainConfig.fit must be a FitConfig, got {type(cfg.fit).__name__}")
+    if cfg.fit.batch_size is None:
+        raise ConfigError("batch_size must be a positive integer, got None")
+    _positive_int("train", "seq_len", cfg.seq_len)
     if not (isinstance(cfg.lr, (int, float)) and math.isfinite(cfg.lr) and cfg.lr > 0):
         raise ConfigError(f"lr must be a positive number, got {cfg.lr!r}")
-    for name in (
-        "warmup",
-        "eval_every",
-        "ckpt_every",
-        "prefetch",
-        "workers",
-        "crop_pad",
-        "weight_decay",
-        "sample_bytes",
-    ):
+    for name in ("warmup", "workers", "crop_pad", "weight_decay", "sample_bytes"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(cfg, name)!r}")
-    if cfg.batch_size % cfg.devices:
-        raise ConfigError(f"batch size {cfg.batch_size} is not divisible by the {cfg.devices} devices")
+    if cfg.backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {cfg.backend!r}; choose one of {list(BACKENDS)}")
+    if cfg.fit.batch_size % cfg.fit.devices:
+        raise ConfigError(f"batch size {cfg.fit.batch_size} is not divisible by the {cfg.fit.devices} devices")
     if cfg.mesh is not None:
-        _check_mesh(cfg)
-    if cfg.resume and cfg.overwrite:
-        raise ConfigError("--resume and --overwrite exclude each other")
-    unknown = [m for m in cfg.metrics if m not in METRIC_WRITERS]
-    if unknown:
-        raise ConfigError(f"unknown metric writer(s) {unknown}; choose from {list(METRIC_WRITERS)}")
-    _check_compile_cache("--compile-cache", cfg.compile_cache)
+        _check_mesh(cfg.mesh, cfg.fit.batch_size)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jaxnn import pytree
+from jaxnn.storage import make_dirs, write_bytes_atomic, write_json_atomic
 
 if TYPE_CHECKING:
     from jaxnn.layers import Layer
@@ -94,7 +95,7 @@ def save_safetensors(
             raise ValueError(f"save_safetensors: config is not JSON-serializable ({err})") from None
     tensors = flat_weights(params, model_state)
     # Serialized here and written by `_write_atomic`, because safetensors' own `save_file` makes owner-only files.
-    _write_atomic(pathlib.Path(path), save(tensors, metadata=metadata or None))
+    write_bytes_atomic(pathlib.Path(path), save(tensors, metadata=metadata or None))
 
 
 def load_safetensors(
@@ -145,22 +146,6 @@ def _rename(tensors: dict[str, np.ndarray], name_map: NameMap, path: pathlib.Pat
             raise ValueError(f"{path}: name_map maps two tensors to {new!r}")
         out[new] = array
     return out
-
-
-def _write_atomic(path: pathlib.Path, data: bytes) -> None:
-    """Writes `data` to a temporary name beside `path`, then renames it: readers never see a partial file."""
-    from jaxnn.rundir import storage_error
-
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())  # on disk before the rename makes it visible
-        os.replace(tmp, path)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise storage_error("writing", path, err) from err
 
 
 # --- jax.export -------------------------------------------------------------------------------------------------
@@ -236,13 +221,11 @@ def write_export(
     `out_dir`; returns it. `config` is kept in the weights file's header and in export.json."""
     import jax
 
-    from jaxnn.rundir import write_json_atomic
-
     out = pathlib.Path(out_dir)
     exported = _export(model, params, model_state, example_shape, dtype, policy, platforms)
-    _make_dir(out)
+    make_dirs(out)
     data = bytes(exported.serialize())
-    _write_atomic(out / EXPORT_FILE, data)
+    write_bytes_atomic(out / EXPORT_FILE, data)
     save_safetensors(params, out / WEIGHTS_FILE, model_state=model_state, config=config)
     info = {
         "call": CALL,
@@ -261,15 +244,6 @@ def write_export(
     return out
 
 
-def _make_dir(path: pathlib.Path) -> None:
-    from jaxnn.rundir import storage_error
-
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise storage_error("creating", path, err) from err
-
-
 def _aval_json(aval: Any) -> dict[str, Any]:
     # A symbolic dimension prints as its name ("b").
     return {"shape": [d if isinstance(d, int) else str(d) for d in aval.shape], "dtype": str(aval.dtype)}
@@ -285,9 +259,9 @@ def example_input(config: dict, run_dir: str | os.PathLike[str] | None = None) -
     directory, the name recorded in the run's summary.json, else the format of that directory if it still exists.
     """
     if config.get("model") == "gpt":
-        from jaxnn.recipes import model_from_config
+        from jaxnn.models.factory import model_from_record
 
-        return (model_from_config(config)[1].seq_len,), "int32"
+        return (model_from_record(config)[1].seq_len,), "int32"
     name = _dataset_name(config, run_dir)
     if name not in IMAGE_SHAPES:
         raise ValueError(f"cannot tell the input shape of data set {name!r}; known: {sorted(IMAGE_SHAPES)}")
@@ -323,16 +297,16 @@ def export_run(
     """Exports the newest (or `step`'s) checkpoint of a `jaxnn train` run: `write_export`, or with
     `safetensors_only` just `weights.safetensors`. Bad input (no run, not a built-in model) raises ValueError."""
     from jaxnn.checkpoint import load_params
-    from jaxnn.recipes import model_from_config
+    from jaxnn.models.factory import model_from_record
 
     loaded = load_params(run_dir, step=step)
     config = {**loaded.config, "step": loaded.step}  # the run config, and which checkpoint this is
     out = pathlib.Path(out_dir)
     if safetensors_only:  # needs no model, so it also serves runs of `jaxnn.fit` with a custom one
-        _make_dir(out)
+        make_dirs(out)
         save_safetensors(loaded.params, out / WEIGHTS_FILE, model_state=loaded.model_state, config=config)
         return out
-    model, _ = model_from_config(loaded.config)
+    model, _ = model_from_record(loaded.config)
     shape, dtype = example_input(loaded.config, run_dir)
     _check_fits(model, loaded.params, shape)
     return write_export(

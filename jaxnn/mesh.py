@@ -14,12 +14,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxnn import sharding
+from jaxnn.pytree import is_prng_key
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,8 @@ def check_batch_divisible(global_batch: int, mesh: Mesh) -> None:
         raise ValueError(f"batch size {global_batch} is not divisible by the {n} devices of the {axes} axis")
 
 
-def _leading_size(batch: Any) -> int:
+def leading_size(batch: Any) -> int:
+    """The first-axis size every leaf of `batch` shares (ValueError naming the sizes otherwise)."""
     sizes: set[int | None] = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
     size = next(iter(sizes)) if len(sizes) == 1 else None
     if size is None:
@@ -108,18 +109,14 @@ def shard_batch(batch: Any, mesh: Mesh) -> Any:
     global batch is their concatenation in process order). Each device receives only its shard: nothing is
     gathered on one device first.
     """
-    local = _leading_size(batch)
+    local = leading_size(batch)
     check_batch_divisible(local * jax.process_count(), mesh)
     sharding = batch_sharding(mesh)
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch)
 
 
-def _is_key(x: Any) -> bool:
-    return jnp.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key)
-
-
 def _put_leaf(x: Any, sharding: NamedSharding) -> Any:
-    if _is_key(x):
+    if is_prng_key(x):
         data = _put_leaf(jax.random.key_data(x), sharding)
         return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
     if isinstance(x, jax.Array) and x.is_fully_addressable and not sharding.is_fully_addressable:

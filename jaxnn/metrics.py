@@ -17,7 +17,7 @@ import pathlib
 from collections.abc import Iterable
 from typing import Protocol
 
-from jaxnn.rundir import PathLike, append_line, repair_jsonl, storage_error
+from jaxnn.storage import PathLike, append_line, repair_jsonl, storage_error
 
 log = logging.getLogger(__name__)
 

@@ -26,19 +26,19 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxnn.config import FIT_FORMS
 from jaxnn.layers.core import Layer
 from jaxnn.mesh import (
     DATA_AXIS,
     ENV_COORDINATOR,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
-    _is_key,
-    _leading_size,
     batch_sharding,
     check_batch_divisible,
     configure_cpu_devices,
     create_sharded_state,
     initialize_distributed,
+    leading_size,
     make_mesh,
     place_state,
     process_slice,
@@ -47,12 +47,13 @@ from jaxnn.mesh import (
     shard_batch,
 )
 from jaxnn.precision import Policy
+from jaxnn.pytree import is_prng_key
 from jaxnn.sharding import shards_state
 from jaxnn.train import Batch, LossFn, Metrics, StepFn, TrainState, train_step_fn
 
 log = logging.getLogger(__name__)
 
-FORMS = ("jit", "shard_map", "pmap")
+FORMS = (*FIT_FORMS, "pmap")
 
 
 def _stack_for_pmap(tree: Any, mesh: Mesh) -> Any:
@@ -61,7 +62,7 @@ def _stack_for_pmap(tree: Any, mesh: Mesh) -> Any:
     sharding = batch_sharding(mesh)
 
     def stack(x):
-        if _is_key(x):
+        if is_prng_key(x):
             return jax.random.wrap_key_data(stack(jax.random.key_data(x)), impl=jax.random.key_impl(x))
         return jax.device_put(np.broadcast_to(np.asarray(x), (n, *np.shape(x))), sharding)
 
@@ -70,7 +71,7 @@ def _stack_for_pmap(tree: Any, mesh: Mesh) -> Any:
 
 def _split_for_pmap(batch: Any, mesh: Mesh) -> Any:
     n = mesh.shape[DATA_AXIS]
-    check_batch_divisible(_leading_size(batch), mesh)
+    check_batch_divisible(leading_size(batch), mesh)
     sharding = batch_sharding(mesh)
     return jax.tree.map(lambda x: jax.device_put(np.asarray(x).reshape(n, -1, *np.shape(x)[1:]), sharding), batch)
 
@@ -257,7 +258,7 @@ def _jit_step(body: StepFn, mesh: Mesh, form: str, donate_argnums: tuple[int, ..
     compiled: list[Any] = []
 
     def step(state, batch):
-        check_batch_divisible(_leading_size(batch), mesh)
+        check_batch_divisible(leading_size(batch), mesh)
         if not compiled:  # compiled once: reading the shardings every step would cost tiny models' dispatch time
             shardings = jax.tree.map(lambda x: x.sharding, state)
             compiled.append(

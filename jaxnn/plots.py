@@ -7,7 +7,7 @@ import pathlib
 import threading
 
 from jaxnn.metrics import read_jsonl
-from jaxnn.rundir import PathLike
+from jaxnn.storage import PathLike
 
 # (file name, metric): the first metric found for a file name wins.
 CURVES = (("loss", "loss"), ("accuracy", "accuracy"), ("accuracy", "bits_per_token"))

@@ -8,9 +8,15 @@ from collections.abc import Iterable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 SEPARATOR = "."
+
+
+def is_prng_key(x: Any) -> bool:
+    """Whether `x` is an array of typed PRNG keys (`jax.random.key`), which is stored and placed as its raw data."""
+    return jnp.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key)
 
 
 def key_name(key: Any) -> str:

@@ -1,18 +1,13 @@
-"""Run directories that survive faults: one writer at a time, files that are whole or absent, clear disk errors.
+"""Run directories: one writer at a time, and the files of one run (config, metrics, plots, summary).
 
 - `RunLock`: a lock file held for a run's life (`fcntl.flock`, released by the kernel if the process dies); it
   records the holder's host and process id, so a second run is refused with one line naming the holder, and a
   lock left by a crashed run is recognised and taken over with a warning.
-- `write_json_atomic`: temporary file + fsync + rename, so config.json and summary.json are never half-written.
-- `repair_jsonl`: a metrics file whose last line was cut short by a crash gets that fragment set aside (never
-  appended to); `append_line` writes one whole line or, on an OS error, leaves the file as it was.
-- `StorageError`: an OS error while writing, as one line naming the path, the operation and the free space.
+- `RunFiles`: checks, locks and writes one run directory (process 0), through `jaxnn.storage`'s whole-file writes.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import fcntl
 import json
 import logging
@@ -21,7 +16,13 @@ import pathlib
 import shutil
 import socket
 import time
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Literal
+
+from jaxnn.config import config_differences
+from jaxnn.metrics import make_writers
+from jaxnn.optional import available
+from jaxnn.plots import write_plots
+from jaxnn.storage import PathLike, RunDirError, StorageError, check_writable, write_json_atomic
 
 if TYPE_CHECKING:
     from jaxnn.config import FitConfig
@@ -29,85 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PathLike: TypeAlias = str | os.PathLike[str]
-
 LOCK_NAME = "run.lock"
-
-
-class RunDirError(ValueError):
-    """A run directory that cannot be used as asked: held by another run, not a directory, not writable."""
-
-
-class StorageError(OSError):
-    """Writing to the run directory failed (disk full, permissions, ...); the message says where and why."""
-
-
-def free_space(path: PathLike) -> str:
-    """Free space of the file system holding `path` (or its nearest existing parent), human-readable."""
-    path = pathlib.Path(path).absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    try:
-        free = float(shutil.disk_usage(path).free)
-    except OSError:
-        return "unknown"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if free < 1024 or unit == "TiB":
-            return f"{free:.0f} {unit}" if unit == "B" else f"{free:.1f} {unit}"
-        free /= 1024
-    return "unknown"
-
-
-def storage_error(operation: str, path: PathLike, err: BaseException) -> StorageError:
-    """One line: what failed, where, why, and how much space is left there."""
-    code = err.errno if isinstance(err, OSError) and err.errno else errno.EIO
-    if isinstance(err, OSError) and err.strerror:
-        reason = err.strerror
-    elif any(mark in str(err) for mark in _DISK_FULL_MARKS):  # tensorstore's wording of ENOSPC
-        code, reason = errno.ENOSPC, os.strerror(errno.ENOSPC)
-    else:
-        lines = str(err).strip().splitlines()
-        reason = f"{type(err).__name__}: {lines[0][:200]}" if lines else type(err).__name__
-    return StorageError(code, f"{operation} {path} failed: {reason} (free space there: {free_space(path)})")
-
-
-_DISK_FULL_MARKS = ("No space left on device", "os_error_code='28'", "RESOURCE_EXHAUSTED")
-
-
-class _DropStorageNoise(logging.Filter):
-    """Drops the log records orbax's and asyncio's background threads emit for a write that failed for lack of
-    space: the save reports it as one StorageError line."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        text = record.getMessage()
-        if record.exc_info and record.exc_info[1] is not None:
-            text += str(record.exc_info[1])
-        return not any(mark in text for mark in _DISK_FULL_MARKS)
-
-
-_NOISE_FILTER = _DropStorageNoise()
-
-
-def quiet_storage_noise() -> None:
-    """Installs the filter above on the absl and asyncio loggers (once)."""
-    for name in ("absl", "asyncio"):
-        logger = logging.getLogger(name)
-        if _NOISE_FILTER not in logger.filters:
-            logger.addFilter(_NOISE_FILTER)
-
-
-def check_writable(path: PathLike) -> None:
-    """Refuses a path that is a file where a directory is needed, or whose nearest existing parent is read-only."""
-    path = pathlib.Path(path)
-    if path.exists() and not path.is_dir():
-        raise RunDirError(f"{path} is a file, not a directory")
-    existing = path
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise RunDirError(f"cannot create {path}: {existing} is a file")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise RunDirError(f"cannot write to {existing} (permission denied)")
 
 
 # -------------------------------------------------------------------------------------------------------- the lock
@@ -196,74 +119,6 @@ class RunLock:
 # ---------------------------------------------------------------------------------------------------- whole files
 
 
-def write_json_atomic(path: PathLike, obj: Any) -> None:
-    """Writes `obj` as JSON so that `path` holds either its old contents or the whole new file, never a part."""
-    path = pathlib.Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(json.dumps(obj, indent=1, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise storage_error("writing", path, err) from err
-
-
-def read_json(path: PathLike) -> dict:
-    """A JSON file written by `write_json_atomic`; a damaged one raises RunDirError naming it."""
-    path = pathlib.Path(path)
-    try:
-        return json.loads(path.read_text())
-    except ValueError as err:
-        raise RunDirError(f"{path} is damaged ({err}); move it aside or pass --overwrite") from None
-
-
-def repair_jsonl(path: PathLike) -> int:
-    """Sets aside a partial last line (no trailing newline) of a JSON-lines file; returns the bytes moved.
-
-    The fragment goes to `<name>.partial-<time>` beside the file, with a warning, so nothing is lost and the next
-    appended line starts on a line of its own.
-    """
-    path = pathlib.Path(path)
-    if not path.is_file() or path.stat().st_size == 0:
-        return 0
-    data = path.read_bytes()
-    if data.endswith(b"\n"):
-        return 0
-    cut = data.rfind(b"\n") + 1
-    aside = path.with_name(f"{path.name}.partial-{time.strftime('%Y%m%d-%H%M%S')}")
-    aside.write_bytes(data[cut:])
-    with open(path, "r+b") as f:
-        f.truncate(cut)
-    log.warning("%s: its last line was cut short (a crash while writing); set it aside in %s", path, aside.name)
-    return len(data) - cut
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    # Separate so tests can inject OS errors into the metrics writer alone.
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def append_line(path: PathLike, line: str) -> None:
-    """Appends one line; on an OS error the file is cut back to its previous length and StorageError raised."""
-    path = pathlib.Path(path)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        size = os.fstat(fd).st_size
-        try:
-            _write_all(fd, (line.rstrip("\n") + "\n").encode())
-        except OSError as err:
-            with contextlib.suppress(OSError):  # the write's error is the one to report
-                os.ftruncate(fd, size)
-            raise storage_error("appending to", path, err) from err
-    finally:
-        os.close(fd)
-
-
 # ------------------------------------------------------------------------------------------------- a run's files
 
 RUN_FILES = ("config.json", "summary.json", "metrics.jsonl", "loss.png", "accuracy.png", "tensorboard")
@@ -328,8 +183,6 @@ class RunFiles:
             if self.cfg.overwrite:
                 self._clear()
             self._write_config()
-            from jaxnn.metrics import make_writers
-
             self._writers = make_writers(self.cfg.metrics, self._root)
         except BaseException:
             self._held.release()
@@ -361,8 +214,6 @@ class RunFiles:
 
     def _check_use(self, partial: bool = False) -> None:
         """Refuses a run directory holding another run, unless resume or overwrite says what to do with it."""
-        from jaxnn.checkpoint import config_differences
-
         used = [p for p in self._root.iterdir() if p.name != LOCK_NAME]
         if not used or self.cfg.overwrite:
             return
@@ -418,11 +269,7 @@ class RunFiles:
             return
         write_json_atomic(self.run_dir / "summary.json", summary)
         metrics = self.run_dir / "metrics.jsonl"
-        from jaxnn.optional import available
-
         if plots and metrics.is_file() and available("matplotlib", "the loss and accuracy plots"):
-            from jaxnn.plots import write_plots
-
             summary["plots"] = write_plots(metrics, self.run_dir)
             write_json_atomic(self.run_dir / "summary.json", summary)
 

@@ -6,6 +6,7 @@ Runnable benchmarks built on these live in the top-level `benchmarks/` folder, n
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -119,15 +120,28 @@ def compiled_flops(jitted: jax.stages.Wrapped, *args: Any) -> float | None:
 
 
 def flops_of(compiled: jax.stages.Compiled) -> float | None:
-    """FLOPs of one call of an already compiled (`jit(f).lower(...).compile()`) program, or None."""
+    """FLOPs of one call of an already compiled (`jit(f).lower(...).compile()`) program, or None (also for 0)."""
+    flops, _ = cost_counts(compiled)
+    return flops or None
+
+
+def cost_counts(compiled: jax.stages.Compiled) -> tuple[float | None, float | None]:
+    """(FLOPs, bytes accessed) of one call, from XLA's cost analysis of a compiled program.
+
+    XLA leaves out zero counts (a reshape-only program has no "flops"), so a missing key with an analysis present
+    means 0; no analysis at all (some backends) means unknown, None. Older jax returns a list of one dict per
+    computation, newer a dict.
+    """
     try:
         cost = compiled.cost_analysis()
     except Exception:  # some backends do not implement cost analysis
-        return None
+        return None, None
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else None
-    flops = (cost or {}).get("flops")
-    return float(flops) if flops and flops > 0 else None
+    if not isinstance(cost, dict) or not cost:
+        return None, None
+    flops, nbytes = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+    return (flops if flops >= 0 else None), (nbytes if nbytes > 0 and math.isfinite(nbytes) else None)
 
 
 def matmul_flops(m: int, k: int, n: int) -> float:

@@ -1,6 +1,6 @@
 # Parallel training: benchmarks of the data-parallel forms and the sharding layouts, and two local processes.
 # PARALLEL_ARGS is passed to either script (see `python -m benchmarks.data_parallel --help`,
-# `python -m jaxnn.multihost --help`; arguments after `--` go to every `jaxnn train` worker).
+# `python -m jaxnn.cli.multihost --help`; arguments after `--` go to every `jaxnn train` worker).
 PARALLEL_ARGS ?=
 NUM_PROCESSES ?= 2
 
@@ -14,4 +14,4 @@ bench-sharding: $(STAMP) ## the GPT under dp, fsdp, tensor x fsdp, data x fsdp: 
 	$(PY) -m benchmarks.sharding_layouts
 
 train-multihost: $(STAMP) ## two local processes (gloo on 127.0.0.1) train the MLP on digits together
-	$(PY) -m jaxnn.multihost --num-processes $(NUM_PROCESSES) $(PARALLEL_ARGS)
+	$(PY) -m jaxnn.cli.multihost --num-processes $(NUM_PROCESSES) $(PARALLEL_ARGS)

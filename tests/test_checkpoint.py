@@ -11,7 +11,8 @@ import numpy as np
 import optax
 import pytest
 
-from jaxnn.checkpoint import Checkpointer, CheckpointError, StopSignal, config_differences, state_digest
+from jaxnn.checkpoint import Checkpointer, CheckpointError, StopSignal, state_digest
+from jaxnn.config import config_differences
 from jaxnn.models import MLP, MLPConfig
 from jaxnn.train import classification_loss, create_train_state, make_optimizer, make_train_step
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from jaxnn import cli
-from jaxnn.config import ConfigError, TrainConfig
+from jaxnn.cli.train import config_from_args
+from jaxnn.config import ConfigError, TrainConfig, parse_model_config
 
 QUICK = ["--size", "small", "--steps", "24", "--batch-size", "16", "--log-every", "8", "--no-progress", "--no-summary"]
 
@@ -136,17 +137,17 @@ def test_gpt_prints_a_sample(capsys, tmp_path):
 
 def test_config_small_and_validation():
     cfg = TrainConfig().small()
-    assert cfg.size == "small" and cfg.steps < TrainConfig().steps
+    assert cfg.size == "small" and cfg.fit.steps < TrainConfig().fit.steps
     assert "run_dir" not in cfg.trajectory() and cfg.trajectory()["lr"] == cfg.lr
     with pytest.raises(ConfigError, match="warmup must be >= 0, got -1"):
         TrainConfig(warmup=-1)  # refused at construction
     parser = cli.build_parser()
     assert all(a.help for a in parser._subparsers._group_actions[0].choices["train"]._actions)
     args = parser.parse_args(["train", "--model", "gpt", "--model-config", "position=rope", "num_kv_heads=2"])
-    overrides = dict(cli.config_from_args(args).model_overrides)
+    overrides = dict(config_from_args(args).model_overrides)
     assert overrides["position"] == "rope" and overrides["num_kv_heads"] == 2
     with pytest.raises(ConfigError, match=r"--model-config: expected FIELD=VALUE, got 'rope'"):
-        cli.parse_model_config(["rope"])
+        parse_model_config(["rope"])
 
 
 def write_idx(root, n, seed):

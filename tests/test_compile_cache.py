@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from jaxnn import cli, compile_cache
+from jaxnn.cli.train import config_from_args
 from jaxnn.config import ConfigError, FitConfig
 
 # One tiny `jaxnn.fit` run in a fresh process; prints the cache hits and misses jax reported.
@@ -61,9 +62,9 @@ def test_an_unusable_directory_is_refused_by_name(tmp_path, monkeypatch):
 def test_cli_flags_set_the_cache(tmp_path):
     parse = cli.build_parser().parse_args
     base = ["train", "--run-dir", str(tmp_path / "run")]
-    assert cli.config_from_args(parse(base)).compile_cache == "auto"
-    assert cli.config_from_args(parse([*base, "--no-compile-cache"])).compile_cache == "off"
-    assert cli.config_from_args(parse([*base, "--compile-cache", "/x"])).compile_cache == "/x"
+    assert config_from_args(parse(base)).fit.compile_cache == "auto"
+    assert config_from_args(parse([*base, "--no-compile-cache"])).fit.compile_cache == "off"
+    assert config_from_args(parse([*base, "--compile-cache", "/x"])).fit.compile_cache == "/x"
 
 
 def test_fit_writes_the_cache_and_a_second_run_reuses_it(tmp_path):

@@ -17,7 +17,7 @@ from jaxnn.checkpoint import load_params
 from jaxnn.export import STATE_PREFIX, load_safetensors, save_safetensors, write_export
 from jaxnn.layers.core import init_model
 from jaxnn.models import CNNConfig, ResNetConfig, get_model
-from jaxnn.recipes import model_from_config
+from jaxnn.models.factory import model_from_record
 from jaxnn.train import make_predict
 
 # Small models, a few steps, one evaluation, no threads or files beyond the checkpoint.
@@ -105,12 +105,12 @@ def test_foreign_names_load_through_a_name_map(tmp_path, key):
         load_safetensors(path, name_map=lambda name: "0_conv.w")
 
 
-def test_model_from_config_restores_tuples():
-    model, mcfg = model_from_config({"model": "cnn", "model_config": {"widths": [8, 16], "num_classes": 3}})
+def test_model_from_record_restores_tuples():
+    model, mcfg = model_from_record({"model": "cnn", "model_config": {"widths": [8, 16], "num_classes": 3}})
     assert mcfg == CNNConfig(widths=(8, 16), num_classes=3)
     assert callable(model.apply)
     with pytest.raises(ValueError, match="needs 'model'"):
-        model_from_config({"model": "cnn"})
+        model_from_record({"model": "cnn"})
 
 
 def save_inputs(out, rng):
@@ -141,7 +141,7 @@ def test_train_export_and_run_without_jaxnn(tmp_path, key):
         info = save_inputs(out, rng)
         assert info["platforms"] == ["cpu", "cuda"] and info["config"]["model"] == name
         loaded = load_params(run_dir)
-        model, _ = model_from_config(loaded.config)
+        model, _ = model_from_record(loaded.config)
         references[out] = (model, loaded.config["precision"], loaded.params, loaded.model_state)
 
     # A model with state (BatchNorm statistics, made non-trivial), through the library call rather than the CLI.

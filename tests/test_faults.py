@@ -14,7 +14,7 @@ import custom_model
 import numpy as np
 import pytest
 
-from jaxnn import cli, fit, rundir
+from jaxnn import cli, fit, storage
 from jaxnn import layers as L
 from jaxnn.callbacks import Callback
 from jaxnn.checkpoint import Checkpointer
@@ -199,7 +199,7 @@ def test_a_save_the_disk_cannot_hold_is_refused_before_writing(tmp_path, data, m
 
 def test_disk_full_while_logging(tmp_path, data, reference, monkeypatch):
     run = tmp_path / "run"
-    real_write, calls = rundir._write_all, []
+    real_write, calls = storage._write_all, []
 
     def write_all(fd, payload):
         calls.append(1)
@@ -208,7 +208,7 @@ def test_disk_full_while_logging(tmp_path, data, reference, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(fd, payload)
 
-    monkeypatch.setattr(rundir, "_write_all", write_all)
+    monkeypatch.setattr(storage, "_write_all", write_all)
     with pytest.raises(
         StorageError,
         match=rf"appending to {run / 'metrics.jsonl'} failed: No space left on device "
@@ -218,7 +218,7 @@ def test_disk_full_while_logging(tmp_path, data, reference, monkeypatch):
     lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
     assert len(lines) == 3 and all(line.endswith("\n") and json.loads(line) for line in lines)  # no half line
     assert Checkpointer(run / "ckpt").all_steps() == [10]
-    monkeypatch.setattr(rundir, "_write_all", real_write)
+    monkeypatch.setattr(storage, "_write_all", real_write)
     result = train(run, data, resume=True)
     assert result.summary["resumed_from"] == 10 and result.summary["param_digest"] == reference
 

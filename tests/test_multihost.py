@@ -12,12 +12,12 @@ import time
 import jax
 import numpy as np
 
-from jaxnn import multihost
 from jaxnn.callbacks import Callback
 from jaxnn.checkpoint import Checkpointer
-from jaxnn.config import TrainConfig
+from jaxnn.cli import multihost
+from jaxnn.cli.recipes import train
+from jaxnn.config import FitConfig, TrainConfig
 from jaxnn.models import MLP, MLPConfig
-from jaxnn.recipes import train
 from jaxnn.train import create_train_state, make_optimizer
 
 ARGS = [
@@ -42,13 +42,9 @@ ARGS = [
 CFG = TrainConfig(
     model="mlp",
     size="small",
-    steps=12,
-    batch_size=16,
     lr=0.01,
-    ckpt_every=6,
-    progress=False,
-    plots=False,
     backend="inline",
+    fit=FitConfig(steps=12, batch_size=16, ckpt_every=6, progress=False, plots=False),
 )
 
 
@@ -75,7 +71,7 @@ def restore_params(run_dir):
 def test_two_processes_resume_a_one_process_checkpoint_with_fsdp_and_match_one_process(tmp_path, capsys):
     one, two = tmp_path / "one", tmp_path / "two"
     # One process trains to step 6 and stops there with a checkpoint ...
-    half = train(dataclasses.replace(CFG, run_dir=str(two)), callbacks=[StopAt(6)])
+    half = train(dataclasses.replace(CFG, fit=dataclasses.replace(CFG.fit, run_dir=str(two))), callbacks=[StopAt(6)])
     assert half["step"] == 6 and half["stopped_by"] == "test"
     # ... two processes (the `make train-multihost` launcher) resume it, with parameters and Adam moments sharded
     # over both (FSDP across processes: each holds half), and train on to step 12 ...
@@ -90,7 +86,7 @@ def test_two_processes_resume_a_one_process_checkpoint_with_fsdp_and_match_one_p
     resumed = json.loads((two / "summary.json").read_text())
     assert resumed["resumed_from"] == 6 and resumed["step"] == 12
     # ... and equal (to all-reduce rounding) an uninterrupted one-process run on the same batches.
-    single = train(dataclasses.replace(CFG, run_dir=str(one)))
+    single = train(dataclasses.replace(CFG, fit=dataclasses.replace(CFG.fit, run_dir=str(one))))
     assert abs(resumed["eval_loss"] - single["eval_loss"]) < 1e-4
     (a, step_a), (b, step_b) = restore_params(two), restore_params(one)
     assert step_a == step_b == 12

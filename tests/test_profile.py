@@ -8,7 +8,7 @@ import pytest
 
 from jaxnn.layers import Conv, Dense, Relu, serial
 from jaxnn.profile import MachinePeaks, ProfileError, profile_layers
-from jaxnn.projection import Accelerator, ProjectionError, accelerator
+from jaxnn.profile.projection import Accelerator, ProjectionError, accelerator
 
 # Hand-set ceilings: these tests check counts and arithmetic, not speed, so nothing is measured for them.
 PEAKS = MachinePeaks("test", {"float32": 1e11, "bfloat16": 2e11}, 1e10, 0, 0)
@@ -147,7 +147,7 @@ def test_report_section_labels_projections_and_prefers_measured_gpu_peaks(tmp_pa
 def test_plots_without_matplotlib_name_the_extra(tmp_path, monkeypatch):
     import sys
 
-    from jaxnn.profile_plots import roofline_png
+    from jaxnn.profile.plots import roofline_png
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # an import of it now fails, as when it is not installed
     with pytest.raises(ImportError, match=r"pip install 'jaxnn\[plots\]'"):

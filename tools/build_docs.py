@@ -55,7 +55,7 @@ MODULES = (
     "jaxnn.sharding",
     "jaxnn.parallel",
     "jaxnn.profile",
-    "jaxnn.projection",
+    "jaxnn.profile.projection",
 )
 # The guide, in reading order: docs/index.md is the front page, and every page in docs/ must be listed here.
 PAGES = (

@@ -136,7 +136,7 @@ MUTATIONS = (
     ),
     Mutation(
         "a failed metrics append leaves half a line",
-        "jaxnn/rundir.py",
+        "jaxnn/storage.py",
         "                os.ftruncate(fd, size)",
         "                pass",
         ("tests/test_faults.py::test_disk_full_while_logging",),

@@ -247,7 +247,7 @@ def check_positive(layer_name: str, **values: int) -> None:
             raise ValueError(f"{layer_name}: {arg} must be a positive integer, got {value!r}")
 
 
-def _child_keys(layers: Sequence[Layer]) -> list[str]:
+def child_keys(layers: Sequence[Layer]) -> list[str]:
     return [f"{i}_{layer.name}" for i, layer in enumerate(layers)]
 
 
@@ -348,7 +348,7 @@ def serial(*layers: Layer, name: str = "serial") -> Layer:
     inputs any child reads, and decodes with a cache when any child does."""
     if not layers:
         raise ValueError("serial: needs at least one layer")
-    names = _child_keys(layers)
+    names = child_keys(layers)
     side_inputs = side_inputs_of(layers)
 
     def init(key, in_shape):
@@ -404,7 +404,7 @@ def parallel(*layers: Layer, name: str = "parallel") -> Layer:
     """Applies the i-th layer to the i-th element of a tuple input; returns the tuple of outputs."""
     if not layers:
         raise ValueError("parallel: needs at least one layer")
-    names = _child_keys(layers)
+    names = child_keys(layers)
     side_inputs = side_inputs_of(layers)
 
     def init(key, in_shapes):

@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from jaxnn.layers.core import Layer, Params, State, _child_keys, run, splits_input
+from jaxnn.layers.core import Layer, Params, State, child_keys, run, splits_input
 from jaxnn.precision import Policy, get_policy
+from jaxnn.timing import cost_counts
 
 _COLUMNS = ("Layer", "Output shape", "Params", "Param bytes", "FLOPs")
 _FOOTNOTE = (
@@ -123,9 +124,9 @@ def _as_shape(shape):
     return tuple(shape)
 
 
-def _children(layer: Layer) -> list[tuple[str, Layer]]:
+def named_children(layer: Layer) -> list[tuple[str, Layer]]:
     """`[(params_key, child), ...]` of a combinator, in order; empty for a plain layer."""
-    return list(zip(_child_keys(layer.children), layer.children))
+    return list(zip(child_keys(layer.children), layer.children))
 
 
 def _is_shapes(shape) -> bool:
@@ -146,11 +147,11 @@ def _input_spec(model: Layer, in_shape, in_dtype, params, state, policy: Policy)
         if splits_input(owner) and len(owner.children) == len(in_shape):
             return tuple(
                 _input_spec(child, s, in_dtype, params.get(key, {}), (state or {}).get(key), policy)
-                for (key, child), s in zip(_children(owner), in_shape)
+                for (key, child), s in zip(named_children(owner), in_shape)
             )
         return tuple(_input_spec(owner, s, in_dtype or policy.compute_dtype, {}, None, policy) for s in in_shape)
     if in_dtype is None:
-        return _guess_input(model, in_shape, params, state, policy)
+        return guess_input(model, in_shape, params, state, policy)
     try:
         dtype = jnp.dtype(in_dtype)
     except TypeError as e:
@@ -161,11 +162,11 @@ def _input_spec(model: Layer, in_shape, in_dtype, params, state, policy: Policy)
 
 
 def _first_child(layer: Layer, params, state):
-    key, child = _children(layer)[0]
+    key, child = named_children(layer)[0]
     return params.get(key, {}), (state.get(key) if child.stateful and state else None), child
 
 
-def _guess_input(layer: Layer, in_shape, params, state, policy: Policy):
+def guess_input(layer: Layer, in_shape, params, state, policy: Policy):
     """The compute dtype if `layer` runs on it, else int32 if it runs on that; the compute dtype when neither does
     (the caller's own evaluation then raises the model's error)."""
     candidates = [jax.ShapeDtypeStruct(in_shape, policy.compute_dtype), jax.ShapeDtypeStruct(in_shape, jnp.int32)]
@@ -194,7 +195,7 @@ def _forward(layer: Layer, policy: Policy):
 
 def _rows(layer, path, x, params, state, depth, policy, with_flops):
     """The rows for `layer`, its combinator children expanded `depth` levels."""
-    children = _children(layer) if depth > 0 else []
+    children = named_children(layer) if depth > 0 else []
     if not children:
         out = jax.eval_shape(_forward(layer, policy), params, state, x)
         flops = _flops(layer, params, state, x, policy) if with_flops else None
@@ -212,18 +213,8 @@ def _rows(layer, path, x, params, state, depth, policy, with_flops):
 
 
 def _flops(layer: Layer, params, state, x, policy: Policy) -> int | None:
-    try:
-        cost = jax.jit(_forward(layer, policy)).lower(params, state, x).compile().cost_analysis()
-    except NotImplementedError:  # backends without cost analysis
-        return None
-    # Older jax returns a list with one dict per computation, newer a dict; either may be None or lack "flops".
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else None
-    if not isinstance(cost, dict):
-        return None
-    # XLA leaves out zero counts: a reshape-only layer has no "flops" entry.
-    value = cost.get("flops", 0.0)
-    return None if value < 0 else round(value)
+    flops, _ = cost_counts(jax.jit(_forward(layer, policy)).lower(params, state, x).compile())
+    return None if flops is None else round(flops)
 
 
 def _count(tree) -> int:

@@ -1,7 +1,4 @@
-"""Where a model's time goes, layer by layer, on the machine at hand: a measured roofline.
-
-    prof = jaxnn.profile.profile_layers(model, (28, 28, 1), batch_size=64, policy="bf16")
-    print(prof)
+"""The measurement behind `jaxnn.profile`: the machine's ceilings and each layer's compiled programs.
 
 Each top-level layer (each child of a `serial`, as in `jaxnn.layers.summary`) is compiled alone, twice: its forward
 pass (inference: eval mode) and its forward+backward pass (training mode; gradients with respect to its parameters
@@ -17,8 +14,6 @@ what compiling the layers together saves (fusion across layer boundaries) or cos
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
 import pathlib
 import re
@@ -30,18 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxnn.layers.core import Layer, init_model, run, splits_input
-from jaxnn.layers.tabulate import _children, _guess_input
+from jaxnn.layers.tabulate import guess_input, named_children
 from jaxnn.precision import Policy, get_policy
-from jaxnn.projection import Accelerator
-from jaxnn.timing import measure_copy_bandwidth, measure_matmul_peak, time_fn
+from jaxnn.profile.projection import Accelerator
+from jaxnn.profile.results import PASSES, LayerRow, MachinePeaks, Profile, ProfileError
+from jaxnn.timing import cost_counts, measure_copy_bandwidth, measure_matmul_peak, time_fn
 
-PASSES = ("forward", "forward+backward")
 # The CPU features that decide what XLA can use for products; named next to every CPU figure.
 _CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
-
-
-class ProfileError(ValueError):
-    """Input `profile_layers` cannot profile (not a Layer, a bad shape or batch size); nothing was measured."""
 
 
 # ---------------------------------------------------------------------------------------------------- the machine
@@ -63,39 +54,6 @@ def describe_device(device: jax.Device | None = None) -> str:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     name = model.group(1).strip() if model else "cpu"
     return f"{name}, {cores} cores, {' '.join(features) or 'no AVX-512/AMX'}"
-
-
-@dataclasses.dataclass(frozen=True)
-class MachinePeaks:
-    """The measured ceilings of the roofline: a large matmul's FLOP/s per dtype name and a large copy's bytes/s."""
-
-    device: str
-    matmul_flops: dict[str, float]
-    bandwidth: float
-    matmul_size: int
-    copy_mib: int
-    # The same pass over a few MiB, which stay in the caches: layers whose data fits there run above the
-    # main-memory roof, and this second roof (drawn, not used for the bound) shows how far.
-    cache_bandwidth: float | None = None
-    cache_mib: int | None = None
-
-    def __post_init__(self) -> None:
-        rates = {f"{d} matmul FLOP/s": v for d, v in self.matmul_flops.items()} | {"bandwidth": self.bandwidth}
-        for what, value in rates.items():
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ProfileError(f"MachinePeaks: {what} must be a positive number, got {value!r}")
-
-    def peak(self, dtype: Any) -> float:
-        """The measured matmul FLOP/s for `dtype`."""
-        return self.matmul_flops[jnp.dtype(dtype).name]
-
-    def ridge(self, dtype: Any) -> float:
-        """FLOP/byte where the matmul ceiling meets the bandwidth ceiling."""
-        return self.peak(dtype) / self.bandwidth
-
-    def as_dict(self) -> dict[str, Any]:
-        """The fields as plain JSON-ready values."""
-        return dataclasses.asdict(self)
 
 
 def measure_peaks(
@@ -120,76 +78,6 @@ def measure_peaks(
     bandwidth = copy["bytes"] / copy["timing"]["min"]
     cache_bandwidth = cached["bytes"] / cached["timing"]["min"]
     return MachinePeaks(describe_device(), flops, bandwidth, matmul_size, copy_mib, cache_bandwidth, cache_mib)
-
-
-# ---------------------------------------------------------------------------------------------------- results
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerRow:
-    """One compiled program: a layer's (or the whole model's) forward or forward+backward pass.
-
-    `seconds` is the median time per call (`p25`, `p75` its spread); `flops` and `bytes` are XLA's cost analysis of
-    the program that was timed (None when the backend reports none). `projected_s` is the projected accelerator's
-    lower bound for the same counts, `speedup` this machine's measured time over it.
-    """
-
-    layer: str
-    pass_: str
-    in_shape: tuple
-    seconds: float
-    p25: float
-    p75: float
-    flops: float | None
-    bytes: float | None
-    intensity: float | None
-    flops_per_s: float | None
-    bytes_per_s: float | None
-    peak_fraction: float | None
-    bandwidth_fraction: float | None
-    bound: str | None
-    projected_s: float | None = None
-    speedup: float | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        """The fields as plain JSON-ready values."""
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass(frozen=True)
-class Profile:
-    """A model's per-layer rows for one policy, the whole model's two rows, and the ceilings they are measured
-    against; `str()` gives the table."""
-
-    model: str
-    in_shape: tuple
-    policy: str
-    dtype: str
-    peaks: MachinePeaks
-    rows: tuple[LayerRow, ...]
-    whole: tuple[LayerRow, ...]
-    accelerator: Accelerator | None = None
-
-    def layer_sum(self, pass_: str) -> float:
-        """The sum of the layers' median times for one pass."""
-        return sum(r.seconds for r in self.rows if r.pass_ == pass_)
-
-    def whole_time(self, pass_: str) -> float | None:
-        """Seconds of the whole model compiled as one program for `pass_` ("forward" or "train"), if measured."""
-        return next((r.seconds for r in self.whole if r.pass_ == pass_), None)
-
-    def as_dict(self) -> dict[str, Any]:
-        """The profile as plain JSON-ready values, with the per-pass sums of the layers' times."""
-        d = dataclasses.asdict(self)
-        d["accelerator"] = self.accelerator.as_dict() if self.accelerator else None
-        d["layer_sum_s"] = {p: self.layer_sum(p) for p in PASSES}
-        d["whole_s"] = {p: self.whole_time(p) for p in PASSES}
-        return d
-
-    def __str__(self) -> str:
-        from jaxnn.profile_table import format_profile
-
-        return format_profile(self)
 
 
 # ---------------------------------------------------------------------------------------------------- measuring
@@ -227,12 +115,12 @@ def profile_layers(
     # One compiled initialisation: eagerly, every initialiser op compiles on its own (seconds for a few layers).
     params, state = jax.jit(lambda key: init_model(model, key, shape)[1:])(jax.random.key(seed))
     params = policy.cast_to_param(params)
-    spec = _guess_input(model, shape, params, state, policy)
+    spec = guess_input(model, shape, params, state, policy)
     rng = np.random.default_rng(seed)
     x = _example(spec, id_range, rng)
     measure = _Measure(peaks, accelerator, dtype, policy, repeats, min_window_s)
     rows: list[LayerRow] = []
-    children = [] if splits_input(model) else _children(model)
+    children = [] if splits_input(model) else named_children(model)
     for i, (name, child) in enumerate(children or [(model.name, model)]):
         p = params.get(name, {}) if children else params
         s = (state.get(name) if child.stateful else None) if children else state
@@ -318,7 +206,7 @@ class _Measure:
         return self._row(name, PASSES[1], compiled, args, x)
 
     def _row(self, name: str, pass_: str, compiled, args, x) -> LayerRow:
-        flops, nbytes = _costs(compiled)
+        flops, nbytes = cost_counts(compiled)
         t = time_fn(lambda: compiled(*args), repeats=self.repeats, min_window_s=self.min_window_s)
         intensity = flops / nbytes if flops is not None and nbytes else None
         flop_s = flops / t.median if flops is not None else None
@@ -343,18 +231,3 @@ class _Measure:
             projected_s=projected,
             speedup=t.median / projected if projected else None,
         )
-
-
-def _costs(compiled: jax.stages.Compiled) -> tuple[float | None, float | None]:
-    """(FLOPs, bytes accessed) from XLA's cost analysis; XLA leaves out zero counts, so a missing key with others
-    present means 0, and no analysis at all means unknown."""
-    try:
-        cost = compiled.cost_analysis()
-    except Exception:  # some backends do not implement cost analysis
-        return None, None
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else None
-    if not isinstance(cost, dict) or not cost:
-        return None, None
-    flops, nbytes = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
-    return (flops if flops >= 0 else None), (nbytes if nbytes > 0 and math.isfinite(nbytes) else None)

@@ -1,9 +1,7 @@
-"""`jaxnn train ...` (also `python -m jaxnn.cli train ...`): typed flags -> a frozen TrainConfig -> jaxnn.recipes.
+"""`jaxnn train ...`: typed flags -> a frozen `TrainConfig` (holding the `FitConfig`) -> `jaxnn.cli.recipes`.
 
-jax is imported only after the flags are parsed and the config is built, because `--devices N` on a CPU-only
-machine must set the number of simulated CPU devices before jax initialises its backends. Exit status: 0 done
-(also when a resumed run had already finished), 2 bad input (one line, nothing written), 1 a failure while
-training (one line: a non-finite loss, a full disk), 128+N stopped by signal N after a checkpoint.
+The config is built and validated before jax starts; the process's devices are then set up (simulated CPU devices
+for `--devices`/`--mesh`, or joining a multi-process run), and only then is jax's work begun.
 """
 
 from __future__ import annotations
@@ -11,32 +9,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
-import logging
 import math
+import os
 import pathlib
-import sys
 from typing import TYPE_CHECKING, Any
 
-from jaxnn.config import MODEL_DEFAULTS, ConfigError, TrainConfig
+from jaxnn.config import MODEL_DEFAULTS, FitConfig, TrainConfig, default_model_overrides, parse_model_config
 
 if TYPE_CHECKING:
     from jaxnn.callbacks import Callback
-
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxnn", description="jaxnn: train models with JAX on the host at hand.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_train_parser(sub)
-    add_export_parser(sub)
-    add_generate_parser(sub)
-    from jaxnn.profile_cli import add_profile_parser
-
-    add_profile_parser(sub)
-    return parser
 
 
 def add_train_parser(sub: Any) -> None:
@@ -159,41 +140,6 @@ def add_multiprocess_flags(p: argparse.ArgumentParser) -> None:
     a("--fail-at", type=int, nargs=2, metavar=("PROCESS", "STEP"), default=None, help=argparse.SUPPRESS)
 
 
-def add_export_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "export",
-        help="export a trained model for inference without jaxnn",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Write a run's checkpoint as model.jaxexport (a serialized jax.export program with a symbolic "
-        "batch size), weights.safetensors and export.json (shapes, dtypes, how to call it).",
-    )
-    p.add_argument("--run-dir", required=True, help="run directory of `jaxnn train` (or its ckpt/ or a step folder)")
-    p.add_argument("--out", required=True, metavar="DIR", help="output directory (files in it are replaced)")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest readable one)")
-    p.add_argument(
-        "--platforms", nargs="+", default=["cpu"], choices=("cpu", "cuda", "rocm", "tpu"), help="platforms to lower for"
-    )
-    p.add_argument("--safetensors-only", action="store_true", help="write only weights.safetensors")
-
-
-def add_generate_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "generate",
-        help="print text sampled from a trained GPT run",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Continue a prompt with the newest (or --step's) checkpoint of a `jaxnn train --model gpt` run, "
-        "decoding with a KV cache.",
-    )
-    p.add_argument("--run-dir", required=True, help="run directory of `jaxnn train` (or its ckpt/ or a step folder)")
-    p.add_argument("--prompt", default="def ", help="text to continue")
-    p.add_argument("--length", type=int, default=200, help="bytes to generate")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely bytes")
-    p.add_argument("--top-p", type=float, default=None, help="sample among the most likely bytes of this total mass")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest readable one)")
-
-
 def mesh_devices(mesh: str) -> int:
     """The number of devices a mesh spec ("data=2,fsdp=4") spans."""
     from jaxnn.sharding import parse_mesh
@@ -219,68 +165,55 @@ def default_run_dir(model: str, data: str | None, resume: bool) -> str:
     return str(base / datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
 
 
-def parse_model_config(items: list[str]) -> dict[str, Any]:
-    """`["position=rope", "num_kv_heads=2"]` -> {"position": "rope", "num_kv_heads": 2}: JSON values, else text."""
-    fields: dict[str, Any] = {}
-    for item in items:
-        name, sep, text = item.partition("=")
-        if not sep or not name:
-            raise ConfigError(f"--model-config: expected FIELD=VALUE, got {item!r}")
-        try:
-            fields[name] = json.loads(text)
-        except json.JSONDecodeError:
-            fields[name] = text
-    return fields
-
-
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    defaults = dict(MODEL_DEFAULTS.get(args.model, {}))
-    overrides = dict(defaults.pop("model_overrides", ()))
+    """The run the flags ask for; each value is checked by the config that holds it (a ConfigError names it)."""
+    defaults = MODEL_DEFAULTS.get(args.model, {})
+    overrides = default_model_overrides(args.model, args.size)
     for flag, field in (("d_model", "d_model"), ("layers", "num_layers")):
         if getattr(args, flag) is not None:
             overrides[field] = getattr(args, flag)
-    if args.size == "small":  # the small config's own widths, unless asked otherwise
-        flag_of: dict[str, str] = {"num_layers": "layers"}
-        overrides = {k: v for k, v in overrides.items() if getattr(args, flag_of.get(k) or k, None)}
     overrides.update(parse_model_config(args.model_config))
 
     def pick(name: str, fallback: Any) -> Any:
         return getattr(args, name) if getattr(args, name) is not None else defaults.get(name, fallback)
 
+    fit = FitConfig(
+        steps=pick("steps", 600),
+        batch_size=pick("batch_size", 64),
+        precision=args.precision,
+        seed=args.seed,
+        eval_every=args.eval_every,
+        log_every=args.log_every,
+        ckpt_every=args.ckpt_every,
+        keep=args.keep,
+        run_dir=args.run_dir or default_run_dir(args.model, args.data, args.resume),
+        ckpt_dir=args.ckpt_dir,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        metrics=tuple(args.metrics),
+        progress=not args.no_progress,
+        plots=not args.no_plots,
+        devices=args.devices,
+        prefetch=args.prefetch,
+        profile_dir=args.profile_dir,
+        compile_cache="off" if args.no_compile_cache else args.compile_cache,
+    )
     return TrainConfig(
         model=args.model,
         dataset=args.dataset,
         data_dir=args.data,
         size=args.size,
         model_overrides=tuple(sorted(overrides.items())),
-        steps=pick("steps", 600),
-        batch_size=pick("batch_size", 64),
-        precision=args.precision,
         lr=pick("lr", 3e-3),
         warmup=pick("warmup", 0),
         weight_decay=args.weight_decay,
-        seed=args.seed,
         crop_pad=args.crop_pad,
         flip=args.flip,
         seq_len=pick("seq_len", 128),
-        run_dir=args.run_dir or default_run_dir(args.model, args.data, args.resume),
-        ckpt_dir=args.ckpt_dir,
-        resume=args.resume,
-        overwrite=args.overwrite,
-        devices=args.devices,
         mesh=args.mesh,
-        eval_every=args.eval_every,
-        log_every=args.log_every,
-        ckpt_every=args.ckpt_every,
-        keep=args.keep,
-        prefetch=args.prefetch,
         backend=args.backend,
         workers=args.workers,
-        progress=not args.no_progress,
-        plots=not args.no_plots,
-        metrics=tuple(args.metrics),
-        profile_dir=args.profile_dir,
-        compile_cache="off" if args.no_compile_cache else args.compile_cache,
+        fit=fit,
     )
 
 
@@ -305,8 +238,6 @@ def format_summary(s: dict) -> str:
 
 def multi_process_asked(args: argparse.Namespace) -> bool:
     """Whether flags, JAXNN_* variables or --cluster ask for a multi-process run."""
-    import os
-
     from jaxnn import mesh
 
     return bool(
@@ -339,29 +270,20 @@ def callbacks_from_args(args: argparse.Namespace, multi_process: bool) -> list[C
 
 
 def train_main(args: argparse.Namespace) -> int:
-    from jaxnn.callbacks import NonFiniteError
-    from jaxnn.rundir import StorageError
+    """Runs `jaxnn train`; errors go to `jaxnn.cli.main`'s exit-status table."""
+    cfg = config_from_args(args)  # validated here, before jax starts
+    # One process simulates the whole mesh; in a multi-process run each has --devices and the mesh spans all.
+    one_process = not multi_process_asked(args)
+    set_cpu_devices(mesh_devices(cfg.mesh) if cfg.mesh and one_process else args.devices)
+    multi_process = start_processes(args)
+    from jaxnn import compile_cache
 
-    try:
-        cfg = config_from_args(args)  # validated here, before jax starts
-        # One process simulates the whole mesh; in a multi-process run each has --devices and the mesh spans all.
-        one_process = not multi_process_asked(args)
-        set_cpu_devices(mesh_devices(cfg.mesh) if cfg.mesh and one_process else args.devices)
-        multi_process = start_processes(args)
-        from jaxnn import compile_cache
+    compile_cache.enable(cfg.fit.compile_cache)  # before the model summary and data set-up compile anything
+    from jaxnn.cli.recipes import train
 
-        compile_cache.enable(cfg.compile_cache)  # before the model summary and data set-up compile anything
-        from jaxnn.recipes import train
-
-        summary = train(
-            cfg, callbacks=callbacks_from_args(args, multi_process), print_summary=None if args.no_summary else print
-        )
-    except (NonFiniteError, StorageError) as err:
-        print(f"jaxnn: error: {err}", file=sys.stderr)
-        return EXIT_FAILED
-    except ValueError as err:  # ConfigError, DataError, RunDirError, CheckpointError: refused before any write
-        print(f"jaxnn: error: {err}", file=sys.stderr)
-        return EXIT_USAGE
+    summary = train(
+        cfg, callbacks=callbacks_from_args(args, multi_process), print_summary=None if args.no_summary else print
+    )
     if "sample" in summary:
         print("--- sample ---")
         print(summary["sample"])
@@ -375,80 +297,3 @@ def train_main(args: argparse.Namespace) -> int:
             f"step {summary['step']}, params {summary['param_digest'][:16]}"
         )
     return 128 + summary["interrupted_by"] if summary.get("interrupted_by") else 0
-
-
-def export_main(args: argparse.Namespace) -> int:
-    from jaxnn.export import export_run
-    from jaxnn.rundir import StorageError
-
-    try:
-        out = export_run(
-            args.run_dir, args.out, platforms=args.platforms, step=args.step, safetensors_only=args.safetensors_only
-        )
-    except StorageError as err:
-        print(f"jaxnn: error: {err}", file=sys.stderr)
-        return EXIT_FAILED
-    except ValueError as err:  # CheckpointError, ConfigError, DataError: no run, or not one of a built-in model
-        print(f"jaxnn: error: {err}", file=sys.stderr)
-        return EXIT_USAGE
-    what = "weights" if args.safetensors_only else f"model for {', '.join(args.platforms)}"
-    print(f"jaxnn: exported the {what} of {args.run_dir} -> {out}")
-    return 0
-
-
-def generate_main(args: argparse.Namespace) -> int:
-    import jax
-
-    from jaxnn.checkpoint import load_params
-    from jaxnn.generate import generate_bytes
-    from jaxnn.recipes import model_from_config
-    from jaxnn.rundir import StorageError
-
-    try:
-        if args.length < 1:
-            raise ValueError(f"--length must be positive, got {args.length}")
-        loaded = load_params(args.run_dir, step=args.step)
-        model, mcfg = model_from_config(loaded.config)
-        if loaded.config.get("model") != "gpt":
-            raise ValueError(f"{args.run_dir}: a {loaded.config.get('model')!r} run; generate needs a GPT run")
-        text = generate_bytes(
-            model,
-            loaded.params,
-            args.prompt.encode(),
-            args.length,
-            context_len=mcfg.seq_len if mcfg.position == "learned" else None,
-            key=jax.random.key(args.seed),
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            model_state=loaded.model_state,
-            policy=loaded.config.get("precision", "fp32"),
-        )
-    except StorageError as err:
-        print(f"jaxnn: error: {err}", file=sys.stderr)
-        return EXIT_FAILED
-    except ValueError as err:  # CheckpointError, ConfigError, bad sampling options
-        print(f"jaxnn: error: {err}", file=sys.stderr)
-        return EXIT_USAGE
-    print((args.prompt.encode() + text).decode("utf-8", "replace"))
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
-    if args.command == "train":
-        return train_main(args)
-    if args.command == "export":
-        return export_main(args)
-    if args.command == "generate":
-        return generate_main(args)
-    if args.command == "profile":
-        from jaxnn.profile_cli import profile_main
-
-        return profile_main(args)
-    return EXIT_USAGE
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """A local launcher for multi-process runs: N `jaxnn train` processes on 127.0.0.1 that train one model together.
 
-    python -m jaxnn.multihost --num-processes 2 -- --model mlp --steps 300     # what `make train-multihost` runs
+    python -m jaxnn.cli.multihost --num-processes 2 -- --model mlp --steps 300     # what `make train-multihost` runs
 
 Each worker is `jaxnn train --coordinator ... --num-processes N --process-id i` (the same loop as any run); they
 form one mesh over gloo, each loads its own rows of every global batch, and process 0 writes the run directory.
@@ -125,7 +125,7 @@ def failure_reason(stderr: str) -> str:
 
 def _parse(argv):
     p = argparse.ArgumentParser(
-        prog="python -m jaxnn.multihost",
+        prog="python -m jaxnn.cli.multihost",
         description=__doc__.splitlines()[0],
         epilog="Arguments after -- go to every `jaxnn train` worker (default: " + " ".join(DEFAULT_TRAIN_ARGS) + ").",
     )
@@ -146,7 +146,7 @@ def _parse(argv):
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.num_processes < 1 or args.devices_per_process < 1:
-        print("jaxnn.multihost: error: --num-processes and --devices-per-process must be >= 1", file=sys.stderr)
+        print("jaxnn.cli.multihost: error: --num-processes and --devices-per-process must be >= 1", file=sys.stderr)
         return 2
     run_dir = args.run_dir or os.path.join("runs", "multihost", time.strftime("%Y%m%d-%H%M%S"))
     train_args = [

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from jaxnn.optional import require
 
 if TYPE_CHECKING:
-    from jaxnn.profile import Profile
+    from jaxnn.profile.results import Profile
 
 _MARKERS = {"forward": "o", "forward+backward": "^"}
 _WHAT = "plotting the profile"

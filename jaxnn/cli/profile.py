@@ -10,7 +10,7 @@ import pathlib
 import sys
 from typing import Any
 
-from jaxnn.config import MODEL_DEFAULTS, MODELS, ConfigError
+from jaxnn.config import MODEL_DEFAULTS, MODELS, ConfigError, parse_model_config
 
 # One example's shape per model when --in-shape is not given: MNIST-sized images (a format `jaxnn train` reads);
 # the GPT takes --seq-len token ids.
@@ -67,31 +67,18 @@ def _in_shape(args: argparse.Namespace, mcfg: Any) -> tuple[int, ...]:
 
 def build_model(args: argparse.Namespace) -> tuple[Any, Any]:
     """The built-in model `jaxnn train` would build for these flags, and its config."""
-    import dataclasses
-
-    from jaxnn.cli import parse_model_config
-    from jaxnn.models import CONFIGS, get_model
+    from jaxnn.models.factory import train_default_model
 
     if args.model not in MODELS:
         raise ConfigError(f"unknown model {args.model!r}; choose one of {list(MODELS)}")
-    defaults = MODEL_DEFAULTS.get(args.model, {})
-    mcfg = CONFIGS[args.model]()
-    overrides = dict(defaults.get("model_overrides", ())) if args.size == "base" else {}
-    mcfg = mcfg.small() if args.size == "small" else mcfg
-    if args.model == "gpt":
-        overrides["seq_len"] = args.seq_len or defaults.get("seq_len", mcfg.seq_len)
-    overrides.update(parse_model_config(args.model_config))
-    unknown = set(overrides) - {f.name for f in dataclasses.fields(mcfg)}
-    if unknown:
-        raise ConfigError(f"model {args.model!r} has no config field(s) {sorted(unknown)}")
-    mcfg = dataclasses.replace(mcfg, **overrides)
-    return get_model(args.model, mcfg), mcfg
+    fields = {"seq_len": args.seq_len} if args.model == "gpt" and args.seq_len else {}
+    return train_default_model(args.model, {**fields, **parse_model_config(args.model_config)}, size=args.size)
 
 
 def _checked(args: argparse.Namespace) -> tuple[Any, Any, tuple[int, ...], int, Any]:
     """Everything that can be refused, refused before any measurement or write."""
     from jaxnn.precision import get_policy
-    from jaxnn.projection import accelerator
+    from jaxnn.profile.projection import accelerator
 
     model, mcfg = build_model(args)
     shape = _in_shape(args, mcfg)
@@ -109,11 +96,8 @@ def _checked(args: argparse.Namespace) -> tuple[Any, Any, tuple[int, ...], int, 
 
 
 def profile_main(args: argparse.Namespace) -> int:
-    try:
-        model, mcfg, shape, batch, accel = _checked(args)
-    except ValueError as err:  # ConfigError, ProjectionError, an unknown precision
-        print(f"jaxnn: error: {err}", file=sys.stderr)
-        return 2
+    """Runs `jaxnn profile`; errors go to `jaxnn.cli.main`'s exit-status table."""
+    model, mcfg, shape, batch, accel = _checked(args)  # a ConfigError or ProjectionError before any measurement
     from jaxnn.precision import get_policy
     from jaxnn.profile import measure_peaks, profile_layers
 
@@ -140,7 +124,7 @@ def profile_main(args: argparse.Namespace) -> int:
     (out / "profile.json").write_text(json.dumps([p.as_dict() for p in profiles], indent=1) + "\n")
     written = [out / "profile.json"]
     if not args.no_plots:
-        from jaxnn.profile_plots import write_profile_plots
+        from jaxnn.profile.plots import write_profile_plots
 
         try:
             written += write_profile_plots(profiles, out)

@@ -13,11 +13,11 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from jaxnn.config import ConfigError, TrainConfig
+from jaxnn.storage import write_json_atomic
 
 if TYPE_CHECKING:
     from jaxnn.callbacks import Callback
     from jaxnn.data import ImageDataset, TextCorpus
-    from jaxnn.layers import Layer
 
 log = logging.getLogger(__name__)
 
@@ -59,20 +59,14 @@ def load_data(cfg: TrainConfig) -> ImageDataset | TextCorpus:
 def model_config(cfg: TrainConfig, data: ImageDataset | TextCorpus) -> Any:
     """The built-in model's config: its default (or small) one with `cfg.model_overrides` and the data's sizes."""
     from jaxnn.data import TextCorpus
-    from jaxnn.models import CONFIGS
+    from jaxnn.models.factory import model_config as built_in_config
 
-    mcfg = CONFIGS[cfg.model]()
-    mcfg = mcfg.small() if cfg.size == "small" else mcfg
-    fields = {f.name for f in dataclasses.fields(mcfg)}
     overrides = dict(cfg.model_overrides)
     if cfg.model == "gpt":
         overrides.setdefault("seq_len", cfg.seq_len)
     elif not isinstance(data, TextCorpus):
         overrides.setdefault("num_classes", data.num_classes)
-    unknown = set(overrides) - fields
-    if unknown:
-        raise ConfigError(f"model {cfg.model!r} has no config field(s) {sorted(unknown)}; it has {sorted(fields)}")
-    return dataclasses.replace(mcfg, **overrides)
+    return built_in_config(cfg.model, overrides, size=cfg.size)
 
 
 def train(
@@ -95,22 +89,22 @@ def train(
     is_text = isinstance(data, TextCorpus)
     mcfg = model_config(cfg, data)
     model = get_model(cfg.model, mcfg)
+    run = dataclasses.replace(cfg.fit, name=f"{cfg.model}/{data.name}")
+    batch_size = int(run.batch_size or 0)  # TrainConfig refuses None
     pipeline = PipelineConfig(
-        batch_size=cfg.batch_size,
-        seed=cfg.seed,
+        batch_size=batch_size,
+        seed=run.seed,
         crop_pad=cfg.crop_pad,
         flip=cfg.flip,
         seq_len=cfg.seq_len,
         backend=cfg.backend,
         workers=cfg.workers,
     )
-    schedule = make_schedule(cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup)
-    tx = make_optimizer(cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup, weight_decay=cfg.weight_decay)
+    schedule = make_schedule(cfg.lr, total_steps=run.steps, warmup_steps=cfg.warmup)
+    tx = make_optimizer(cfg.lr, total_steps=run.steps, warmup_steps=cfg.warmup, weight_decay=cfg.weight_decay)
     if print_summary is not None and jax.process_index() == 0:
-        in_shape = (
-            (cfg.batch_size, cfg.seq_len) if isinstance(data, TextCorpus) else (cfg.batch_size, *data.image_shape)
-        )
-        model_summary(model, in_shape, policy=cfg.precision, print_fn=print_summary)
+        example = (cfg.seq_len,) if isinstance(data, TextCorpus) else data.image_shape
+        model_summary(model, (batch_size, *example), policy=run.precision, print_fn=print_summary)
     result = fit(
         model,
         data,
@@ -120,36 +114,15 @@ def train(
         pipeline=pipeline,
         callbacks=[LearningRateLogger(schedule), *callbacks],
         config={**cfg.trajectory(), "model_config": dataclasses.asdict(mcfg)},
-        steps=cfg.steps,
-        batch_size=cfg.batch_size,
-        precision=cfg.precision,
-        seed=cfg.seed,
-        eval_every=cfg.eval_every,
-        log_every=cfg.log_every,
-        ckpt_every=cfg.ckpt_every,
-        keep=cfg.keep,
-        run_dir=cfg.run_dir,
-        ckpt_dir=cfg.ckpt_dir,
-        resume=cfg.resume,
-        overwrite=cfg.overwrite,
-        metrics=cfg.metrics,
-        progress=cfg.progress,
-        plots=cfg.plots,
-        devices=cfg.devices,
         mesh=cfg.mesh,
-        prefetch=cfg.prefetch,
-        compile_cache=cfg.compile_cache,
-        name=f"{cfg.model}/{data.name}",
-        profile_dir=cfg.profile_dir,
+        **{f.name: getattr(run, f.name) for f in dataclasses.fields(run)},
     )
     summary = {"model": cfg.model, "dataset": data.name, **result.summary}
     finished_now = not (summary.get("interrupted_by") or summary.get("already_finished"))
     if is_text and cfg.sample_bytes and finished_now:
         summary["sample"] = _sample(model, result.state, cfg)
-        if jax.process_index() == 0:
-            from jaxnn.rundir import write_json_atomic
-
-            write_json_atomic(pathlib.Path(cfg.run_dir) / "summary.json", summary)
+        if jax.process_index() == 0 and run.run_dir:
+            write_json_atomic(pathlib.Path(run.run_dir) / "summary.json", summary)
     return summary
 
 
@@ -165,36 +138,8 @@ def _sample(model, state, cfg: TrainConfig) -> str:
         prompt,
         cfg.sample_bytes,
         context_len=cfg.seq_len,
-        key=jax.random.key(cfg.seed),
+        key=jax.random.key(cfg.fit.seed),
         model_state=state.model_state,
-        policy=cfg.precision,
+        policy=cfg.fit.precision,
     )
     return (prompt + text).decode("utf-8", "replace")
-
-
-def model_from_config(config: dict) -> tuple[Layer, Any]:
-    """The built-in model and its config dataclass from a saved run config (`LoadedParams.config`, config.json).
-
-    `config` needs "model" (a name in `jaxnn.models.CONFIGS`) and "model_config" (the dataclass's fields as JSON);
-    lists come back as tuples where the field's default is a tuple, since JSON has no tuples.
-    """
-    from jaxnn.models import CONFIGS, get_model
-
-    name, saved = config.get("model"), config.get("model_config")
-    if not isinstance(name, str) or not isinstance(saved, dict):
-        raise ConfigError(
-            "model_from_config: the config needs 'model' (a built-in model name) and 'model_config' (a dict); "
-            f"got keys {sorted(config)}"
-        )
-    if name not in CONFIGS:
-        raise ConfigError(f"model_from_config: unknown model {name!r}; choose one of {sorted(CONFIGS)}")
-    default = CONFIGS[name]()
-    unknown = set(saved) - {f.name for f in dataclasses.fields(default)}
-    if unknown:
-        raise ConfigError(f"model_from_config: model {name!r} has no config field(s) {sorted(unknown)}")
-    values = {
-        key: tuple(value) if isinstance(value, list) and isinstance(getattr(default, key), tuple) else value
-        for key, value in saved.items()
-    }
-    mcfg = dataclasses.replace(default, **values)
-    return get_model(name, mcfg), mcfg

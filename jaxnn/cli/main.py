@@ -1,0 +1,69 @@
+"""`jaxnn train|export|generate|profile`: the parser, and the one table from an error to an exit status.
+
+Exit status: 0 done (also when a resumed run had already finished); 2 bad input: one line, nothing written (every
+`ValueError`: ConfigError, DataError, RunDirError, CheckpointError, ...); 1 a failure while working (one line: a
+non-finite loss, a full disk); 128+N a run stopped by signal N after a checkpoint. Anything else is a bug in jaxnn
+and keeps its traceback.
+
+jax is imported only after the flags are parsed, because `--devices N` on a CPU-only machine must set the number
+of simulated CPU devices before jax initialises its backends: nothing this module imports at its top loads jax.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+
+from jaxnn.callbacks import NonFiniteError
+from jaxnn.cli.profile import add_profile_parser, profile_main
+from jaxnn.cli.runs import add_export_parser, add_generate_parser, export_main, generate_main
+from jaxnn.cli.train import add_train_parser, train_main
+from jaxnn.storage import StorageError
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+# Errors that mean the work itself failed (the input was fine); every other ValueError is bad input.
+FAILURES: tuple[type[BaseException], ...] = (NonFiniteError, StorageError)
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "train": train_main,
+    "export": export_main,
+    "generate": generate_main,
+    "profile": profile_main,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxnn", description="jaxnn: train models with JAX on the host at hand.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_train_parser(sub)
+    add_export_parser(sub)
+    add_generate_parser(sub)
+    add_profile_parser(sub)
+    return parser
+
+
+def exit_status(err: BaseException) -> int | None:
+    """The exit status for an error a command raised, or None for one that is not the user's or the machine's."""
+    if isinstance(err, FAILURES):
+        return EXIT_FAILED
+    if isinstance(err, ValueError):
+        return EXIT_USAGE
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except Exception as err:
+        status = exit_status(err)
+        if status is None:
+            raise
+        print(f"jaxnn: error: {err}", file=sys.stderr)
+        return status

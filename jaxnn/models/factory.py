@@ -1,0 +1,90 @@
+"""The one place that turns a built-in model's name and config fields into a model: the CLI, the recipes, the
+profiler, export and the experiments all build models here, so a field is checked the same way everywhere.
+
+    model, cfg = build_model("gpt", {"d_model": 128, "position": "rope"}, size="small")
+    model, cfg = model_from_record(loaded.config)     # a saved run's config.json or checkpoint config
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from jaxnn.config import MODEL_DEFAULTS, SIZES, ConfigError, default_model_overrides
+from jaxnn.layers import Layer
+from jaxnn.models import CONFIGS, get_model
+
+
+def model_config(name: str, fields: Mapping[str, Any] | None = None, *, size: str = "base") -> Any:
+    """The config dataclass of built-in model `name`: its default (or `small()`) config with `fields` replaced.
+
+    A field the model does not have, or a value of the wrong kind (text for a width), is one ConfigError naming
+    it; JSON lists become tuples where the field is a tuple, since JSON has no tuples.
+    """
+    if name not in CONFIGS:
+        raise ConfigError(f"unknown model {name!r}; choose one of {sorted(CONFIGS)}")
+    if size not in SIZES:
+        raise ConfigError(f"unknown size {size!r}; choose one of {list(SIZES)}")
+    default = CONFIGS[name]()
+    fields = dict(fields or {})
+    known = {f.name: getattr(default, f.name) for f in dataclasses.fields(default)}
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        raise ConfigError(f"model {name!r} has no config field(s) {unknown}; it has {sorted(known)}")
+    values = {key: _checked_value(name, key, value, known[key]) for key, value in fields.items()}
+    base = default.small() if size == "small" else default
+    return dataclasses.replace(base, **values)
+
+
+def _checked_value(model: str, field: str, value: Any, default: Any) -> Any:
+    """`value` for `field`, refused when its kind cannot be the kind of the field's default."""
+    if isinstance(default, tuple) and isinstance(value, list):
+        value = tuple(value)
+    if default is None:  # an optional field: any value the model's own checks accept
+        return value
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, type(default))
+    if not ok:
+        raise ConfigError(
+            f"model {model!r}: field {field!r} takes a {type(default).__name__} (default {default!r}), got {value!r}"
+        )
+    return value
+
+
+def build_model(name: str, fields: Mapping[str, Any] | None = None, *, size: str = "base") -> tuple[Layer, Any]:
+    """The built-in model `name` with `model_config(name, fields, size=size)`, and that config."""
+    cfg = model_config(name, fields, size=size)
+    return get_model(name, cfg), cfg
+
+
+def train_default_model(name: str, fields: Mapping[str, Any] | None = None, *, size: str = "base") -> tuple[Layer, Any]:
+    """The built-in model as `jaxnn train` builds it when no flag says otherwise (its per-model cut-down widths
+    and context length, `jaxnn.config.MODEL_DEFAULTS`), with `fields` on top; and its config."""
+    overrides = default_model_overrides(name, size)
+    if "seq_len" in MODEL_DEFAULTS.get(name, {}):
+        overrides["seq_len"] = MODEL_DEFAULTS[name]["seq_len"]
+    return build_model(name, {**overrides, **(fields or {})}, size=size)
+
+
+def model_from_record(record: Mapping[str, Any]) -> tuple[Layer, Any]:
+    """The built-in model and its config from a saved run config (`LoadedParams.config`, config.json).
+
+    `record` needs "model" (a built-in model name) and "model_config" (the config dataclass's fields as JSON).
+    """
+    name, saved = record.get("model"), record.get("model_config")
+    if not isinstance(name, str) or not isinstance(saved, dict):
+        raise ConfigError(
+            "the run config needs 'model' (a built-in model name) and 'model_config' (a dict); "
+            f"got keys {sorted(record)}"
+        )
+    return build_model(name, saved)
+
+
+__all__ = ["build_model", "model_config", "model_from_record", "train_default_model"]
