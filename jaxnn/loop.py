@@ -36,7 +36,7 @@ from jaxnn.data.datasets import DataError, ImageDataset, TextCorpus
 from jaxnn.data.pipeline import PipelineConfig
 from jaxnn.data.prefetch import DevicePrefetch
 from jaxnn.data.sources import as_eval_batches, as_train_source
-from jaxnn.evaluate import eval_sums_fn, mean_over, metric_names, padded, round_up
+from jaxnn.evaluation import eval_sums_fn, mean_over, metric_names, padded, round_up
 from jaxnn.layers.core import Layer
 from jaxnn.mesh import batch_devices, check_batch_divisible, create_sharded_state, make_mesh, process_slice
 from jaxnn.optional import installed
@@ -123,7 +123,7 @@ def fit(
 
     model: any `jaxnn.layers.Layer`; its input is `batch["x"]`.
     data: `(x, y)` arrays, a dict of arrays, a jaxnn data set, or an iterable of batch dicts (see
-      `jaxnn.data.sources`); `eval_data` likewise. Evaluation is exact for any loss (`jaxnn.evaluate`).
+      `jaxnn.data.sources`); `eval_data` likewise. Evaluation is exact for any loss (`jaxnn.evaluation`).
     loss: `(logits, batch) -> (loss, metrics)`, a mean over the batch's examples; a `count` metric, if
       returned, weights each example in evaluation.
     optimizer: any optax `GradientTransformation` (default: `make_optimizer(1e-3, total_steps=steps)`); one that
@@ -276,7 +276,7 @@ def _placer(dp, mesh, rows_per_batch: int):
 
 
 def _evaluator(model, loss, cfg, mesh, dp, evals):
-    """`state -> metrics` over every evaluation example exactly once (see jaxnn.evaluate), compiled once."""
+    """`state -> metrics` over every evaluation example exactly once (see jaxnn.evaluation), compiled once."""
     if not evals:
         return None
     split = batch_devices(mesh)
@@ -286,6 +286,22 @@ def _evaluator(model, loss, cfg, mesh, dp, evals):
     return lambda state: mean_over(
         lambda b: sums(state.params, state.model_state, b), (place(padded(h, size)) for h in evals)
     )
+
+
+def fresh_run_dir(root: str | os.PathLike[str] = "runs") -> str:
+    """A new, not yet existing run directory `<root>/<YYYYmmdd-HHMMSS>` (with `-2`, `-3`, ... when taken).
+
+    For a script run again and again: `fit(..., run_dir=jaxnn.fresh_run_dir("runs/mine"))` writes each run
+    beside the last instead of being refused by the run directory the previous one left (`resume=True` with a
+    fixed run_dir continues one run instead).
+    """
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    base = pathlib.Path(root) / stamp
+    candidate, n = base, 1
+    while candidate.exists():
+        n += 1
+        candidate = base.with_name(f"{stamp}-{n}")
+    return str(candidate)
 
 
 # ------------------------------------------------------------------------------------------------------- setup
@@ -772,4 +788,4 @@ class _Tracker:
         return summary
 
 
-__all__ = ["FitInterrupted", "FitResult", "fit"]
+__all__ = ["FitInterrupted", "FitResult", "fit", "fresh_run_dir"]
