@@ -282,10 +282,13 @@ def make_train_step(
     *,
     donate: bool = True,
     grad_norm: bool = True,
+    accumulate: int = 1,
     **jit_kwargs: Any,
 ) -> jax.stages.Wrapped:
-    """The jitted train step; the incoming state's buffers are donated (reused for the new state)."""
-    step = train_step_fn(model, loss_fn, tx, policy, grad_norm=grad_norm)
+    """The jitted train step; the incoming state's buffers are donated (reused for the new state).
+
+    `accumulate=K`: K micro-batches per update (see `train_step_fn`)."""
+    step = train_step_fn(model, loss_fn, tx, policy, grad_norm=grad_norm, accumulate=accumulate)
     return jax.jit(step, donate_argnums=(0,) if donate else (), **jit_kwargs)
 
 

@@ -339,3 +339,10 @@ def test_the_migration_table_in_the_docs_runs(tmp_path, monkeypatch):
     exec(setup, namespace)
     for snippet in snippets:
         exec(snippet, namespace)
+
+
+def test_accumulation_benchmark_reports_falling_activation_memory():
+    from benchmarks.accumulate_memory import main
+
+    one, four = main(["--batch", "2048", "--width", "128", "--k", "1", "4"])
+    assert four["micro_batch"] == 512 and four["temp_bytes"] < one["temp_bytes"] / 2
