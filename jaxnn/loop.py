@@ -528,11 +528,11 @@ def _steps_of(cfg: FitConfig, source) -> FitConfig:
 
 
 def _check_accumulate(cfg: FitConfig, mesh: Mesh) -> None:
-    n = batch_devices(mesh)
-    if cfg.accumulate > 1 and (cfg.batch_size // cfg.accumulate) % n:
+    n, rows = batch_devices(mesh), (cfg.batch_size or 0) // cfg.accumulate
+    if cfg.accumulate > 1 and rows % n:
         raise ConfigError(
-            f"fit: accumulate {cfg.accumulate} makes micro-batches of {cfg.batch_size // cfg.accumulate} rows, "
-            f"which the {n} devices of the batch cannot split evenly"
+            f"fit: accumulate {cfg.accumulate} makes micro-batches of {rows} rows, which the {n} devices of "
+            "the batch cannot split evenly"
         )
 
 

@@ -246,7 +246,9 @@ def bare_scalar(out, batch):
         (lambda y: y, {"eval_y": 7}, DataError, "eval_data: labels 'y' run from 0 to 14, outside the model's 3"),
     ],
 )
-def test_bad_data_is_one_line_naming_the_culprit_before_anything_is_written(tmp_path, data, labels, settings, error, match):
+def test_bad_data_is_one_line_naming_the_culprit_before_anything_is_written(
+    tmp_path, data, labels, settings, error, match
+):
     x, y = data
     settings = dict(settings)
     test_x = x[:, : settings.pop("eval_x", 5)]

@@ -114,8 +114,7 @@ class IterableBatches:
 
     def iterator(self, start: int, stop: int) -> Iterator[dict[str, Any]]:
         if self.one_shot:
-            self.example()
-            return itertools.islice(itertools.chain([self._first], self.iterable), start, stop)
+            return itertools.islice(itertools.chain([self.example()], self.iterable), start, stop)
         return itertools.islice(self._passes(), start, stop)
 
     def _passes(self) -> Iterator[dict[str, Any]]:
