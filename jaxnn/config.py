@@ -167,8 +167,8 @@ class FitConfig:
             raise ConfigError(f"{owner}: unknown metric writer(s) {unknown}; choose from {list(METRIC_WRITERS)}")
         if self.resume and self.overwrite:
             raise ConfigError(f"{owner}: resume and overwrite exclude each other")
-        if self.run_dir is None and (self.resume or self.ckpt_dir):
-            raise ConfigError(f"{owner}: resume and ckpt_dir need a run_dir")
+        if self.run_dir is None and (self.resume or self.ckpt_dir or self.keep_best):
+            raise ConfigError(f"{owner}: resume, ckpt_dir and keep_best need a run_dir")
         _check_compile_cache(owner, self.compile_cache)
 
     @classmethod
