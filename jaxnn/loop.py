@@ -176,7 +176,7 @@ def fit(
         state, start_from = _state_from(init_from, state)
     _check_step_runs(model, loss, tx, cfg, state, example, source)
     _check_eval_data(evals, example, model, loss, state)
-    _check_monitors(callbacks, cfg, evals, model, loss, state, example)
+    _check_monitors(callbacks, cfg, evals, model, loss, state)
     record = _json_record({**base, **_model_record(state.params), **start_from})
     files.record = record
     files.open()  # the run dir is checked and locked here; nothing was written before
@@ -479,7 +479,7 @@ def _check_eval_data(evals, example, model, loss, state) -> None:
             )
 
 
-def _check_monitors(callbacks, cfg, evals, model, loss, state, example) -> None:
+def _check_monitors(callbacks, cfg, evals, model, loss, state) -> None:
     """Every evaluation metric a callback or keep_best watches exists, and there is evaluation data to watch."""
     watched = [(type(c).__name__, m) for c in callbacks for m in c.monitors()]
     watched += [("keep_best", cfg.keep_best)] if cfg.keep_best else []
