@@ -1,9 +1,10 @@
 """jaxnn: pure-functional neural-network layers and compiled training steps for JAX.
 
-`jaxnn.fit(model, data, ...)` is the training loop (`jaxnn.loop`); layers are in `jaxnn.layers`, models in
-`jaxnn.models`, callbacks in `jaxnn.callbacks`. Every public submodule is reachable as an attribute
-(`jaxnn.layers`, `jaxnn.train`, ...) and is imported on first use, so that `import jaxnn.cli` stays light and
-leaves jax's device set-up to the command line.
+`jaxnn.fit(model, data, ...)` is the training loop (`jaxnn.loop`), `jaxnn.evaluate` and `jaxnn.predict` run a
+trained model over a data set (`jaxnn.evaluation`); layers are in `jaxnn.layers`, models in `jaxnn.models`,
+callbacks in `jaxnn.callbacks`. Every public submodule is reachable as an attribute (`jaxnn.layers`,
+`jaxnn.train`, ...) and is imported on first use, so that `import jaxnn.cli` stays light and leaves jax's device
+set-up to the command line.
 """
 
 import importlib
@@ -12,7 +13,15 @@ from typing import Any
 __version__ = "0.1.0"
 
 # Names re-exported from the module that defines them.
-_NAMES = {"fit": "jaxnn.loop", "FitResult": "jaxnn.loop", "FitConfig": "jaxnn.config"}
+_NAMES = {
+    "fit": "jaxnn.loop",
+    "FitResult": "jaxnn.loop",
+    "FitInterrupted": "jaxnn.loop",
+    "fresh_run_dir": "jaxnn.loop",
+    "FitConfig": "jaxnn.config",
+    "evaluate": "jaxnn.evaluation",
+    "predict": "jaxnn.evaluation",
+}
 
 SUBMODULES = (
     "callbacks",
@@ -21,6 +30,7 @@ SUBMODULES = (
     "compile_cache",
     "config",
     "data",
+    "evaluation",
     "export",
     "finetune",
     "generate",
@@ -56,4 +66,4 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_NAMES, *SUBMODULES])
 
 
-__all__ = ["FitConfig", "FitResult", "fit"]
+__all__ = ["FitConfig", "FitInterrupted", "FitResult", "evaluate", "fit", "fresh_run_dir", "predict"]

@@ -11,7 +11,11 @@ steps, run directory, the latest train state, `request_stop`) and, where there i
     on_end(run, summary)          once, with the summary about to be written (may add to it)
 
 `run.request_stop(reason)` ends the run cleanly after the current step (with a checkpoint); raising an exception
-ends it at once, without one. Because `on_step(run, s, ...)` runs once step s + 1 is dispatched, a stop asked for
+ends it at once, without one. A callback that watches evaluation metrics names them in `monitors()`: `fit`
+checks them against what the loss reports before anything is written. Setting `run.result_state` (e.g. in
+`on_end`) makes that state the one `fit` returns; checkpoints keep the state training reached.
+
+Because `on_step(run, s, ...)` runs once step s + 1 is dispatched, a stop asked for
 there ends the run after step s + 1.
 """
 
@@ -46,6 +50,7 @@ class RunInfo:
     state: Any = None
     uses_loss_scaling: bool = False
     stop_reason: str | None = None
+    result_state: Any = None  # when set, the state `fit` returns instead of the last one
 
     def request_stop(self, reason: str) -> None:
         """End the run cleanly after the current step, with a checkpoint; the first reason asked for is kept."""
@@ -55,6 +60,10 @@ class RunInfo:
 
 class Callback:
     """Base class: every hook does nothing."""
+
+    def monitors(self) -> tuple[str, ...]:
+        """The evaluation metrics this callback reads; `fit` refuses a name the evaluation does not report."""
+        return ()
 
     def on_start(self, run: RunInfo) -> None:
         """Before the first step, after any restore (`run.start_step` is where the run resumes)."""
@@ -108,16 +117,37 @@ class NonFiniteGuard(Callback):
 
 
 class EarlyStopping(Callback):
-    """Stops when an evaluation metric has not improved by `min_delta` for `patience` evaluations in a row."""
+    """Stops when an evaluation metric has not improved by `min_delta` for `patience` evaluations in a row.
 
-    def __init__(self, metric: str = "loss", *, mode: str = "min", patience: int = 3, min_delta: float = 0.0):
+    `restore_best=True`: `fit` returns the state of the best evaluation (a host copy is kept at each
+    improvement); the summary names its step (`best_step`, `best_<metric>`).
+    """
+
+    def __init__(
+        self,
+        metric: str = "loss",
+        *,
+        mode: str = "min",
+        patience: int = 3,
+        min_delta: float = 0.0,
+        restore_best: bool = False,
+    ):
         if mode not in ("min", "max"):
             raise ValueError(f"EarlyStopping: mode must be 'min' or 'max', got {mode!r}")
         if patience < 1:
             raise ValueError(f"EarlyStopping: patience must be >= 1, got {patience!r}")
         self.metric, self.mode, self.patience, self.min_delta = metric, mode, patience, min_delta
+        self.restore_best = restore_best
         self.best: float | None = None
         self.best_step: int | None = None
+        self.best_state: Any = None
+        self.bad_evals = 0
+
+    def monitors(self) -> tuple[str, ...]:
+        return (self.metric,)
+
+    def on_start(self, run: RunInfo) -> None:
+        self.best = self.best_step = self.best_state = None
         self.bad_evals = 0
 
     def on_eval(self, run: RunInfo, step: int, metrics: dict) -> None:
@@ -129,6 +159,8 @@ class EarlyStopping(Callback):
         )
         if better:
             self.best, self.best_step, self.bad_evals = value, step, 0
+            if self.restore_best:
+                self.best_state = _host_copy(run.state)  # the next step donates the device buffers
             return
         self.bad_evals += 1
         if self.bad_evals >= self.patience:
@@ -136,6 +168,22 @@ class EarlyStopping(Callback):
                 f"early stopping: eval {self.metric} has not improved on {self.best:.6g} (step "
                 f"{self.best_step}) for {self.patience} evaluations"
             )
+
+    def on_end(self, run: RunInfo, summary: dict) -> None:
+        if self.best_step is not None:
+            summary["best_step"], summary[f"best_{self.metric}"] = self.best_step, self.best
+        if self.restore_best and self.best_state is not None:
+            import jax
+
+            like = run.state
+            run.result_state = jax.tree.map(lambda h, x: jax.device_put(h, x.sharding), self.best_state, like)
+
+
+def _host_copy(tree: Any) -> Any:
+    import jax
+    import numpy as np
+
+    return jax.tree.map(np.asarray, jax.device_get(tree))
 
 
 class LearningRateLogger(Callback):

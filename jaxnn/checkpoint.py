@@ -72,7 +72,8 @@ class Checkpointer:
 
     `ignore` names config fields allowed to differ on restore (paths, logging cadence, device count).
     `async_save`: orbax writes in background threads while training goes on (the default), or `save` returns
-    only once the checkpoint is on disk.
+    only once the checkpoint is on disk. `keep_best="accuracy"` (with `best_mode` "max" or "min") keeps the
+    `keep` checkpoints whose saved metrics are best (orbax's `best_fn`), plus every one saved without metrics.
     """
 
     def __init__(
@@ -83,6 +84,8 @@ class Checkpointer:
         save_every: int = 0,
         ignore: Iterable[str] = (),
         async_save: bool = True,
+        keep_best: str | None = None,
+        best_mode: str = "min",
     ):
         import orbax.checkpoint as ocp
 
@@ -92,10 +95,16 @@ class Checkpointer:
         self.save_every = save_every
         self.ignore = tuple(ignore)
         self._ocp = ocp
+        self.keep_best = keep_best
+        best = {"best_fn": lambda metrics: metrics[keep_best], "best_mode": best_mode} if keep_best else {}
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep, create=True, cleanup_tmp_directories=True, enable_async_checkpointing=async_save
+                max_to_keep=keep,
+                create=True,
+                cleanup_tmp_directories=True,
+                enable_async_checkpointing=async_save,
+                **best,
             ),
         )
         self._in_flight: int | None = None
@@ -115,8 +124,13 @@ class Checkpointer:
         """Whether `step` is one `save_every` asks for (never when `save_every` is 0)."""
         return self.save_every > 0 and step % self.save_every == 0
 
-    def save(self, step: int, state: Any, *, data_state: dict, config: dict, force: bool = False) -> bool:
-        """Saves at `step` when it is a multiple of `save_every` or `force`d; returns whether it saved."""
+    def save(
+        self, step: int, state: Any, *, data_state: dict, config: dict, force: bool = False, metrics: dict | None = None
+    ) -> bool:
+        """Saves at `step` when it is a multiple of `save_every` or `force`d; returns whether it saved.
+
+        `metrics` (e.g. the evaluation at `step`) rank the checkpoint under `keep_best`; without them it is kept.
+        """
         if not (force or self.should_save(step)):
             return False
         if step in self._bad:
@@ -138,7 +152,7 @@ class Checkpointer:
         # orbax writes in the background: the previous save was waited for above, so that its errors are
         # reported against its own step (orbax's save would wait for it anyway).
         with self._storage_errors(step):
-            self._manager.save(step, args=args, force=True)
+            self._manager.save(step, args=args, force=True, metrics=metrics if self.keep_best else None)
         self._in_flight = step
         return True
 
@@ -228,11 +242,12 @@ class Checkpointer:
                 "optimizer it was saved with"
             )
 
-    def restore(self, like_state: Any, config: dict) -> tuple[Any, dict, int] | None:
+    def restore(self, like_state: Any, config: dict | None) -> tuple[Any, dict, int] | None:
         """The newest good checkpoint as `(state, data_state, step)`, or None when the directory has none.
 
         `like_state` is a state of the right structure, shapes, dtypes and shardings (e.g. freshly initialised).
-        Raises CheckpointError for an incompatible config, or when every checkpoint present is unreadable.
+        Raises CheckpointError for an incompatible config (`config` None: any config, as when another run's
+        state starts a new one), or when every checkpoint present is unreadable.
         """
         ocp = self._ocp
         steps = sorted(self._manager.all_steps(), reverse=True)
@@ -251,7 +266,8 @@ class Checkpointer:
                 problems.append(f"step {step}: unreadable metadata ({type(err).__name__}: {str(err)[:200]})")
                 log.warning("checkpoint %s is unreadable (%s); trying the previous one", where, problems[-1])
                 continue
-            self.check_compatible(step, meta, config)
+            if config is not None:
+                self.check_compatible(step, meta, config)
             self._check_layout(step, target)
             try:
                 restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
@@ -303,6 +319,22 @@ def checkpoint_dir(path: str | os.PathLike[str]) -> pathlib.Path:
     if (path / "ckpt").is_dir():
         return path / "ckpt"
     return path.parent if path.name.isdigit() and (path / "state").is_dir() else path
+
+
+def load_train_state(path: str | os.PathLike[str], like_state: Any) -> tuple[Any, int]:
+    """The whole train state (params, model state, optimizer state, ...) of the newest good checkpoint under
+    `path` (a run directory, its checkpoint directory or one step's folder), into the structure and shardings
+    of `like_state`, whatever config the run had; and its step. A state of another structure is refused.
+    (A step folder names its checkpoint directory: the newest good step there is used.)"""
+    directory = checkpoint_dir(path)
+    ckpt = Checkpointer(directory, keep=1)  # it only reads: nothing is saved, so nothing is deleted
+    try:
+        restored = ckpt.restore(like_state, None)
+    finally:
+        ckpt.close()
+    if restored is None:
+        raise CheckpointError(f"{directory}: holds no checkpoint")
+    return restored[0], restored[2]
 
 
 def load_params(path: str | os.PathLike[str], *, step: int | None = None) -> LoadedParams:

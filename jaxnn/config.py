@@ -71,14 +71,21 @@ def _non_negative(owner: str, name: str, value) -> None:
 class FitConfig:
     """How `jaxnn.fit` runs. Fields marked (run) may change when a run is resumed; the others fix its results.
 
-    steps: total optimizer steps of the run (a resumed run continues to this number).
+    steps: (run) total optimizer steps of the run (a resumed run continues to this number, so a finished run
+      resumed with a larger one trains on). It fixes the results only through a schedule that decays to it:
+      `fit`'s default optimizer does, so with it `steps` joins the record (see docs/training.md).
+    epochs: (run) instead of `steps`: passes over the training data, converted by `fit` to steps from the
+      data's batches per pass.
     batch_size: global batch size for arrays and jaxnn data sets (None for an iterable of ready batches).
+    accumulate: micro-batches per optimizer step; their gradients are averaged (`batch_size` must divide by it).
     precision: a `jaxnn.precision` preset name ("fp32", "tf32", "bf16", "fp16").
     seed: initialisation, shuffling and per-step randomness.
     eval_every: (run) evaluate every N steps; 0 means five times per run.
     log_every: (run) write a metrics row every N steps.
     ckpt_every: (run) checkpoint every N steps; 0 means at the end and on a signal only.
     keep: (run) checkpoints kept.
+    keep_best / keep_best_mode: (run) keep the `keep` checkpoints best by this evaluation metric ("min" or
+      "max" is better) instead of the newest; checkpoints are then written at every evaluation.
     run_dir: (run) where config.json, metrics, plots, checkpoints and summary.json go; None writes nothing.
     ckpt_dir: (run) checkpoints elsewhere than `<run_dir>/ckpt`.
     resume / overwrite: (run) continue the run in `run_dir`, or replace it; by default a used run dir is refused.
@@ -96,13 +103,17 @@ class FitConfig:
     """
 
     steps: int = 1000
+    epochs: int | None = None
     batch_size: int | None = 64
+    accumulate: int = 1
     precision: str = "fp32"
     seed: int = 0
     eval_every: int = 0
     log_every: int = 50
     ckpt_every: int = 0
     keep: int = 3
+    keep_best: str | None = None
+    keep_best_mode: str = "min"
     run_dir: str | None = None
     ckpt_dir: str | None = None
     resume: bool = False
@@ -120,6 +131,10 @@ class FitConfig:
     compile_cache: str = "auto"
 
     RUN_ONLY = (
+        "steps",
+        "epochs",
+        "keep_best",
+        "keep_best_mode",
         "eval_every",
         "log_every",
         "ckpt_every",
@@ -145,10 +160,18 @@ class FitConfig:
         from jaxnn.precision import PRESETS
 
         owner = "fit"
-        for name in ("steps", "log_every", "keep", "devices"):
+        for name in ("steps", "log_every", "keep", "devices", "accumulate"):
             _positive_int(owner, name, getattr(self, name))
+        if self.epochs is not None:
+            _positive_int(owner, "epochs", self.epochs)
         if self.batch_size is not None:
             _positive_int(owner, "batch_size", self.batch_size)
+            if self.batch_size % self.accumulate:
+                raise ConfigError(f"{owner}: accumulate {self.accumulate} does not divide batch_size {self.batch_size}")
+        if self.keep_best_mode not in ("min", "max"):
+            raise ConfigError(f"{owner}: keep_best_mode must be 'min' or 'max', got {self.keep_best_mode!r}")
+        if self.keep_best is not None and not (isinstance(self.keep_best, str) and self.keep_best):
+            raise ConfigError(f"{owner}: keep_best must name an evaluation metric, got {self.keep_best!r}")
         for name in ("eval_every", "ckpt_every", "prefetch"):
             _non_negative(owner, name, getattr(self, name))
         if self.precision not in PRESETS:
@@ -163,8 +186,8 @@ class FitConfig:
             raise ConfigError(f"{owner}: {err}") from None
         if self.resume and self.overwrite:
             raise ConfigError(f"{owner}: resume and overwrite exclude each other")
-        if self.run_dir is None and (self.resume or self.ckpt_dir):
-            raise ConfigError(f"{owner}: resume and ckpt_dir need a run_dir")
+        if self.run_dir is None and (self.resume or self.ckpt_dir or self.keep_best):
+            raise ConfigError(f"{owner}: resume, ckpt_dir and keep_best need a run_dir")
         _check_compile_cache(owner, self.compile_cache)
 
     @classmethod

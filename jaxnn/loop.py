@@ -14,7 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import json
 import logging
+import os
+import pathlib
+import signal
 import time
 from collections.abc import Iterable
 from typing import Any, NamedTuple, TypeAlias
@@ -24,16 +29,17 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jaxnn import compile_cache
+from jaxnn import compile_cache as xla_cache
 from jaxnn.callbacks import Callback, NonFiniteError, NonFiniteGuard, RunInfo
-from jaxnn.checkpoint import Checkpointer, CheckpointError, StopSignal, config_differences, state_digest
-from jaxnn.config import ConfigError, FitConfig
-from jaxnn.data.datasets import ImageDataset, TextCorpus
+from jaxnn.checkpoint import Checkpointer, CheckpointError, StopSignal, load_train_state, state_digest
+from jaxnn.config import ConfigError, FitConfig, config_differences
+from jaxnn.data.datasets import DataError, ImageDataset, TextCorpus
 from jaxnn.data.pipeline import PipelineConfig
 from jaxnn.data.prefetch import DevicePrefetch
 from jaxnn.data.sources import as_eval_batches, as_train_source
+from jaxnn.evaluation import eval_sums_fn, mean_over, metric_names, padded, round_up
 from jaxnn.layers.core import Layer
-from jaxnn.mesh import check_batch_divisible, create_sharded_state, make_mesh, process_slice
+from jaxnn.mesh import batch_devices, check_batch_divisible, create_sharded_state, make_mesh, process_slice
 from jaxnn.optional import installed
 from jaxnn.parallel import data_parallel_train_step
 from jaxnn.plots import preload as preload_plotting
@@ -43,8 +49,8 @@ from jaxnn.sharding import make_sharded_mesh
 from jaxnn.train import (
     LossFn,
     TrainState,
+    classification_loss,
     create_train_state,
-    make_eval_step,
     make_optimizer,
     masked_classification_loss,
     train_step_fn,
@@ -57,9 +63,18 @@ TrainData: TypeAlias = tuple[Any, Any] | dict[str, Any] | ImageDataset | TextCor
 
 
 class FitResult(NamedTuple):
-    state: TrainState  # the final train state (replicated over the mesh)
+    state: TrainState  # the final train state (replicated over the mesh), or the best one a callback restored
     history: list[dict]  # every train and eval row this call wrote, in order
     summary: dict  # what summary.json holds
+
+
+class FitInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) ended `fit`: the checkpoint and summary.json were written first; `.result` is what `fit`
+    would have returned."""
+
+    def __init__(self, message: str, result: FitResult):
+        super().__init__(message)
+        self.result = result
 
 
 def fit(
@@ -75,16 +90,46 @@ def fit(
     config: dict | None = None,
     params: Any = None,
     model_state: Any = None,
-    **settings: Any,
+    init_from: str | os.PathLike[str] | None = None,
+    steps: int | None = None,
+    epochs: int | None = None,
+    batch_size: int | None = 64,
+    accumulate: int = 1,
+    precision: str = "fp32",
+    seed: int = 0,
+    eval_every: int = 0,
+    log_every: int = 50,
+    ckpt_every: int = 0,
+    keep: int = 3,
+    keep_best: str | None = None,
+    keep_best_mode: str = "min",
+    run_dir: str | None = None,
+    ckpt_dir: str | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    metrics: tuple[str, ...] = (),
+    progress: bool = True,
+    plots: bool = True,
+    devices: int = 1,
+    form: str = "jit",
+    prefetch: int = 2,
+    guard_nonfinite: bool = True,
+    async_checkpoints: bool = True,
+    name: str = "fit",
+    profile_dir: str | None = None,
+    compile_cache: str = "auto",
+    **unknown: Any,
 ) -> FitResult:
     """Trains `model` on `data` and returns `FitResult(state, history, summary)`.
 
     model: any `jaxnn.layers.Layer`; its input is `batch["x"]`.
     data: `(x, y)` arrays, a dict of arrays, a jaxnn data set, or an iterable of batch dicts (see
-      `jaxnn.data.sources`); `eval_data` likewise (arrays are padded and masked so every example counts once).
-    loss: `(logits, batch) -> (loss, metrics)`; a `count` metric, if returned, weights evaluation batches.
-    optimizer: any optax `GradientTransformation` (default: `make_optimizer(1e-3, total_steps=steps)`).
-    callbacks: `jaxnn.callbacks.Callback`s; a `NonFiniteGuard` is added unless `guard_nonfinite=False`.
+      `jaxnn.data.sources`); `eval_data` likewise. Evaluation is exact for any loss (`jaxnn.evaluation`).
+    loss: `(logits, batch) -> (loss, metrics)`, a mean over the batch's examples; a `count` metric, if
+      returned, weights each example in evaluation.
+    optimizer: any optax `GradientTransformation` (default: `make_optimizer(1e-3, total_steps=steps)`); one that
+      takes `value` (`optax.contrib.reduce_on_plateau`) gets the step's training loss.
+    callbacks: `jaxnn.callbacks.Callback` instances; a `NonFiniteGuard` is added unless `guard_nonfinite=False`.
     mesh: a `jax.sharding.Mesh` with a `data` axis and optionally `fsdp` and `tensor` axes, or its sizes as text
       ("data=2,fsdp=4", see `jaxnn.sharding`) (default: `devices` local devices on a `data` axis, or all devices
       of all processes in a multi-process run).
@@ -93,16 +138,24 @@ def fit(
       checkpoints; a resume with different facts is refused, naming them.
     params, model_state: start from these (e.g. `jaxnn.finetune.load_into` of a trained model's) instead of the
       model's initialisation; they must have the shapes the model's init gives, and their digest joins the record.
-    settings: the fields of `jaxnn.config.FitConfig` (steps, batch_size, precision, run_dir, resume, ...).
+    init_from: a run directory or checkpoint of the same model and optimizer: this new run starts from its
+      parameters, model state and optimizer state (at step 0 of its own, with its own seed and data order).
+    steps, epochs, batch_size, ...: the fields of `jaxnn.config.FitConfig`, which documents and validates them;
+      give `steps` or `epochs`, not both. Any other keyword is refused with the list of known ones.
+
+    Ctrl-C (SIGINT) saves a checkpoint and summary.json, then raises `FitInterrupted` (a KeyboardInterrupt);
+    SIGTERM does the same and returns normally.
     """
-    cfg = FitConfig.from_settings(settings)
-    compile_cache.enable(cfg.compile_cache)
+    values = dict(locals())
+    cfg = _fit_config(values, unknown)
+    xla_cache.enable(cfg.compile_cache)
     if pipeline is not None and cfg.batch_size not in (None, pipeline.batch_size):
         raise ConfigError(f"fit: batch_size {cfg.batch_size} differs from the pipeline's {pipeline.batch_size}")
+    callbacks = _checked_callbacks(callbacks)
     source = as_train_source(data, pipeline, cfg.batch_size, cfg.seed)
     example = source.example()
     batch_size = _batch_size(example)
-    cfg = dataclasses.replace(cfg, batch_size=batch_size)  # an iterable's own batch size is what the run records
+    cfg = _steps_of(dataclasses.replace(cfg, batch_size=batch_size), source)  # an iterable's own batch size counts
     evals = as_eval_batches(eval_data, batch_size, seq_len=getattr(pipeline, "seq_len", 128), seed=cfg.seed)
     tx = optimizer if optimizer is not None else make_optimizer(1e-3, total_steps=cfg.steps)
     if isinstance(mesh, str):
@@ -110,34 +163,53 @@ def fit(
     elif mesh is None:
         mesh = make_mesh(None if jax.process_count() > 1 else _devices(cfg.devices))
     check_batch_divisible(batch_size, mesh)
-    files = RunFiles(cfg, _json_record({**cfg.record(), **(config or {})}), is_main=jax.process_index() == 0)
+    _check_accumulate(cfg, mesh)
+    # fit's own optimizer decays to `steps`, so there `steps` fixes the results; a caller's optimizer decides.
+    base = {**cfg.record(), **({"steps": cfg.steps} if optimizer is None else {}), **(config or {})}
+    _refuse_longer_default_schedule(cfg, optimizer)
+    files = RunFiles(cfg, _json_record(base), is_main=jax.process_index() == 0)
     files.precheck()  # a run dir in use is refused now, before anything is compiled
+    if init_from is not None and (params is not None or model_state is not None):
+        raise ConfigError("fit: init_from and params/model_state exclude each other")
     start_from = _starting_point(model, example["x"].shape, params, model_state)
     state = create_sharded_state(lambda: _initial_state(model, tx, cfg, example["x"].shape, params, model_state), mesh)
-    _check_step_runs(model, loss, tx, cfg.precision, state, example)
-    record = _json_record({**cfg.record(), **(config or {}), **_model_record(state.params), **start_from})
+    if init_from is not None:
+        state, start_from = _state_from(init_from, state)
+    _check_step_runs(model, loss, tx, cfg, state, example, source)
+    _check_eval_data(evals, example, model, loss, state)
+    _check_monitors(callbacks, cfg, evals, model, loss, state)
+    record = _json_record({**base, **_model_record(state.params), **start_from})
     files.record = record
     files.open()  # the run dir is checked and locked here; nothing was written before
     try:
-        return _train(model, loss, tx, cfg, source, evals, mesh, state, record, files, list(callbacks))
+        result, interrupted = _train(model, loss, tx, cfg, source, evals, mesh, state, record, files, callbacks)
     finally:
         files.close()
+    if interrupted:
+        raise FitInterrupted(f"fit: interrupted (Ctrl-C) at step {result.summary['step']}; checkpoint saved", result)
+    return result
 
 
-def _train(model, loss, tx, cfg, source, evals, mesh, state, record, files, callbacks) -> FitResult:
-    dp = data_parallel_train_step(model, loss, tx, cfg.precision, mesh=mesh, form=cfg.form)
+def _train(model, loss, tx, cfg, source, evals, mesh, state, record, files, callbacks) -> tuple[FitResult, bool]:
+    dp = data_parallel_train_step(model, loss, tx, cfg.precision, mesh=mesh, form=cfg.form, accumulate=cfg.accumulate)
     ckpt = (
-        Checkpointer(files.ckpt_dir, keep=cfg.keep, save_every=cfg.ckpt_every, async_save=cfg.async_checkpoints)
+        Checkpointer(
+            files.ckpt_dir,
+            keep=cfg.keep,
+            save_every=0 if cfg.keep_best else cfg.ckpt_every,  # keep_best saves at every evaluation instead
+            async_save=cfg.async_checkpoints,
+            keep_best=cfg.keep_best,
+            best_mode=cfg.keep_best_mode,
+        )
         if files.ckpt_dir
         else None
     )
     state, start = _restore(ckpt, state, record, source, cfg, files)
     if start >= cfg.steps:
-        return _already_finished(ckpt, state, start, files)
-    rows = process_slice(_batch_size(source.example()), mesh) if jax.process_count() > 1 else slice(None)
-    place = lambda host: dp.place_batch(jax.tree.map(lambda x: x[rows], host))  # noqa: E731
+        return _already_finished(ckpt, state, start, files), False
+    place = _placer(dp, mesh, _batch_size(source.example()))
     batches = DevicePrefetch(source.iterator(start, cfg.steps), place=place, size=cfg.prefetch)
-    eval_step = make_eval_step(model, loss, cfg.precision)
+    evaluate = _evaluator(model, loss, cfg, mesh, dp, evals)
     run = RunInfo(cfg.steps, cfg.run_dir, files.is_main, start, start, state, get_policy(cfg.precision).loss_scaling)
     if cfg.guard_nonfinite and not any(isinstance(c, NonFiniteGuard) for c in callbacks):
         callbacks = [NonFiniteGuard(), *callbacks]
@@ -155,13 +227,20 @@ def _train(model, loss, tx, cfg, source, evals, mesh, state, record, files, call
     with StopSignal() as stop, _closing(ckpt):
         try:
             for step in range(start + 1, cfg.steps + 1):
-                state, metrics = dp.step(state, next(batches))
+                batch = _next_batch(batches, step, run)
+                if batch is None:
+                    step -= 1
+                    break
+                state, metrics = dp.step(state, batch)
                 run.step, run.state = step, state
                 tracker.after_step(step, metrics)  # reads the previous step's metrics: the device runs on
                 if step % cfg.log_every == 0 or step == cfg.steps:
                     tracker.log(step, batches.take_wait())
-                if evals and (step % cfg.eval_interval() == 0 or step == cfg.steps):
-                    eval_metrics = tracker.eval(step, _evaluate(eval_step, state, evals, place))
+                evaluated = evals and (step % cfg.eval_interval() == 0 or step == cfg.steps)
+                if evaluated:
+                    eval_metrics = tracker.eval(step, evaluate(state))
+                if ckpt and cfg.keep_best and evaluated and step < cfg.steps:
+                    _save(ckpt, step, state, source, record, tracker, force=True, metrics=eval_metrics)
                 if ckpt and ckpt.should_save(step):
                     _save(ckpt, step, state, source, record, tracker)
                 if stop or run.stop_reason:
@@ -176,7 +255,54 @@ def _train(model, loss, tx, cfg, source, evals, mesh, state, record, files, call
     files.finish(summary, plots=cfg.plots and failure is None)
     if failure is not None:
         raise failure
-    return FitResult(state, tracker.history, summary)
+    result = FitResult(run.result_state if run.result_state is not None else state, tracker.history, summary)
+    return result, stop.received == signal.SIGINT
+
+
+def _next_batch(batches: DevicePrefetch, step: int, run: RunInfo) -> Any:
+    """The next device batch, or None when a one-shot iterator has run out (the run then ends cleanly)."""
+    try:
+        return next(batches)
+    except StopIteration:
+        reason = f"the data ran out after {step - 1} steps"
+        log.warning("fit: %s; ending the run there (checkpoint and summary follow)", reason)
+        run.request_stop(reason)
+        return None
+
+
+def _placer(dp, mesh, rows_per_batch: int):
+    """Host batch -> device batch; with many processes each keeps its own rows of the global batch."""
+    rows = process_slice(rows_per_batch, mesh) if jax.process_count() > 1 else slice(None)
+    return lambda host: dp.place_batch(jax.tree.map(lambda x: x[rows], host))
+
+
+def _evaluator(model, loss, cfg, mesh, dp, evals):
+    """`state -> metrics` over every evaluation example exactly once (see jaxnn.evaluation), compiled once."""
+    if not evals:
+        return None
+    split = batch_devices(mesh)
+    size = max(round_up(int(np.shape(b["x"])[0]), split) for b in evals)
+    place = _placer(dp, mesh, size)
+    sums = jax.jit(eval_sums_fn(model, loss, cfg.precision))
+    return lambda state: mean_over(
+        lambda b: sums(state.params, state.model_state, b), (place(padded(h, size)) for h in evals)
+    )
+
+
+def fresh_run_dir(root: str | os.PathLike[str] = "runs") -> str:
+    """A new, not yet existing run directory `<root>/<YYYYmmdd-HHMMSS>` (with `-2`, `-3`, ... when taken).
+
+    For a script run again and again: `fit(..., run_dir=jaxnn.fresh_run_dir("runs/mine"))` writes each run
+    beside the last instead of being refused by the run directory the previous one left (`resume=True` with a
+    fixed run_dir continues one run instead).
+    """
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    base = pathlib.Path(root) / stamp
+    candidate, n = base, 1
+    while candidate.exists():
+        n += 1
+        candidate = base.with_name(f"{stamp}-{n}")
+    return str(candidate)
 
 
 # ------------------------------------------------------------------------------------------------------- setup
@@ -234,23 +360,212 @@ def _initial_state(model: Layer, tx: Any, cfg: FitConfig, in_shape: Any, params:
     return state
 
 
-def _check_step_runs(model, loss, tx, precision, state, example) -> None:
+def _check_step_runs(model, loss, tx, cfg, state, example, source) -> None:
     """Traces the step on the batch's shapes (no compile, no FLOPs) so a model/loss/data mismatch is one line."""
-    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), example)
+    batch = _spec(example)
+    shapes = {k: f"{v.dtype}{list(v.shape)}" for k, v in batch.items()}
+    logits = _output_spec(model, cfg.precision, state, batch)
+    if logits is not None:
+        if _is_classification(loss):
+            _check_labels(logits, example, _all_labels(source, example), shapes)
+        _check_loss_output(loss, logits, batch)
     try:
-        jax.eval_shape(train_step_fn(model, loss, tx, precision), state, batch)
+        jax.eval_shape(train_step_fn(model, loss, tx, cfg.precision, accumulate=cfg.accumulate), state, batch)
     except Exception as err:  # noqa: BLE001 - any failure here is the model, the loss or the data
-        shapes = {k: f"{v.dtype}{list(v.shape)}" for k, v in batch.items()}
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(
             f"the model and loss cannot run on a batch {shapes}: {type(err).__name__}: {reason[:300]}"
         ) from err
 
 
+def _spec(batch: dict) -> dict:
+    return {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in batch.items()}
+
+
+def _output_spec(model, precision, state, batch) -> Any:
+    """The model's output shape on `batch` (eval mode), or None when the model cannot run (reported next)."""
+    from jaxnn.train import _forward
+
+    policy = get_policy(precision)
+    try:
+        return jax.eval_shape(
+            lambda s, b: _forward(model, policy, s.params, s.model_state, b, key=None, train=False)[0], state, batch
+        )
+    except Exception:  # noqa: BLE001 - the step's trace that follows names the failure
+        return None
+
+
+def _is_classification(loss) -> bool:
+    while isinstance(loss, functools.partial):
+        loss = loss.func
+    return loss in (masked_classification_loss, classification_loss)
+
+
+def _all_labels(source, example: dict) -> Any:
+    """Every training label where they are at hand (arrays, an image data set), else the first batch's."""
+    arrays = getattr(getattr(source, "_batches", None), "arrays", None)
+    if arrays is not None and "y" in arrays:
+        return arrays["y"]
+    data = getattr(source, "data", None)
+    return data.y_train if isinstance(data, ImageDataset) else example.get("y")
+
+
+def _check_labels(logits, example: dict, labels: Any, shapes: dict, role: str = "data") -> None:
+    """Integer class labels, one per output row, inside the model's classes: else one line naming what is wrong."""
+    if not hasattr(logits, "shape") or "y" not in example:
+        return
+    y = np.asarray(example["y"])
+    classes = logits.shape[-1]
+    if not np.issubdtype(y.dtype, np.integer):
+        raise ConfigError(
+            f"the model and loss cannot run on a batch {shapes}: {role} labels 'y' are {y.dtype}; the "
+            f"classification loss wants integer class indices (e.g. y.astype(np.int32))"
+        )
+    if y.shape != tuple(logits.shape[:-1]):
+        raise ConfigError(
+            f"the model and loss cannot run on a batch {shapes}: {role} labels 'y' have shape {y.shape}, the "
+            f"model's output {tuple(logits.shape)} wants {tuple(logits.shape[:-1])} (one class index per row; "
+            "e.g. y.reshape(-1))"
+        )
+    labels = np.asarray(labels)
+    low, high = int(labels.min()), int(labels.max())
+    if low < 0 or high >= classes:
+        raise DataError(
+            f"{role}: labels 'y' run from {low} to {high}, outside the model's {classes} classes (0..{classes - 1})"
+        )
+
+
+def _check_loss_output(loss, logits, batch) -> None:
+    """A loss must return (loss, metrics): a scalar and a dict of arrays."""
+    try:
+        out = jax.eval_shape(loss, logits, batch)
+    except Exception:  # noqa: BLE001 - the step's trace that follows names the failure
+        return
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict) and np.shape(out[0]) == ():
+        return
+    got = (
+        f"a {out.dtype}{list(out.shape)} array"
+        if hasattr(out, "shape")
+        else f"{type(out).__name__} of {len(out)}"
+        if isinstance(out, (tuple, list))
+        else type(out).__name__
+    )
+    raise ConfigError(
+        f"loss {getattr(loss, '__name__', type(loss).__name__)}: must return (loss, metrics), a scalar and a "
+        f"dict (e.g. `return loss, {{}}`), got {got}"
+    )
+
+
+def _check_eval_data(evals, example, model, loss, state) -> None:
+    """Evaluation batches with the training batches' keys, per-example shapes and kinds of dtype."""
+    if not evals:
+        return
+    first = evals[0]
+    for key in sorted(set(example) - {"mask"}):
+        if key not in first:
+            raise DataError(f"eval_data: has no {key!r}, which the training batches have (keys {sorted(first)})")
+        got, want = np.asarray(first[key]), np.asarray(example[key])
+        if got.shape[1:] != want.shape[1:] or got.dtype.kind != want.dtype.kind:
+            raise DataError(
+                f"eval_data: {key!r} is {got.dtype}{list(got.shape[1:])} per example, the training data's "
+                f"{want.dtype}{list(want.shape[1:])}"
+            )
+    if _is_classification(loss) and "y" in first:
+        classes = getattr(_output_spec(model, "fp32", state, _spec(example)), "shape", (None,))[-1]
+        labels = np.concatenate([np.asarray(b["y"]).ravel() for b in evals])
+        if classes is not None and (labels.min() < 0 or labels.max() >= classes):
+            raise DataError(
+                f"eval_data: labels 'y' run from {labels.min()} to {labels.max()}, outside the model's "
+                f"{classes} classes (0..{classes - 1})"
+            )
+
+
+def _check_monitors(callbacks, cfg, evals, model, loss, state) -> None:
+    """Every evaluation metric a callback or keep_best watches exists, and there is evaluation data to watch."""
+    watched = [(type(c).__name__, m) for c in callbacks for m in c.monitors()]
+    watched += [("keep_best", cfg.keep_best)] if cfg.keep_best else []
+    if not watched:
+        return
+    if not evals:
+        who, metric = watched[0]
+        raise ConfigError(f"{who} monitors the evaluation metric {metric!r}, but fit has no eval_data")
+    names = metric_names(model, loss, cfg.precision, state.params, state.model_state, evals[0])
+    for who, metric in watched:
+        if metric not in names:
+            raise ConfigError(f"{who} monitors {metric!r}, but the evaluation reports {names}")
+
+
+def _checked_callbacks(callbacks) -> list[Callback]:
+    callbacks = list(callbacks)
+    for i, c in enumerate(callbacks):
+        if isinstance(c, type) and issubclass(c, Callback):
+            raise ConfigError(f"callbacks[{i}]: the class {c.__name__}, not an instance; pass {c.__name__}(...)")
+        if not isinstance(c, Callback):
+            raise ConfigError(
+                f"callbacks[{i}]: {type(c).__name__} is not a jaxnn.callbacks.Callback (subclass it and override "
+                "the hooks it needs)"
+            )
+    return callbacks
+
+
+def _fit_config(values: dict, unknown: dict) -> FitConfig:
+    """The FitConfig of fit's keywords (FitConfig validates them); `steps` and `epochs` exclude each other."""
+    settings = {f.name: values[f.name] for f in dataclasses.fields(FitConfig)}
+    if settings["steps"] is not None and settings["epochs"] is not None:
+        raise ConfigError(f"fit: give steps or epochs, not both (got steps {settings['steps']} and epochs)")
+    if settings["steps"] is None:
+        del settings["steps"]  # FitConfig's default, or what `epochs` makes of it
+    return FitConfig.from_settings({**settings, **unknown})
+
+
+def _steps_of(cfg: FitConfig, source) -> FitConfig:
+    """`epochs` as steps: passes times the data's batches per pass."""
+    if cfg.epochs is None:
+        return cfg
+    per_epoch = source.steps_per_epoch()
+    if per_epoch is None:
+        raise ConfigError("fit: epochs needs data of known length (arrays, a data set, a list); pass steps instead")
+    return dataclasses.replace(cfg, steps=cfg.epochs * per_epoch)
+
+
+def _check_accumulate(cfg: FitConfig, mesh: Mesh) -> None:
+    n, rows = batch_devices(mesh), (cfg.batch_size or 0) // cfg.accumulate
+    if cfg.accumulate > 1 and rows % n:
+        raise ConfigError(
+            f"fit: accumulate {cfg.accumulate} makes micro-batches of {rows} rows, which the {n} devices of "
+            "the batch cannot split evenly"
+        )
+
+
+def _refuse_longer_default_schedule(cfg: FitConfig, optimizer) -> None:
+    """A resume with other `steps` and fit's default optimizer: its schedule decays to `steps`, so it would not
+    continue the run it resumes; one line says so (the record comparison alone would only name the field)."""
+    if not (cfg.resume and optimizer is None and cfg.run_dir):
+        return
+    path = pathlib.Path(cfg.run_dir) / "config.json"
+    try:
+        saved = json.loads(path.read_text()).get("steps") if path.is_file() else None
+    except Exception:  # noqa: BLE001 - a damaged config.json is reported by the run directory's own checks
+        return
+    if saved is not None and saved != cfg.steps:
+        raise ConfigError(
+            f"fit: resume with steps {cfg.steps}, but the run in {cfg.run_dir} was made for {saved}, and the "
+            f"default optimizer's learning rate decays to 0 at `steps`; pass optimizer= with a schedule that does "
+            f"not depend on steps (e.g. optax.adam(1e-3)) from the start, or resume with steps={saved}"
+        )
+
+
+def _state_from(path, state) -> tuple[Any, dict]:
+    """Another run's whole train state as this run's starting point, at step 0 with this run's key."""
+    restored, step = load_train_state(path, state)
+    restored = restored._replace(step=restored.step - restored.step, key=state.key)
+    digest = state_digest((restored.params, restored.model_state, restored.opt_state))[:16]
+    log.info("fit: starting from the state of %s (its step %d)", path, step)
+    return restored, {"init_from": digest}
+
+
 def _json_record(record: dict) -> dict:
     """`record` as it reads back from JSON (tuples become lists), so a saved copy compares equal to it."""
-    import json
-
     try:
         return json.loads(json.dumps(record))
     except (TypeError, ValueError) as err:
@@ -313,7 +628,7 @@ def _closing(ckpt):
                 log.warning("while stopping: %s", err)
 
 
-def _save(ckpt, step, state, source, record, tracker, force=False) -> None:
+def _save(ckpt, step, state, source, record, tracker, force=False, metrics=None) -> None:
     if not (force or ckpt.should_save(step)):
         return
     if not bool(all_finite(state.params)):
@@ -321,27 +636,8 @@ def _save(ckpt, step, state, source, record, tracker, force=False) -> None:
             f"the parameters are not finite at step {step}; not checkpointed (the newest "
             f"checkpoint, step {ckpt.latest_step()}, is kept)"
         )
-    if ckpt.save(step, state, data_state=source.state(step), config=record, force=force):
+    if ckpt.save(step, state, data_state=source.state(step), config=record, force=force, metrics=metrics):
         tracker.checkpointed(step)
-
-
-def _evaluate(eval_step, state, batches, place) -> dict:
-    """Metrics over all `batches`, each batch weighted by its count of real examples."""
-    totals: dict[str, float] = {}
-    total_count = 0.0
-    for host in batches:
-        m = jax.device_get(eval_step(state, place(host)))
-        count = (
-            float(m.pop("count"))
-            if "count" in m
-            else float(np.sum(host["mask"]))
-            if "mask" in host
-            else float(_batch_size(host))
-        )
-        total_count += count
-        for k, v in m.items():
-            totals[k] = totals.get(k, 0.0) + float(v) * count
-    return {k: v / max(total_count, 1.0) for k, v in totals.items()}
 
 
 # --------------------------------------------------------------------------------------------------- bookkeeping
@@ -377,6 +673,7 @@ class _Tracker:
         self.n = self.steps_done = self.skipped = self.skipped_total = 0
         self.wait_total = 0.0
         self.history: list[dict] = []
+        self.eval_postfix: dict[str, str] = {}  # the latest evaluation, kept in the bar beside the train numbers
         self.t_start = self.t_interval = time.perf_counter()
         show = cfg.progress and files.is_main and available("tqdm", "the progress bar")
         self.bar = _progress_bar(show, cfg.steps, run.start_step, cfg.name)
@@ -403,7 +700,10 @@ class _Tracker:
         for c in self.callbacks:
             c.on_step(self.run, step, m)
         self.bar.set_postfix(
-            loss=f"{m['loss']:.4f}", **({"skipped": self.skipped_total} if "grads_finite" in m else {}), refresh=False
+            loss=f"{m['loss']:.4f}",
+            **({"skipped": self.skipped_total} if "grads_finite" in m else {}),
+            **self.eval_postfix,
+            refresh=False,
         )
 
     def finish_steps(self) -> None:
@@ -433,12 +733,16 @@ class _Tracker:
             ex_s=f"{row['examples_per_s']:.0f}",
             wait=f"{100 * row['input_wait_frac']:.1f}%",
             **({"skipped": self.skipped_total} if self.run.uses_loss_scaling else {}),
+            **self.eval_postfix,
         )
         self.sums, self.n, self.skipped = {}, 0, 0
         self.t_interval = time.perf_counter()
 
     def eval(self, step: int, metrics: dict) -> dict:
         self._write({"split": "eval", "step": step, **metrics})
+        self.eval_postfix = {f"eval_{k}": f"{v:.4f}" for k, v in metrics.items()}
+        self.bar.set_postfix(**self.eval_postfix)
+        log.info("eval at step %d: %s", step, " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
         for c in self.callbacks:
             c.on_eval(self.run, step, metrics)
         return metrics
@@ -468,14 +772,15 @@ class _Tracker:
             "examples_per_s": self.steps_done * self.batch_size / elapsed if elapsed else 0.0,
             "input_wait_frac": self.wait_total / elapsed if elapsed else 0.0,
             "run_dir": self.cfg.run_dir,
-            "param_digest": state_digest(state.params),
             **{f"eval_{k}": v for k, v in eval_metrics.items()},
         }
         if self.run.uses_loss_scaling:
             summary["skipped_steps"] = self.skipped_total
         for c in self.callbacks:
             c.on_end(self.run, summary)
+        # Of the state fit returns: a callback may have put another (e.g. the best) in its place.
+        summary["param_digest"] = state_digest((self.run.result_state or state).params)
         return summary
 
 
-__all__ = ["FitResult", "fit"]
+__all__ = ["FitInterrupted", "FitResult", "fit", "fresh_run_dir"]

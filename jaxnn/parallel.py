@@ -147,6 +147,7 @@ def per_device_step_fn(
     tx: optax.GradientTransformation,
     policy: Policy | str = "fp32",
     axis_name: str = DATA_AXIS,
+    accumulate: int = 1,
 ) -> StepFn:
     """The step one device runs inside `shard_map`/`pmap` over `axis_name`: `(state, local_batch) -> (state, metrics)`.
 
@@ -158,7 +159,13 @@ def per_device_step_fn(
     identical everywhere even with per-device statistics. Each device draws its own randomness (dropout) from
     `fold_in(key, device index)`.
     """
-    step = train_step_fn(_grads_summed_over(model, axis_name), _share_of_global_mean(loss_fn, axis_name), tx, policy)
+    step = train_step_fn(
+        _grads_summed_over(model, axis_name),
+        _share_of_global_mean(loss_fn, axis_name),
+        tx,
+        policy,
+        accumulate=accumulate,
+    )
 
     def per_device(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         device_key = jax.random.fold_in(state.key, lax.axis_index(axis_name))
@@ -198,11 +205,13 @@ def data_parallel_train_step(
     mesh: Mesh | None = None,
     form: str = "jit",
     donate: bool = True,
+    accumulate: int = 1,
 ) -> DataParallelStep:
     """Data-parallel training over the `data` axis of `mesh` (all devices by default) in `form` (see `FORMS`).
 
     For BatchNorm models build the model with `BatchNorm(axis_name=bn_axis_name(form, cross_replica))`.
-    The returned `step` refuses a batch whose size the device count does not divide.
+    The returned `step` refuses a batch whose size the device count does not divide. `accumulate=K` averages the
+    gradients of K micro-batches per update (`jaxnn.train.train_step_fn`); form "pmap" does not take it.
     """
     _check_form(form)
     mesh = make_mesh() if mesh is None else mesh
@@ -211,6 +220,8 @@ def data_parallel_train_step(
         raise ValueError(f"form {form!r} is data parallelism only; a mesh with fsdp or tensor axes needs form 'jit'")
 
     if form == "pmap":
+        if accumulate != 1:
+            raise ValueError("form 'pmap' does not accumulate gradients; use 'jit' or 'shard_map'")
         if jax.process_count() > 1:
             raise ValueError(
                 "form 'pmap' is kept for single-process comparison; use 'jit' or 'shard_map' across processes"
@@ -237,9 +248,9 @@ def data_parallel_train_step(
         )
 
     if form == "jit":
-        return _jit_step(train_step_fn(model, loss_fn, tx, policy), mesh, form, donate_argnums)
+        return _jit_step(train_step_fn(model, loss_fn, tx, policy, accumulate=accumulate), mesh, form, donate_argnums)
     body = jax.shard_map(
-        per_device_step_fn(model, loss_fn, tx, policy),
+        per_device_step_fn(model, loss_fn, tx, policy, accumulate=accumulate),
         mesh=mesh,
         in_specs=(P(), P(DATA_AXIS)),
         out_specs=(P(), P()),

@@ -70,14 +70,22 @@ def classification_loss(logits: jax.Array, batch: Batch) -> tuple[jax.Array, Met
     return loss, {"accuracy": accuracy}
 
 
-def masked_classification_loss(logits: jax.Array, batch: Batch) -> tuple[jax.Array, Metrics]:
+def masked_classification_loss(
+    logits: jax.Array, batch: Batch, *, label_smoothing: float = 0.0
+) -> tuple[jax.Array, Metrics]:
     """Softmax cross-entropy and accuracy over the rows whose `batch["mask"]` is 1 (all rows without a mask).
 
     Padding rows (mask 0, e.g. an epoch's or the test set's last partial batch) count for nothing; `count` in the
-    metrics is the number of real rows, so evaluation can weight batches by it.
+    metrics is the number of real rows, so evaluation can weight batches by it. `label_smoothing` (e.g. 0.1, via
+    `functools.partial`) trains against `optax.smooth_labels` targets; accuracy still counts the integer labels.
     """
     labels = batch["y"]
-    per_example = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+    logits32 = logits.astype(jnp.float32)
+    if label_smoothing:
+        targets = optax.smooth_labels(jax.nn.one_hot(labels, logits.shape[-1]), label_smoothing)
+        per_example = optax.softmax_cross_entropy(logits32, targets)
+    else:
+        per_example = optax.softmax_cross_entropy_with_integer_labels(logits32, labels)
     correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
     mask = batch.get("mask")
     mask = jnp.ones_like(per_example) if mask is None else mask.astype(jnp.float32)
@@ -164,31 +172,45 @@ def train_step_fn(
     policy: Policy | str = "fp32",
     *,
     grad_norm: bool = True,
+    accumulate: int = 1,
 ) -> StepFn:
     """The un-jitted pure step `(state, batch) -> (state, metrics)`; jit it, scan it, or shard_map it.
 
     Metrics: the loss, what `loss_fn` returns besides it, and (unless `grad_norm=False`) the global gradient
     norm, which costs a reduction over every gradient and one more output: with the accuracy, ~11% of the
     benchmark MLP's step and ~27% of a tiny model's (docs/performance.md, "Dispatch of the tiny step").
+
+    `accumulate=K` splits the batch into K equal micro-batches (rows i, i+K, i+2K, ...: each micro-batch keeps
+    the batch's split over devices) and averages their gradients in a `lax.scan` before one optimizer update,
+    so activations are held for B/K rows at a time. The loss reaches an optax transformation that takes
+    `value` (e.g. `optax.contrib.reduce_on_plateau`) as `tx.update(..., value=loss)`.
     """
     check_optimizer(tx)
     policy = get_policy(policy)
+    if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
+        raise ValueError(f"accumulate must be a positive integer, got {accumulate!r}")
+    takes_value = isinstance(tx, optax.GradientTransformationExtraArgs)
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         key = jax.random.fold_in(state.key, state.step)
         # The state's loss scale when the policy scales the loss (None otherwise, even if the state has one).
         scale = _loss_scale_of(state, policy) if policy.loss_scaling else None
 
-        def scaled_loss(params: Params) -> tuple[jax.Array, tuple[jax.Array, Metrics, State]]:
-            logits, model_state = _forward(model, policy, params, state.model_state, batch, key=key, train=True)
+        def scaled_loss(params: Params, model_state: State, batch: Batch, key: PRNGKey) -> tuple[jax.Array, Any]:
+            logits, model_state = _forward(model, policy, params, model_state, batch, key=key, train=True)
             loss, metrics = loss_fn(logits, batch)
             scaled = scale.scale_loss(loss) if scale is not None else loss
             return scaled, (loss, metrics, model_state)
 
-        grads, (loss, metrics, model_state) = jax.grad(scaled_loss, has_aux=True)(state.params)
+        grad_fn = jax.grad(scaled_loss, has_aux=True)
+        if accumulate == 1:
+            grads, (loss, metrics, model_state) = grad_fn(state.params, state.model_state, batch, key)
+        else:
+            grads, (loss, metrics, model_state) = _accumulated(grad_fn, state, batch, key, accumulate)
         if scale is not None:  # without it, skip the multiply and divide: small models pay for every op
             grads = scale.unscale(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        extra = {"value": loss} if takes_value else {}
+        updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
         params = optax.apply_updates(state.params, updates)
         loss_scale = state.loss_scale
         if scale is not None:
@@ -211,6 +233,38 @@ def train_step_fn(
     return step
 
 
+def micro_batches(batch: Batch, k: int) -> Batch:
+    """`batch` as K micro-batches stacked on a new leading axis: micro-batch i holds rows i, i + K, i + 2K, ...
+
+    Strided rather than contiguous: each device's contiguous block of rows then feeds every micro-batch equally,
+    so the micro-batches stay split over the devices the way the batch was.
+    """
+
+    def split(x: jax.Array) -> jax.Array:
+        if x.shape[0] % k:
+            raise ValueError(f"accumulate={k} does not divide the batch of {x.shape[0]} rows")
+        return x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
+
+    return jax.tree.map(split, batch)
+
+
+def _accumulated(grad_fn: Callable, state: TrainState, batch: Batch, key: jax.Array, k: int) -> tuple[Any, Any]:
+    """Mean gradient, loss and metrics over K micro-batches; the model state (BatchNorm) runs through them in order."""
+
+    def body(carry, xs):
+        grads_sum, model_state = carry
+        i, micro = xs
+        grads, (loss, metrics, model_state) = grad_fn(state.params, model_state, micro, jax.random.fold_in(key, i))
+        return (jax.tree.map(jnp.add, grads_sum, grads), model_state), (loss, metrics)
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    (grads_sum, model_state), (losses, metrics) = jax.lax.scan(
+        body, (zeros, state.model_state), (jnp.arange(k), micro_batches(batch, k))
+    )
+    grads = jax.tree.map(lambda g: g / k, grads_sum)
+    return grads, (losses.mean(), jax.tree.map(lambda m: m.mean(axis=0), metrics), model_state)
+
+
 def _loss_scale_of(state: TrainState, policy: Policy) -> LossScale:
     if state.loss_scale is None:
         raise ValueError(
@@ -228,10 +282,13 @@ def make_train_step(
     *,
     donate: bool = True,
     grad_norm: bool = True,
+    accumulate: int = 1,
     **jit_kwargs: Any,
 ) -> jax.stages.Wrapped:
-    """The jitted train step; the incoming state's buffers are donated (reused for the new state)."""
-    step = train_step_fn(model, loss_fn, tx, policy, grad_norm=grad_norm)
+    """The jitted train step; the incoming state's buffers are donated (reused for the new state).
+
+    `accumulate=K`: K micro-batches per update (see `train_step_fn`)."""
+    step = train_step_fn(model, loss_fn, tx, policy, grad_norm=grad_norm, accumulate=accumulate)
     return jax.jit(step, donate_argnums=(0,) if donate else (), **jit_kwargs)
 
 

@@ -3,8 +3,12 @@
 - numpy (or jax) arrays: `(x, y)` or a dict of arrays sharing their first axis -> `ArrayBatches`: each epoch a
   seeded permutation, batch `i` a pure function of (seed, i), so a resumed run sees exactly the same batches;
 - a jaxnn data set (`ImageDataset`, `TextCorpus`) -> `TrainBatches` (normalisation, augmentation, text windows);
-- any other iterable of batch dicts -> `IterableBatches`: used in order; a resumed run skips the batches already
-  consumed, which reproduces the run only if iterating again yields the same sequence.
+- any other iterable of batch dicts -> `IterableBatches`: used in order; a re-iterable one (a list, an object
+  with `__iter__`) is iterated again when a pass ends, a one-shot iterator (a generator) ends the run when it
+  runs out. Ready batches are never reordered (their order is the caller's, as with Keras generators and
+  PyTorch iterable data sets); a resumed run skips the batches already consumed, which reproduces the run only
+  if iterating again yields the same sequence.
+`steps_per_epoch()` is the number of batches in one pass, or None where the data do not say (a generator).
 Evaluation data takes the same forms, as padded batches whose `mask` marks the real rows.
 """
 
@@ -86,27 +90,41 @@ class ArrayBatches(CachedPermutations):
 
 
 class IterableBatches:
-    """Batches from any iterable, in order; the state is the number of batches consumed."""
+    """Batches from any iterable, in order, pass after pass; the state is the number of batches consumed.
+
+    A one-shot iterator (`iter(it) is it`) gives one pass: its first batch, read for the shapes, is kept and
+    trained on first, and the iterator running out ends the run.
+    """
 
     def __init__(self, iterable: Iterable[dict[str, Any]]) -> None:
         self.iterable = iterable
+        self.one_shot = iter(iterable) is iterable
         self._first: dict[str, Any] | None = None
 
     def example(self) -> dict[str, Any]:
         if self._first is None:
-            if iter(self.iterable) is self.iterable:
-                raise DataError(
-                    "data: a one-shot iterator cannot be inspected and then trained on; pass a list, "
-                    "a re-iterable object (with __iter__), arrays, or a jaxnn data set"
-                )
             try:
                 self._first = next(iter(self.iterable))
             except StopIteration:
                 raise DataError("data: the iterable yields no batches") from None
         return self._first
 
+    def steps_per_epoch(self) -> int | None:
+        return len(self.iterable) if hasattr(self.iterable, "__len__") else None  # type: ignore[arg-type]
+
     def iterator(self, start: int, stop: int) -> Iterator[dict[str, Any]]:
-        return itertools.islice(iter(self.iterable), start, stop)
+        if self.one_shot:
+            return itertools.islice(itertools.chain([self.example()], self.iterable), start, stop)
+        return itertools.islice(self._passes(), start, stop)
+
+    def _passes(self) -> Iterator[dict[str, Any]]:
+        while True:
+            n = 0
+            for batch in self.iterable:
+                n += 1
+                yield batch
+            if n == 0:  # a pass that yields nothing would loop for ever
+                return
 
     def state(self, next_step: int) -> dict[str, Any]:
         return {"next_step": int(next_step), "kind": "iterable"}
@@ -127,6 +145,9 @@ class DatasetBatches:
     def example(self) -> dict[str, np.ndarray]:
         return self._source.batch(0)
 
+    def steps_per_epoch(self) -> int:
+        return int(self._source.steps_per_epoch)
+
     def iterator(self, start: int, stop: int) -> Iterator[dict[str, np.ndarray]]:
         return host_iterator(TrainBatches(self.data, self.pipeline, start, stop), self.pipeline)
 
@@ -143,6 +164,9 @@ class ArraySource:
 
     def example(self) -> dict[str, np.ndarray]:
         return self._batches.batch(0)
+
+    def steps_per_epoch(self) -> int:
+        return int(self._batches.steps_per_epoch)
 
     def iterator(self, start: int, stop: int) -> Iterator[dict[str, np.ndarray]]:
         b = self._batches

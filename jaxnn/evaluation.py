@@ -1,0 +1,211 @@
+"""Exact evaluation and batched prediction: `jaxnn.evaluate(model, state, data)`, `jaxnn.predict(...)`.
+
+Evaluation is exact for any loss, whether or not it reads a mask or returns a count: the model runs on whole
+(padded) batches, then the loss runs once per example (`jax.vmap` over rows, each a batch of one), and the loop
+sums those per-example values over the real rows only. A `count` the loss returns for an example (e.g. its real
+tokens) weights that example. The one assumption is the usual one: the loss is a mean over the examples of a
+batch (a loss that couples examples, e.g. a contrastive one, is evaluated per example). Every batch is padded
+to one size, a multiple of the devices the batch is split over, so evaluation compiles once.
+
+    metrics = jaxnn.evaluate(model, result.state, (x_test, y_test), batch_size=256)   # {"loss": ..., ...}
+    logits = jaxnn.predict(model, result.state, x_test)                              # (len(x_test), classes)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxnn.data.datasets import DataError, ImageDataset, TextCorpus
+from jaxnn.data.sources import as_arrays, as_eval_batches
+from jaxnn.layers.core import Layer
+from jaxnn.precision import Policy, get_policy
+from jaxnn.train import Batch, LossFn, _forward, masked_classification_loss
+
+VALID = "__valid__"  # the loop's own mark of a batch's real rows, taken out before the loss sees the batch
+
+
+def eval_sums_fn(model: Layer, loss_fn: LossFn, policy: Policy | str = "fp32") -> Callable:
+    """`(params, model_state, batch) -> (sums, weight)`: per-example metrics summed over the batch's real rows.
+
+    `batch[VALID]` (1 real, 0 padding) marks the rows; metrics divided by the summed weight are exact means.
+    """
+    policy = get_policy(policy)
+
+    def sums(params: Any, model_state: Any, batch: Batch) -> tuple[dict, jax.Array]:
+        batch = dict(batch)
+        valid = batch.pop(VALID).astype(jnp.float32)
+        logits, _ = _forward(model, policy, params, model_state, batch, key=None, train=False)
+        per = jax.vmap(lambda out, row: _one_example(loss_fn, out, row))(logits, batch)
+        weight = valid * per.pop("count") if "count" in per else valid
+        total = {k: jnp.sum(jnp.where(weight > 0, v, 0.0) * weight) for k, v in per.items() if v.ndim == 1}
+        return total, jnp.sum(weight)
+
+    return sums
+
+
+def _one_example(loss_fn: LossFn, out: Any, row: Batch) -> dict:
+    one = lambda a: a[None]  # noqa: E731 - each example as a batch of one
+    loss, metrics = loss_fn(jax.tree.map(one, out), jax.tree.map(one, row))
+    return {k: jnp.asarray(v, jnp.float32) for k, v in {**metrics, "loss": loss}.items()}
+
+
+def metric_names(model: Layer, loss_fn: LossFn, policy: Any, params: Any, model_state: Any, example: Batch) -> list:
+    """The metric names evaluation reports, from `jax.eval_shape` of the eval computation (nothing runs)."""
+    spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), dict(example))
+    spec[VALID] = jax.ShapeDtypeStruct((int(np.shape(example["x"])[0]),), np.float32)
+    sums, _ = jax.eval_shape(eval_sums_fn(model, loss_fn, policy), params, model_state, spec)
+    return sorted(sums)
+
+
+def padded(batch: Batch, size: int) -> Batch:
+    """`batch` padded to `size` rows (copies of row 0), with `VALID` marking its real rows (or its own 1-D mask)."""
+    n = int(np.shape(batch["x"])[0])
+    mask = batch.get("mask")
+    valid = np.asarray(mask, np.float32) if mask is not None and np.ndim(mask) == 1 else np.ones(n, np.float32)
+    if n > size:
+        raise DataError(f"eval_data: a batch of {n} rows is larger than the evaluation batch size {size}")
+    idx = np.concatenate([np.arange(n), np.zeros(size - n, int)])
+    out = {k: np.asarray(v)[idx] for k, v in batch.items()}
+    out[VALID] = np.concatenate([valid, np.zeros(size - n, np.float32)])
+    return out
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def mean_over(step: Callable, batches: Iterable[Batch]) -> dict[str, float]:
+    """Means over all real rows of `batches`, each already placed; `step` returns (sums, weight)."""
+    totals: dict[str, float] = {}
+    weight = 0.0
+    for batch in batches:
+        sums, w = jax.device_get(step(batch))
+        weight += float(w)
+        for k, v in sums.items():
+            totals[k] = totals.get(k, 0.0) + float(v)
+    return {k: v / weight for k, v in totals.items() if k != "count"} if weight else {}
+
+
+# ------------------------------------------------------------------------------------------------ public API
+
+
+def _params_of(params_or_state: Any, model_state: Any) -> tuple[Any, Any]:
+    """(params, model_state) from a TrainState, FitResult, LoadedParams, or a bare parameter tree."""
+    source = getattr(params_or_state, "state", params_or_state)  # a FitResult
+    if hasattr(source, "params"):
+        return source.params, getattr(source, "model_state", {}) if model_state is None else model_state
+    return params_or_state, {} if model_state is None else model_state
+
+
+def _mesh_for(mesh: Mesh | str | None, devices: int) -> Mesh:
+    from jaxnn.mesh import make_mesh
+
+    if isinstance(mesh, str):
+        from jaxnn.sharding import make_sharded_mesh
+
+        return make_sharded_mesh(mesh)
+    return mesh if mesh is not None else make_mesh(devices)
+
+
+def _placement(mesh: Mesh) -> tuple[Callable[[Any], Any], int]:
+    from jaxnn.mesh import batch_devices, shard_batch
+
+    return (lambda host: shard_batch(host, mesh)), batch_devices(mesh)
+
+
+def evaluate(
+    model: Layer,
+    params_or_state: Any,
+    data: Any,
+    *,
+    loss: LossFn = masked_classification_loss,
+    model_state: Any = None,
+    batch_size: int = 64,
+    precision: str = "fp32",
+    mesh: Mesh | str | None = None,
+    devices: int = 1,
+    seed: int = 0,
+    seq_len: int = 128,
+) -> dict[str, float]:
+    """Metrics of `loss` over every example of `data`, each counted once (see the module docstring).
+
+    params_or_state: a `TrainState` (e.g. `fit(...).state`), a `FitResult`, `jaxnn.checkpoint.load_params`'s
+      result, or a parameter tree (with `model_state=` for stateful models).
+    data: any form `jaxnn.fit` takes as `eval_data`: `(x, y)`, a dict of arrays, a jaxnn data set (its test
+      split), or an iterable of batch dicts. `batch_size` is rounded up to a multiple of the batch's devices.
+    mesh / devices: as in `jaxnn.fit`; the parameters are replicated over the mesh.
+    """
+    from jaxnn.mesh import replicate
+
+    params, state = _params_of(params_or_state, model_state)
+    mesh = _mesh_for(mesh, devices)
+    place, split = _placement(mesh)
+    size = round_up(batch_size, split)
+    batches = as_eval_batches(data, size, seq_len=seq_len, seed=seed) or []
+    size = max([size, *(round_up(int(np.shape(b["x"])[0]), split) for b in batches)])
+    params, state = replicate((params, state), mesh)
+    sums = jax.jit(eval_sums_fn(model, loss, precision))
+    return mean_over(lambda b: sums(params, state, b), (place(padded(b, size)) for b in batches))
+
+
+def _inputs(data: Any, batch_size: int) -> Iterator[Any]:
+    """Model inputs `x` of `data` in order, in batches of at most `batch_size` rows."""
+    if isinstance(data, (ImageDataset, TextCorpus)):
+        yield from (b["x"] for b in as_eval_batches(data, batch_size) or [])
+        return
+    if hasattr(data, "shape"):
+        data = {"x": data}
+    arrays = as_arrays(data, "data")
+    if arrays is not None:
+        x = arrays["x"]
+        yield from (x[lo : lo + batch_size] for lo in range(0, len(x), batch_size))
+        return
+    if isinstance(data, (str, bytes)) or not hasattr(data, "__iter__"):
+        raise DataError(f"data: expected an array, arrays, a data set or batches, got {type(data).__name__}")
+    yield from (np.asarray(b["x"]) for b in data)
+
+
+def predict(
+    model: Layer,
+    params_or_state: Any,
+    data: Any,
+    *,
+    model_state: Any = None,
+    batch_size: int = 64,
+    precision: str = "fp32",
+    mesh: Mesh | str | None = None,
+    devices: int = 1,
+) -> Any:
+    """The model's outputs (eval mode) for every example of `data`, in order, as numpy arrays with one row each.
+
+    data: an input array `x`, `(x, y)`, a dict of arrays with "x", a jaxnn data set (its test split, padding
+    rows dropped) or an iterable of batch dicts. Batched by `batch_size`; the last partial batch is padded for
+    the compiled program and the padding cut off, so it compiles once.
+    """
+    from jaxnn.mesh import replicate, shard_batch
+
+    params, state = _params_of(params_or_state, model_state)
+    mesh = _mesh_for(mesh, devices)
+    _, split = _placement(mesh)
+    policy = get_policy(precision)
+    forward = jax.jit(lambda p, s, x: _forward(model, policy, p, s, {"x": x}, key=None, train=False)[0])
+    params, state = replicate((params, state), mesh)
+    outputs = []
+    for x in _inputs(data, batch_size):
+        n = int(np.shape(x)[0])
+        host = padded({"x": x}, round_up(max(n, batch_size), split))
+        out = forward(params, state, shard_batch({"x": host["x"]}, mesh)["x"])
+        outputs.append(jax.tree.map(lambda a, n=n: np.asarray(a)[:n], jax.device_get(out)))
+    if isinstance(data, ImageDataset):
+        total = len(data.x_test)
+        return jax.tree.map(lambda *parts: np.concatenate(parts)[:total], *outputs)
+    return jax.tree.map(lambda *parts: np.concatenate(parts), *outputs)
+
+
+__all__ = ["evaluate", "predict"]
