@@ -10,12 +10,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 from typing import Any
 
 MODELS = ("mlp", "cnn", "resnet", "gpt")
 SIZES = ("small", "base")
 FORMS = ("jit", "shard_map")
 METRIC_WRITERS = ("jsonl", "csv", "tensorboard")
+CHECK_DATA = ("arrays", "all", "off")
+# numpy's and jax's seeding take 32-bit unsigned seeds; a larger or negative one fails deep inside them.
+SEED_LIMIT = 2**32
 
 
 class ConfigError(ValueError):
@@ -32,6 +36,12 @@ def _check_mesh(cfg: TrainConfig) -> None:
     split = math.prod(sizes.get(axis, 1) for axis in BATCH_AXES)
     if cfg.batch_size % split:
         raise ConfigError(f"batch size {cfg.batch_size} is not divisible by the {split} devices of the batch axes")
+
+
+def check_seed(owner: str, value: Any) -> None:
+    """Refuses a seed that is not an integer in [0, 2**32), naming the owner and the value."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not 0 <= value < SEED_LIMIT:
+        raise ConfigError(f"{owner}: seed must be an integer in [0, 2**32), got {value!r}")
 
 
 def _check_compile_cache(owner: str, value) -> None:
@@ -75,6 +85,9 @@ class FitConfig:
     profile_dir: (run) write a `jax.profiler` trace of a few steps after warm-up here (see jaxnn.trace).
     compile_cache: (run) JAX's persistent compilation cache: "auto" ($JAXNN_COMPILE_CACHE, else
       ~/.cache/jaxnn/xla), "off", or a directory (see jaxnn.compile_cache).
+    check_data: (run) refuse NaN/Inf in float inputs before anything runs: "arrays" checks in-memory arrays and
+      evaluation batches at setup (one pass on the host), "all" also every training batch of a stream or data set
+      as it is drawn, "off" checks nothing.
     """
 
     steps: int = 1000
@@ -100,6 +113,7 @@ class FitConfig:
     name: str = "fit"
     profile_dir: str | None = None
     compile_cache: str = "auto"
+    check_data: str = "arrays"
 
     RUN_ONLY = (
         "eval_every",
@@ -121,6 +135,7 @@ class FitConfig:
         "name",
         "profile_dir",
         "compile_cache",
+        "check_data",
     )
 
     def __post_init__(self):
@@ -133,9 +148,12 @@ class FitConfig:
             _positive_int(owner, "batch_size", self.batch_size)
         for name in ("eval_every", "ckpt_every", "prefetch"):
             _non_negative(owner, name, getattr(self, name))
-        if self.precision not in PRESETS:
+        check_seed(owner, self.seed)
+        if not isinstance(self.precision, str) or self.precision not in PRESETS:
             raise ConfigError(f"{owner}: unknown precision {self.precision!r}; choose one of {sorted(PRESETS)}")
-        if self.form not in FORMS:
+        if not isinstance(self.check_data, str) or self.check_data not in CHECK_DATA:
+            raise ConfigError(f"{owner}: check_data must be one of {list(CHECK_DATA)}, got {self.check_data!r}")
+        if not isinstance(self.form, str) or self.form not in FORMS:
             raise ConfigError(f"{owner}: form must be one of {list(FORMS)}, got {self.form!r}")
         if isinstance(self.metrics, str):
             object.__setattr__(self, "metrics", (self.metrics,))
@@ -287,7 +305,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"unknown model {cfg.model!r}; choose one of {list(MODELS)}")
     if cfg.size not in SIZES:
         raise ConfigError(f"unknown size {cfg.size!r}; choose one of {list(SIZES)}")
-    if cfg.precision not in PRESETS:
+    check_seed("seed", cfg.seed)
+    if not isinstance(cfg.precision, str) or cfg.precision not in PRESETS:
         raise ConfigError(f"unknown precision {cfg.precision!r}; choose one of {sorted(PRESETS)}")
     for name in ("steps", "batch_size", "devices", "log_every", "seq_len", "keep"):
         value = getattr(cfg, name)
