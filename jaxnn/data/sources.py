@@ -6,12 +6,16 @@
 - any other iterable of batch dicts -> `IterableBatches`: used in order; a resumed run skips the batches already
   consumed, which reproduces the run only if iterating again yields the same sequence.
 Evaluation data takes the same forms, as padded batches whose `mask` marks the real rows.
+
+Float inputs holding NaN or Inf are refused (`check_finite`) with one line naming the array and its first bad
+index: in-memory arrays and evaluation batches at setup, before anything runs (`check="arrays"`, the default);
+with `check="all"` also every training batch of a stream or data set, as it is drawn.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -40,6 +44,50 @@ def as_arrays(data: object, role: str = "data") -> dict[str, np.ndarray] | None:
     if not next(iter(sizes.values())):
         raise DataError(f"{role}: the arrays hold no examples")
     return arrays
+
+
+# Elements per np.isfinite call: bounds the temporary boolean array for inputs of many gigabytes.
+_FINITE_CHUNK = 1 << 22
+
+
+def check_finite(arrays: Mapping[str, Any], role: str) -> None:
+    """Refuses NaN/Inf in any float array of `arrays`: a DataError naming `role`, the array and the first bad index.
+
+    One pass over the data on the host; integer, boolean and other arrays are not looked at.
+    """
+    for name, value in arrays.items():
+        array = np.asarray(value)
+        if not _is_float(array.dtype):
+            continue
+        index = _first_non_finite(array)
+        if index is not None:
+            raise DataError(
+                f"{role}: array {name!r} holds {array[index]} at index {index}; inputs must be finite "
+                "(check_data='off' skips this check)"
+            )
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    # bfloat16 and the float8 types (ml_dtypes) are not numpy `inexact` subtypes.
+    return np.issubdtype(dtype, np.inexact) or dtype.name.startswith(("bfloat", "float"))
+
+
+def _first_non_finite(array: np.ndarray) -> tuple[int, ...] | None:
+    if array.ndim == 0:
+        return None if np.isfinite(array) else ()
+    rows = max(1, _FINITE_CHUNK // max(1, array[0].size))
+    for lo in range(0, len(array), rows):
+        finite = np.isfinite(array[lo : lo + rows])
+        if not finite.all():
+            first = np.unravel_index(int(np.argmin(finite)), finite.shape)
+            return (lo + int(first[0]), *(int(i) for i in first[1:]))
+    return None
+
+
+def _checked(batches: Iterator[dict[str, Any]], start: int) -> Iterator[dict[str, Any]]:
+    for i, batch in enumerate(batches, start):
+        check_finite(batch, f"data: training batch {i}")
+        yield batch
 
 
 class ArrayBatches(CachedPermutations):
@@ -88,8 +136,8 @@ class ArrayBatches(CachedPermutations):
 class IterableBatches:
     """Batches from any iterable, in order; the state is the number of batches consumed."""
 
-    def __init__(self, iterable: Iterable[dict[str, Any]]) -> None:
-        self.iterable = iterable
+    def __init__(self, iterable: Iterable[dict[str, Any]], check_each: bool = False) -> None:
+        self.iterable, self.check_each = iterable, check_each
         self._first: dict[str, Any] | None = None
 
     def example(self) -> dict[str, Any]:
@@ -106,7 +154,8 @@ class IterableBatches:
         return self._first
 
     def iterator(self, start: int, stop: int) -> Iterator[dict[str, Any]]:
-        return itertools.islice(iter(self.iterable), start, stop)
+        batches = itertools.islice(iter(self.iterable), start, stop)
+        return _checked(batches, start) if self.check_each else batches
 
     def state(self, next_step: int) -> dict[str, Any]:
         return {"next_step": int(next_step), "kind": "iterable"}
@@ -115,8 +164,8 @@ class IterableBatches:
 class DatasetBatches:
     """A jaxnn data set through the host pipeline (`TrainBatches`, Grain workers or inline)."""
 
-    def __init__(self, data: ImageDataset | TextCorpus, pipeline: PipelineConfig) -> None:
-        self.data, self.pipeline = data, pipeline
+    def __init__(self, data: ImageDataset | TextCorpus, pipeline: PipelineConfig, check_each: bool = False) -> None:
+        self.data, self.pipeline, self.check_each = data, pipeline, check_each
         self._source = TrainBatches(data, pipeline)
         if isinstance(data, ImageDataset) and pipeline.batch_size > len(data.x_train):
             raise DataError(
@@ -128,7 +177,8 @@ class DatasetBatches:
         return self._source.batch(0)
 
     def iterator(self, start: int, stop: int) -> Iterator[dict[str, np.ndarray]]:
-        return host_iterator(TrainBatches(self.data, self.pipeline, start, stop), self.pipeline)
+        batches = host_iterator(TrainBatches(self.data, self.pipeline, start, stop), self.pipeline)
+        return _checked(batches, start) if self.check_each else batches
 
     def state(self, next_step: int) -> dict[str, Any]:
         return iterator_state(next_step, self._source)
@@ -161,35 +211,60 @@ def _default_pipeline(pipeline: PipelineConfig | None, batch_size: int | None, s
 
 
 def as_train_source(
-    data: object, pipeline: PipelineConfig | None, batch_size: int | None, seed: int
+    data: object, pipeline: PipelineConfig | None, batch_size: int | None, seed: int, *, check: str = "arrays"
 ) -> DatasetBatches | ArraySource | IterableBatches:
-    """The source for `data` (see the module docstring); bad data raises DataError before anything runs."""
+    """The source for `data` (see the module docstring); bad data raises DataError before anything runs.
+
+    `check`: "arrays" refuses non-finite in-memory arrays here, "all" also each drawn batch of a stream or data
+    set, "off" neither (FitConfig.check_data).
+    """
     if isinstance(data, (ImageDataset, TextCorpus)):
-        return DatasetBatches(data, _default_pipeline(pipeline, batch_size, seed))
+        return DatasetBatches(data, _default_pipeline(pipeline, batch_size, seed), check_each=check == "all")
     arrays = as_arrays(data, "data")
     if arrays is not None:
+        if check != "off":
+            check_finite(arrays, "data")
         return ArraySource(arrays, _default_pipeline(pipeline, batch_size, seed))
     if isinstance(data, (str, bytes)) or not hasattr(data, "__iter__"):
         raise DataError(
             f"data: expected (x, y) arrays, a dict of arrays, a jaxnn data set or an iterable of batch "
             f"dicts, got {type(data).__name__}"
         )
-    return IterableBatches(data)
+    return IterableBatches(data, check_each=check == "all")
 
 
-def as_eval_batches(data: object, batch_size: int, *, seq_len: int = 128, seed: int = 0) -> list[dict[str, Any]] | None:
-    """Evaluation batches of `batch_size` rows: arrays padded with `mask` 0, data sets' test splits, or as given."""
+def as_eval_batches(
+    data: object, batch_size: int, *, seq_len: int = 128, seed: int = 0, check: str = "arrays"
+) -> list[dict[str, Any]] | None:
+    """Evaluation batches of `batch_size` rows: arrays padded with `mask` 0, data sets' test splits, or as given.
+
+    Unless `check` is "off", a NaN/Inf in them is refused here: it would otherwise come back as a `nan` metric.
+    """
     if data is None:
         return None
     if isinstance(data, (ImageDataset, TextCorpus)):
-        return eval_batches(data, batch_size, seq_len=seq_len, seed=seed)
+        return _checked_batches(eval_batches(data, batch_size, seq_len=seq_len, seed=seed), check)
     arrays = as_arrays(data, "eval_data")
     if arrays is None:
         if isinstance(data, (str, bytes)) or not hasattr(data, "__iter__"):
             raise DataError(
                 f"eval_data: expected arrays, a data set or an iterable of batches, got {type(data).__name__}"
             )
-        return list(data)
+        return _checked_batches(list(data), check)
+    if check != "off":
+        check_finite(arrays, "eval_data")  # before padding, so that the index is the array's own
+    return _padded_batches(arrays, batch_size)
+
+
+def _checked_batches(batches: list[Any], check: str) -> list[Any]:
+    if check != "off":
+        for i, batch in enumerate(batches):
+            if isinstance(batch, Mapping):
+                check_finite(batch, f"eval_data: batch {i}")
+    return batches
+
+
+def _padded_batches(arrays: dict[str, np.ndarray], batch_size: int) -> list[dict[str, Any]]:
     n = len(next(iter(arrays.values())))
     batches = []
     for lo in range(0, n, batch_size):
