@@ -40,7 +40,7 @@ def _check_mesh(cfg: TrainConfig) -> None:
 
 def check_seed(owner: str, value: Any) -> None:
     """Refuses a seed that is not an integer in [0, 2**32), naming the owner and the value."""
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not 0 <= value < SEED_LIMIT:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not 0 <= int(value) < SEED_LIMIT:
         raise ConfigError(f"{owner}: seed must be an integer in [0, 2**32), got {value!r}")
 
 

@@ -9,7 +9,6 @@ forward pass over the (fixed-size) sequence per new token. Greedy decoding gives
 from __future__ import annotations
 
 import functools
-import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -34,7 +33,7 @@ class Sampler(NamedTuple):
     def check(self) -> None:
         """Refuses settings that sample nothing: a negative temperature, top_k < 1, top_p outside (0, 1]."""
         if not (_is_real(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"generate: temperature must be a number >= 0 (0 is greedy), got {self.temperature!r}")
+            raise ValueError(f"generate: temperature must be >= 0 (a number; 0 is greedy), got {self.temperature!r}")
         top_k_ok = isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 1
         if self.top_k is not None and not top_k_ok:
             raise ValueError(f"generate: top_k must be a positive integer, got {self.top_k!r}")
@@ -120,7 +119,7 @@ def _as_key(key: PRNGKey | int | None) -> PRNGKey:
     """A PRNG key, from a key or an integer seed (None: seed 0)."""
     if key is None:
         return jax.random.key(0)
-    if isinstance(key, (numbers.Integral, np.integer)):
+    if isinstance(key, (int, np.integer)):
         check_seed("generate", key)
         return jax.random.key(int(key))
     return key

@@ -79,7 +79,8 @@ def test_export_platforms_are_checked_before_any_write(tmp_path, dense, platform
     (out / "export.json").write_text('{"older": "export"}')
     before = snapshot(tmp_path)
     with pytest.raises(
-        ValueError, match=rf"^export: platforms must name one or more of \['cpu', 'cuda', 'rocm', 'tpu'\], got {culprit}"
+        ValueError,
+        match=rf"^export: platforms must name one or more of \['cpu', 'cuda', 'rocm', 'tpu'\], got {culprit}",
     ):
         write_export(out, layer, params, {}, (4,), dtype="float32", platforms=platforms)
     assert snapshot(tmp_path) == before

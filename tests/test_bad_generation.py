@@ -33,7 +33,9 @@ def test_prompt_ids_outside_the_vocabulary_are_refused(gpt, bad, use_cache):
 def test_text_given_to_the_token_api_is_refused_with_the_way_to_pass_it(gpt):
     model, params = gpt
     for text, kind in ((b"hello", "bytes"), ("hello", "str")):
-        with pytest.raises(TypeError, match=rf"^generate: prompt must be integer token ids, got {kind} .*generate_bytes"):
+        with pytest.raises(
+            TypeError, match=rf"^generate: prompt must be integer token ids, got {kind} .*generate_bytes"
+        ):
             generate(model, params, text, 3)
     with pytest.raises(TypeError, match=r"^generate_bytes: prompt must be bytes, got str 'hello'"):
         generate_bytes(model, params, "hello", 3)
@@ -66,7 +68,7 @@ def test_seeds_out_of_range_are_refused(gpt, seed):
 
 def test_sampling_settings_that_are_not_numbers_are_refused(gpt):
     model, params = gpt
-    with pytest.raises(ValueError, match=r"^generate: temperature must be a number >= 0 .*got 'hot'"):
+    with pytest.raises(ValueError, match=r"^generate: temperature must be >= 0 \(a number; 0 is greedy\), got 'hot'"):
         generate(model, params, [[1, 2]], 2, temperature="hot")
     with pytest.raises(ValueError, match=r"^generate: top_p must be in \(0, 1\], got '0.9'"):
         generate(model, params, [[1, 2]], 2, temperature=1.0, top_p="0.9", key=0)
