@@ -96,11 +96,8 @@ class NonFiniteGuard(Callback):
             raise ValueError(f"NonFiniteGuard: max_skipped_fraction must be in [0, 1], got {max_skipped_fraction!r}")
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise ValueError(f"NonFiniteGuard: window must be a positive integer, got {window!r}")
-        self.max_skipped_in_row, self.max_skipped_fraction, self.window = (
-            max_skipped_in_row,
-            max_skipped_fraction,
-            window,
-        )
+        self.max_skipped_in_row = max_skipped_in_row
+        self.max_skipped_fraction, self.window = max_skipped_fraction, window
         self.skipped_in_row = 0
         self.recent: collections.deque[bool] = collections.deque(maxlen=window)
 
