@@ -151,7 +151,8 @@ def generate(
     ids = _check_prompt(prompt, max_new_tokens)
     sampler = Sampler(temperature, top_k, top_p)
     sampler.check()
-    sampler = sampler._replace(temperature=float(temperature))
+    # Plain floats: the sampler is a static argument of the compiled decoder, so it must hash and compare by value.
+    sampler = sampler._replace(temperature=float(temperature), top_p=None if top_p is None else float(top_p))
     if sampler.temperature > 0 and key is None:
         raise ValueError("generate: sampling (temperature > 0) needs key=jax.random.key(...) or an integer seed")
     if use_cache and model.init_cache is None:
