@@ -15,6 +15,7 @@ with `check="all"` also every training batch of a stream or data set, as it is d
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -75,7 +76,7 @@ def _is_float(dtype: np.dtype) -> bool:
 def _first_non_finite(array: np.ndarray) -> tuple[int, ...] | None:
     if array.ndim == 0:
         return None if np.isfinite(array) else ()
-    rows = max(1, _FINITE_CHUNK // max(1, array[0].size))
+    rows = max(1, _FINITE_CHUNK // max(1, math.prod(array.shape[1:])))
     for lo in range(0, len(array), rows):
         finite = np.isfinite(array[lo : lo + rows])
         if not finite.all():
@@ -86,7 +87,8 @@ def _first_non_finite(array: np.ndarray) -> tuple[int, ...] | None:
 
 def _checked(batches: Iterator[dict[str, Any]], start: int) -> Iterator[dict[str, Any]]:
     for i, batch in enumerate(batches, start):
-        check_finite(batch, f"data: training batch {i}")
+        if isinstance(batch, Mapping):  # anything else is refused by the loop, naming its type
+            check_finite(batch, f"data: training batch {i}")
         yield batch
 
 
