@@ -11,6 +11,7 @@ from jaxnn import layers as L
 from jaxnn.callbacks import NonFiniteError, SkippedStepsError
 from jaxnn.config import ConfigError
 from jaxnn.data import DataError
+from jaxnn.data.datasets import make_image_dataset
 
 QUIET = {"steps": 2, "batch_size": 8, "progress": False, "plots": False}
 
@@ -56,6 +57,18 @@ def test_non_finite_evaluation_data_is_refused_not_reported_as_a_nan_metric(tmp_
     with pytest.raises(DataError, match=r"^eval_data: batch 1: array 'x' holds nan at index \(6, 0\)"):
         jaxnn.fit(L.Dense(3), (x, y), eval_data=batches, run_dir=str(tmp_path / "run"), **QUIET)
     assert snapshot(tmp_path) == before
+
+
+def test_non_finite_images_of_a_data_set_are_refused_for_training_and_evaluation():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(40, 4, 4, 1)).astype(np.float32), np.arange(40) % 4
+    model = L.serial(L.Flatten(), L.Dense(4))
+    bad = make_image_dataset("mine", poisoned(x[:32], (3, 1, 2, 0), np.nan), y[:32], x[32:], y[32:])
+    with pytest.raises(DataError, match=r"^data \(mine\): array 'x_train' holds nan at index \(3, 1, 2, 0\)"):
+        jaxnn.fit(model, bad, **QUIET)
+    good = make_image_dataset("mine", x[:32], y[:32], poisoned(x[32:], (7, 0, 0, 0), -np.inf), y[32:])
+    with pytest.raises(DataError, match=r"^eval_data \(mine\): array 'x_test' holds -inf at index \(7, 0, 0, 0\)"):
+        jaxnn.fit(model, good, eval_data=good, **QUIET)
 
 
 def test_check_data_all_checks_each_streamed_batch_and_other_values_are_refused(clean):

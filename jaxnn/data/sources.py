@@ -221,6 +221,8 @@ def as_train_source(
     set, "off" neither (FitConfig.check_data).
     """
     if isinstance(data, (ImageDataset, TextCorpus)):
+        if check != "off" and isinstance(data, ImageDataset):
+            check_finite({"x_train": data.x_train}, f"data ({data.name})")
         return DatasetBatches(data, _default_pipeline(pipeline, batch_size, seed), check_each=check == "all")
     arrays = as_arrays(data, "data")
     if arrays is not None:
@@ -245,7 +247,9 @@ def as_eval_batches(
     if data is None:
         return None
     if isinstance(data, (ImageDataset, TextCorpus)):
-        return _checked_batches(eval_batches(data, batch_size, seq_len=seq_len, seed=seed), check)
+        if check != "off" and isinstance(data, ImageDataset):
+            check_finite({"x_test": data.x_test}, f"eval_data ({data.name})")
+        return eval_batches(data, batch_size, seq_len=seq_len, seed=seed)
     arrays = as_arrays(data, "eval_data")
     if arrays is None:
         if isinstance(data, (str, bytes)) or not hasattr(data, "__iter__"):
