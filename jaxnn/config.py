@@ -85,8 +85,8 @@ class FitConfig:
     profile_dir: (run) write a `jax.profiler` trace of a few steps after warm-up here (see jaxnn.trace).
     compile_cache: (run) JAX's persistent compilation cache: "auto" ($JAXNN_COMPILE_CACHE, else
       ~/.cache/jaxnn/xla), "off", or a directory (see jaxnn.compile_cache).
-    check_data: (run) refuse NaN/Inf in float inputs before anything runs: "arrays" checks in-memory arrays and
-      evaluation batches at setup (one pass on the host), "all" also every training batch of a stream or data set
+    check_data: (run) refuse NaN/Inf in float inputs before anything runs: "arrays" checks in-memory arrays (an
+      image data set's too) and evaluation batches at setup (one pass on the host), "all" also every training batch of a stream or data set
       as it is drawn, "off" checks nothing.
     """
 
