@@ -9,8 +9,8 @@ Evaluation data takes the same forms, as padded batches whose `mask` marks the r
 
 Float inputs holding NaN or Inf are refused (`check_finite`) with one line naming the array and its first bad
 index: in-memory arrays (an image data set's too) and evaluation batches at setup, before anything runs
-(`check="arrays"`, the default);
-with `check="all"` also every training batch of a stream or data set, as it is drawn.
+(`check="arrays"`, the default); with `check="all"` also every training batch of a stream or data set, as it is
+drawn.
 """
 
 from __future__ import annotations
