@@ -21,6 +21,7 @@ there ends the run after step s + 1.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -36,6 +37,10 @@ log = logging.getLogger(__name__)
 
 class NonFiniteError(RuntimeError):
     """Training produced a NaN or Inf loss (or parameters); the message names the step."""
+
+
+class SkippedStepsError(NonFiniteError):
+    """Under fp16 loss scaling, too many recent steps were skipped for non-finite gradients to call it training."""
 
 
 @dataclasses.dataclass
@@ -88,31 +93,56 @@ class NonFiniteGuard(Callback):
     """Stops at the first non-finite loss with one line naming the step (on by default in `jaxnn.fit`).
 
     Under loss scaling (fp16) a non-finite step is skipped by the step itself (parameters unchanged, scale
-    halved), so it is not an error; `max_skipped_in_row` skipped steps in a row are reported as a warning, since
-    they mean the run is not learning.
+    halved), so one is not an error. A run that skips more than `max_skipped_fraction` (default 0.5) of the last
+    `window` (default 20) steps is not learning, though: it stops with a `SkippedStepsError` (a `NonFiniteError`,
+    so `jaxnn train` exits 1), judged from its `window`-th step on. The skips of the scale's first calibration
+    (from 2^15 down, usually a few) fit within that budget. `max_skipped_in_row` skipped steps in a row are
+    also reported as a warning.
     """
 
-    def __init__(self, max_skipped_in_row: int = 25):
+    def __init__(self, max_skipped_in_row: int = 25, *, max_skipped_fraction: float = 0.5, window: int = 20):
+        if not (isinstance(max_skipped_fraction, (int, float)) and 0 <= max_skipped_fraction <= 1):
+            raise ValueError(f"NonFiniteGuard: max_skipped_fraction must be in [0, 1], got {max_skipped_fraction!r}")
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise ValueError(f"NonFiniteGuard: window must be a positive integer, got {window!r}")
         self.max_skipped_in_row = max_skipped_in_row
+        self.max_skipped_fraction, self.window = max_skipped_fraction, window
         self.skipped_in_row = 0
+        self.recent: collections.deque[bool] = collections.deque(maxlen=window)
+
+    def on_start(self, run: RunInfo) -> None:
+        self.skipped_in_row = 0
+        self.recent.clear()
 
     def on_step(self, run: RunInfo, step: int, metrics: dict) -> None:
         loss = float(metrics["loss"])
         if "grads_finite" in metrics:
-            self.skipped_in_row = 0 if metrics["grads_finite"] else self.skipped_in_row + 1
-            if self.skipped_in_row and self.skipped_in_row % self.max_skipped_in_row == 0:
-                log.warning(
-                    "%d steps in a row skipped for non-finite gradients (up to step %d, loss scale %g): "
-                    "the run is not learning; try bf16 or a lower learning rate",
-                    self.skipped_in_row,
-                    step,
-                    float(metrics.get("loss_scale", float("nan"))),
-                )
+            self._skipped(step, not metrics["grads_finite"], float(metrics.get("loss_scale", float("nan"))))
             return
         if not math.isfinite(loss):
             raise NonFiniteError(
                 f"the loss became {loss} at step {step}; stopped without saving non-finite "
                 "parameters (try a lower learning rate, gradient clipping, or bf16)"
+            )
+
+    def _skipped(self, step: int, skipped: bool, scale: float) -> None:
+        self.recent.append(skipped)
+        self.skipped_in_row = self.skipped_in_row + 1 if skipped else 0
+        if self.skipped_in_row and self.skipped_in_row % self.max_skipped_in_row == 0:
+            log.warning(
+                "%d steps in a row skipped for non-finite gradients (up to step %d, loss scale %g): "
+                "the run is not learning; try bf16 or a lower learning rate",
+                self.skipped_in_row,
+                step,
+                scale,
+            )
+        count = sum(self.recent)
+        if len(self.recent) == self.window and count > self.max_skipped_fraction * self.window:
+            raise SkippedStepsError(
+                f"{count} of the last {self.window} steps (up to step {step}) were skipped for non-finite fp16 "
+                f"gradients (loss scale {scale:g}), more than NonFiniteGuard's max_skipped_fraction "
+                f"{self.max_skipped_fraction:g}: the run is not learning; try bf16, a lower learning rate or "
+                "gradient clipping"
             )
 
 

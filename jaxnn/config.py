@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,6 +22,9 @@ SIZES = ("small", "base")
 # The data-parallel forms of `jaxnn.parallel` that `fit` runs: their state has the model's own shapes, where pmap's
 # carries a device axis in front (kept in jaxnn.parallel for comparison, not for checkpointed runs).
 FIT_FORMS = ("jit", "shard_map")
+CHECK_DATA = ("arrays", "all", "off")
+# numpy's and jax's seeding take 32-bit unsigned seeds; a larger or negative one fails deep inside them.
+SEED_LIMIT = 2**32
 
 
 class ConfigError(ValueError):
@@ -50,6 +54,12 @@ def _check_mesh(mesh: str, batch_size: int) -> None:
     split = math.prod(sizes.get(axis, 1) for axis in BATCH_AXES)
     if batch_size % split:
         raise ConfigError(f"batch size {batch_size} is not divisible by the {split} devices of the batch axes")
+
+
+def check_seed(owner: str, value: Any) -> None:
+    """Refuses a seed that is not an integer in [0, 2**32), naming the owner and the value."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not 0 <= int(value) < SEED_LIMIT:
+        raise ConfigError(f"{owner}: seed must be an integer in [0, 2**32), got {value!r}")
 
 
 def _check_compile_cache(owner: str, value) -> None:
@@ -100,6 +110,9 @@ class FitConfig:
     profile_dir: (run) write a `jax.profiler` trace of a few steps after warm-up here (see jaxnn.trace).
     compile_cache: (run) JAX's persistent compilation cache: "auto" ($JAXNN_COMPILE_CACHE, else
       ~/.cache/jaxnn/xla), "off", or a directory (see jaxnn.compile_cache).
+    check_data: (run) refuse NaN/Inf in float inputs before anything runs: "arrays" checks in-memory arrays (an
+      image data set's too) and evaluation batches at setup (one pass on the host), "all" also every training
+      batch of a stream or data set as it is drawn, "off" checks nothing.
     """
 
     steps: int = 1000
@@ -129,6 +142,7 @@ class FitConfig:
     name: str = "fit"
     profile_dir: str | None = None
     compile_cache: str = "auto"
+    check_data: str = "arrays"
 
     RUN_ONLY = (
         "steps",
@@ -154,6 +168,7 @@ class FitConfig:
         "name",
         "profile_dir",
         "compile_cache",
+        "check_data",
     )
 
     def __post_init__(self):
@@ -174,9 +189,12 @@ class FitConfig:
             raise ConfigError(f"{owner}: keep_best must name an evaluation metric, got {self.keep_best!r}")
         for name in ("eval_every", "ckpt_every", "prefetch"):
             _non_negative(owner, name, getattr(self, name))
-        if self.precision not in PRESETS:
+        check_seed(owner, self.seed)
+        if not isinstance(self.precision, str) or self.precision not in PRESETS:
             raise ConfigError(f"{owner}: unknown precision {self.precision!r}; choose one of {sorted(PRESETS)}")
-        if self.form not in FIT_FORMS:
+        if not isinstance(self.check_data, str) or self.check_data not in CHECK_DATA:
+            raise ConfigError(f"{owner}: check_data must be one of {list(CHECK_DATA)}, got {self.check_data!r}")
+        if not isinstance(self.form, str) or self.form not in FIT_FORMS:
             raise ConfigError(f"{owner}: form must be one of {list(FIT_FORMS)}, got {self.form!r}")
         if isinstance(self.metrics, str):
             object.__setattr__(self, "metrics", (self.metrics,))

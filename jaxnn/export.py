@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -42,6 +42,9 @@ CALL = (
     f"weights = safetensors.numpy.load_file('{WEIGHTS_FILE}'); "
     "logits = exported.call(weights, x)  # x: input.shape with any batch size b, input.dtype"
 )
+
+# The platforms `jax.export` lowers for, by the names it takes.
+EXPORT_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
 NameMap = Mapping[str, str | None] | Callable[[str], str | None]
 
@@ -159,7 +162,7 @@ def export_inference(
     *,
     dtype: Any,
     policy: Policy | str = "fp32",
-    platforms: Sequence[str] = ("cpu",),
+    platforms: str | Sequence[str] = ("cpu",),
 ) -> bytes:
     """The serialized `jax.export` of `fn(weights, x) -> logits`, the model in eval mode under `policy`.
 
@@ -178,12 +181,14 @@ def _export(
     example_shape: Sequence[int],
     dtype: Any,
     policy: Policy | str,
-    platforms: Sequence[str],
+    platforms: str | Sequence[str],
 ) -> Any:
     import jax
 
     from jaxnn.train import make_predict
 
+    platforms = check_platforms(platforms)
+    x_dtype = _check_dtype(dtype)
     predict = make_predict(model, policy)
     # The trees are rebuilt from the flat names inside the function, so that its argument is the plain dict a
     # consumer reads from the safetensors file, without jaxnn's tree layout.
@@ -201,8 +206,28 @@ def _export(
         name: jax.ShapeDtypeStruct(a.shape, a.dtype) for name, a in flat_weights(params, model_state).items()
     }
     (batch,) = jax.export.symbolic_shape("b")
-    x_spec = jax.ShapeDtypeStruct((batch, *example_shape), np.dtype(dtype))
-    return jax.export.export(jax.jit(fn), platforms=tuple(dict.fromkeys(platforms)))(weights_spec, x_spec)
+    x_spec = jax.ShapeDtypeStruct((batch, *example_shape), x_dtype)
+    return jax.export.export(jax.jit(fn), platforms=platforms)(weights_spec, x_spec)
+
+
+def check_platforms(platforms: Any) -> tuple[str, ...]:
+    """`platforms` as a tuple of distinct known platform names; one name may be given as a plain string."""
+    # A plain string is a sequence of its letters: "cuda" would otherwise export for "c", "u", "d" and "a".
+    names = tuple(platforms) if isinstance(platforms, Iterable) and not isinstance(platforms, str) else (platforms,)
+    unknown = [p for p in names if not isinstance(p, str) or p not in EXPORT_PLATFORMS]
+    if unknown or not names:
+        raise ValueError(
+            f"export: platforms must name one or more of {list(EXPORT_PLATFORMS)}, got {platforms!r}"
+            + (f" (unknown: {unknown})" if unknown else "")
+        )
+    return tuple(dict.fromkeys(names))
+
+
+def _check_dtype(dtype: Any) -> np.dtype:
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"export: dtype {dtype!r} is not a numpy dtype name (e.g. 'float32', 'int32')") from None
 
 
 def write_export(
@@ -214,7 +239,7 @@ def write_export(
     *,
     dtype: Any,
     policy: Policy | str = "fp32",
-    platforms: Sequence[str] = ("cpu",),
+    platforms: str | Sequence[str] = ("cpu",),
     config: dict | None = None,
 ) -> pathlib.Path:
     """Writes `model.jaxexport`, `weights.safetensors` and `export.json` (shapes, dtypes, how to call) to
@@ -290,7 +315,7 @@ def export_run(
     run_dir: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
     *,
-    platforms: Sequence[str] = ("cpu",),
+    platforms: str | Sequence[str] = ("cpu",),
     step: int | None = None,
     safetensors_only: bool = False,
 ) -> pathlib.Path:

@@ -13,8 +13,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from jaxnn.config import check_seed
 from jaxnn.layers.core import Layer, Params, PRNGKey, State, run, run_cached
 from jaxnn.precision import Policy, get_policy
 
@@ -30,11 +32,12 @@ class Sampler(NamedTuple):
 
     def check(self) -> None:
         """Refuses settings that sample nothing: a negative temperature, top_k < 1, top_p outside (0, 1]."""
-        if not self.temperature >= 0:
-            raise ValueError(f"generate: temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
-        if self.top_k is not None and not (isinstance(self.top_k, int) and self.top_k >= 1):
+        if not (_is_real(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"generate: temperature must be >= 0 (a number; 0 is greedy), got {self.temperature!r}")
+        top_k_ok = isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 1
+        if self.top_k is not None and not top_k_ok:
             raise ValueError(f"generate: top_k must be a positive integer, got {self.top_k!r}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
+        if self.top_p is not None and not (_is_real(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"generate: top_p must be in (0, 1], got {self.top_p!r}")
 
     def __call__(self, logits_BV: jax.Array, key: PRNGKey) -> jax.Array:
@@ -63,18 +66,63 @@ def _nucleus(logits_BV: jax.Array, top_p: float) -> jax.Array:
     return jnp.where(logits_BV < threshold_B1, -jnp.inf, logits_BV)
 
 
-def _check_prompt(prompt: Any, max_new_tokens: int) -> jax.Array:
-    prompt = jnp.asarray(prompt)
-    if prompt.ndim == 1:
-        prompt = prompt[None]
-    if prompt.ndim != 2 or prompt.shape[1] < 1 or not jnp.issubdtype(prompt.dtype, jnp.integer):
+def _is_real(value: Any) -> bool:
+    """Whether `value` is a number (a Python, numpy or 0-d jax scalar); text and booleans are not."""
+    if isinstance(value, (str, bytes, bool)):
+        return False
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _check_prompt(prompt: Any, max_new_tokens: int) -> np.ndarray:
+    """The prompt as (B, T) token ids on the host, checked before anything is traced or compiled."""
+    if isinstance(prompt, (str, bytes, bytearray)):
+        raise TypeError(
+            f"generate: prompt must be integer token ids, got {type(prompt).__name__} {prompt[:20]!r}; use "
+            "generate_bytes for text (bytes), or pass list(prompt) for its byte values as ids"
+        )
+    try:
+        ids = np.asarray(prompt)
+    except ValueError:  # numpy refuses rows of different lengths
+        raise ValueError("generate: prompt rows must all have the same length") from None
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2 or ids.shape[1] < 1 or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(
             "generate: prompt must be integer token ids of shape (batch, length >= 1), "
-            f"got {prompt.dtype} {tuple(prompt.shape)}"
+            f"got {ids.dtype} {tuple(ids.shape)}"
         )
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    return prompt.astype(jnp.int32)
+    return ids
+
+
+def _check_vocabulary(model: Layer, params: Params, state: State, ids: np.ndarray, policy: Policy) -> None:
+    """Refuses ids outside [0, vocab): under jit an embedding turns them into NaN rows and greedy decoding into
+    token 0, silently. The vocabulary is the width of the model's logits, found by tracing one position."""
+    one = jax.ShapeDtypeStruct((ids.shape[0], 1), jnp.int32)
+    logits = jax.eval_shape(lambda p, x: run(model, p, x, state=state, train=False, policy=policy)[0], params, one)
+    vocab = logits.shape[-1]
+    bad = (ids < 0) | (ids >= vocab)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"generate: prompt token ids must be in [0, {vocab}) (the model's vocabulary), got {ids[where]} at "
+            f"index {where}"
+        )
+
+
+def _as_key(key: PRNGKey | int | None) -> PRNGKey:
+    """A PRNG key, from a key or an integer seed (None: seed 0)."""
+    if key is None:
+        return jax.random.key(0)
+    if isinstance(key, (int, np.integer)):
+        check_seed("generate", key)
+        return jax.random.key(int(key))
+    return key
 
 
 def generate(
@@ -83,7 +131,7 @@ def generate(
     prompt: Any,
     max_new_tokens: int,
     *,
-    key: PRNGKey | None = None,
+    key: PRNGKey | int | None = None,
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
@@ -95,24 +143,28 @@ def generate(
 
     `model` maps (B, T) ids to (B, T, vocab) next-token logits and is causal (position t sees positions <= t).
     Returns (B, T + max_new_tokens) int32: the prompt, then the new tokens. Greedy by default; `temperature` > 0
-    samples (needs `key`), optionally restricted by `top_k` and `top_p`; the j-th new token uses
-    `fold_in(key, j)`, so the cached and uncached paths sample the same tokens from the same logits.
+    samples (needs `key`, a PRNG key or an integer seed in [0, 2**32)), optionally restricted by `top_k` and
+    `top_p`; the j-th new token uses `fold_in(key, j)`, so the cached and uncached paths sample the same tokens
+    from the same logits. Token ids outside the model's vocabulary (its logits' width) are refused.
     `use_cache=False` recomputes the whole sequence per token (the reference; also for models without a cache).
     """
-    prompt = _check_prompt(prompt, max_new_tokens)
-    sampler = Sampler(float(temperature), top_k, top_p)
+    ids = _check_prompt(prompt, max_new_tokens)
+    sampler = Sampler(temperature, top_k, top_p)
     sampler.check()
+    # Plain floats: the sampler is a static argument of the compiled decoder, so it must hash and compare by value.
+    sampler = sampler._replace(temperature=float(temperature), top_p=None if top_p is None else float(top_p))
     if sampler.temperature > 0 and key is None:
-        raise ValueError("generate: sampling (temperature > 0) needs key=jax.random.key(...)")
+        raise ValueError("generate: sampling (temperature > 0) needs key=jax.random.key(...) or an integer seed")
     if use_cache and model.init_cache is None:
         raise ValueError(
             f"generate: model {model.name!r} has no decoding cache (no causal attention layer); pass use_cache=False"
         )
-    key = jax.random.key(0) if key is None else key
+    key = _as_key(key)
     policy = get_policy(policy)
     params = policy.cast_to_compute(params)
+    _check_vocabulary(model, params, model_state, ids, policy)
     decode = _decode_cached if use_cache else _decode_uncached
-    return decode(model, sampler, policy, max_new_tokens, params, model_state, prompt, key)
+    return decode(model, sampler, policy, max_new_tokens, params, model_state, jnp.asarray(ids, jnp.int32), key)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
@@ -153,7 +205,7 @@ def generate_bytes(
     num_bytes: int,
     *,
     context_len: int | None = None,
-    key: PRNGKey | None = None,
+    key: PRNGKey | int | None = None,
     temperature: float = 0.8,
     top_k: int | None = None,
     top_p: float | None = None,
@@ -165,9 +217,13 @@ def generate_bytes(
     `context_len`: the longest sequence the model takes (a learned position table's length; None: unlimited). A
     longer text is generated in windows: when the window is full, generation restarts from its last half.
     """
+    if isinstance(prompt, str):
+        raise TypeError(f"generate_bytes: prompt must be bytes, got str {prompt[:20]!r}; encode it, e.g. .encode()")
+    if not isinstance(num_bytes, int) or isinstance(num_bytes, bool) or num_bytes < 0:
+        raise ValueError(f"generate_bytes: num_bytes must be an integer >= 0, got {num_bytes!r}")
     if context_len is not None and context_len < 2:
         raise ValueError(f"generate_bytes: context_len must be >= 2, got {context_len!r}")
-    key = jax.random.key(0) if key is None else key
+    key = _as_key(key)
     tokens = list(prompt) or [0]
     out: list[int] = []
     while len(out) < num_bytes:

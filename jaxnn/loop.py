@@ -152,11 +152,13 @@ def fit(
     if pipeline is not None and cfg.batch_size not in (None, pipeline.batch_size):
         raise ConfigError(f"fit: batch_size {cfg.batch_size} differs from the pipeline's {pipeline.batch_size}")
     callbacks = _checked_callbacks(callbacks)
-    source = as_train_source(data, pipeline, cfg.batch_size, cfg.seed)
+    source = as_train_source(data, pipeline, cfg.batch_size, cfg.seed, check=cfg.check_data)
     example = source.example()
     batch_size = _batch_size(example)
     cfg = _steps_of(dataclasses.replace(cfg, batch_size=batch_size), source)  # an iterable's own batch size counts
-    evals = as_eval_batches(eval_data, batch_size, seq_len=getattr(pipeline, "seq_len", 128), seed=cfg.seed)
+    evals = as_eval_batches(
+        eval_data, batch_size, seq_len=getattr(pipeline, "seq_len", 128), seed=cfg.seed, check=cfg.check_data
+    )
     tx = optimizer if optimizer is not None else make_optimizer(1e-3, total_steps=cfg.steps)
     if isinstance(mesh, str):
         mesh = make_sharded_mesh(mesh)

@@ -43,7 +43,7 @@ class Policy:
     name: str = "fp32"
 
     def __post_init__(self) -> None:
-        if self.matmul_precision not in MATMUL_PRECISIONS:
+        if not isinstance(self.matmul_precision, str) or self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(
                 f"Policy: unknown matmul_precision {self.matmul_precision!r}; choose one of {sorted(MATMUL_PRECISIONS)}"
             )
@@ -86,8 +86,8 @@ def get_policy(policy: Policy | str | None) -> Policy:
         return FP32
     if isinstance(policy, Policy):
         return policy
-    if policy not in PRESETS:
-        raise ValueError(f"unknown precision {policy!r}; choose one of {sorted(PRESETS)}")
+    if not isinstance(policy, str) or policy not in PRESETS:
+        raise ValueError(f"unknown precision {policy!r}; choose one of {sorted(PRESETS)} or pass a Policy")
     return PRESETS[policy]
 
 

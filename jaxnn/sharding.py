@@ -52,23 +52,44 @@ MIN_FSDP_SIZE = 1024
 
 
 def parse_mesh(spec: str | Mapping[str, int]) -> dict[str, int]:
-    """`"data=2,fsdp=4"` (or a mapping) -> {"data": 2, "fsdp": 4}; unknown axes and non-positive sizes refused."""
-    if isinstance(spec, str):
-        sizes: dict[str, int] = {}
-        for part in filter(None, (p.strip() for p in spec.split(","))):
-            name, sep, value = part.partition("=")
-            if not sep or not value.strip().isdigit():
-                raise ValueError(f"mesh {spec!r}: expected AXIS=SIZE items separated by commas, e.g. data=2,fsdp=4")
-            sizes[name.strip()] = int(value)
-    else:
-        sizes = dict(spec)
-    unknown = set(sizes) - set(AXES)
-    if unknown or not sizes:
-        raise ValueError(f"mesh {spec!r}: axes must be among {AXES}, got {sorted(sizes) or 'none'}")
-    bad = {k: v for k, v in sizes.items() if not isinstance(v, int) or v < 1}
-    if bad:
-        raise ValueError(f"mesh {spec!r}: axis sizes must be positive integers, got {bad}")
+    """`"data=2,fsdp=4"` (or a mapping) -> {"data": 2, "fsdp": 4}.
+
+    Strict, one line per mistake naming the item: an axis outside (data, fsdp, tensor), an axis given twice, a
+    size that is not a positive integer, an empty item or an empty spec.
+    """
+    items = _mesh_items(spec) if isinstance(spec, str) else list(_mapping_items(spec))
+    unknown = [name for name, _ in items if name not in AXES]
+    if unknown:
+        raise ValueError(f"mesh {spec!r}: axes must be among {AXES}, got {unknown}")
+    sizes: dict[str, int] = {}
+    for name, size in items:
+        if name in sizes:
+            raise ValueError(f"mesh {spec!r}: axis {name!r} is given twice")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"mesh {spec!r}: the size of {name!r} must be a positive integer, got {size!r}")
+        sizes[name] = size
+    if not sizes:
+        raise ValueError(f"mesh {spec!r}: no axes given; expected AXIS=SIZE items, e.g. data=2,fsdp=4")
     return sizes
+
+
+def _mesh_items(spec: str) -> list[tuple[str, Any]]:
+    items: list[tuple[str, Any]] = []
+    if not spec.strip():
+        return items
+    for part in spec.split(","):
+        name, sep, value = (s.strip() for s in part.partition("="))
+        if not sep or not name:
+            raise ValueError(f"mesh {spec!r}: item {part.strip()!r} is not AXIS=SIZE, e.g. data=2,fsdp=4")
+        # int() would also take "+2", "2_0" and non-ASCII digits; a mesh size is plain decimal digits.
+        items.append((name, int(value) if value.isascii() and value.isdigit() else value))
+    return items
+
+
+def _mapping_items(spec: Any) -> list[tuple[Any, Any]]:
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"mesh: expected 'AXIS=SIZE,...' text or a mapping of axis sizes, got {type(spec).__name__}")
+    return list(spec.items())
 
 
 def make_sharded_mesh(spec: str | Mapping[str, int], devices: list | None = None) -> Mesh:

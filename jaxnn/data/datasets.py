@@ -19,6 +19,8 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
+from jaxnn.config import check_seed
+
 log = logging.getLogger(__name__)
 
 StrPath: TypeAlias = str | os.PathLike[str]
@@ -111,6 +113,7 @@ def split_dataset(
     name: str, x: np.ndarray, y: np.ndarray, *, test_fraction: float = 0.2, seed: int = 0, **kwargs: Any
 ) -> ImageDataset:
     """A fixed, seeded train/test split of one labelled array (for sets that ship without one)."""
+    check_seed("split_dataset", seed)
     order = np.random.default_rng(seed).permutation(len(x))
     n_test = max(1, int(round(len(x) * test_fraction)))
     train, test = order[:-n_test], order[-n_test:]
@@ -350,6 +353,7 @@ def synthetic(
     seed: int = 0,
 ) -> ImageDataset:
     """Float images of any channels-last `shape`: a random prototype per class plus Gaussian noise (learnable)."""
+    check_seed("synthetic", seed)
     rng = np.random.default_rng(seed)
     prototypes = rng.normal(size=(num_classes, *shape)).astype(np.float32)
     y = rng.integers(0, num_classes, n_train + n_test)

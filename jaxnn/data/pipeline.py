@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from jaxnn.config import check_seed
 from jaxnn.data.datasets import ImageDataset, TextCorpus
 from jaxnn.data.preprocess import normalise, random_crop, random_flip, text_windows
 
@@ -50,6 +51,7 @@ class PipelineConfig:
     augment_repeats: int = 1
 
     def __post_init__(self) -> None:
+        check_seed("PipelineConfig", self.seed)
         if self.batch_size <= 0:
             raise ValueError(f"PipelineConfig: batch_size must be positive, got {self.batch_size}")
         if self.ragged not in ("drop", "pad"):

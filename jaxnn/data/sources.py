@@ -10,12 +10,18 @@
   if iterating again yields the same sequence.
 `steps_per_epoch()` is the number of batches in one pass, or None where the data do not say (a generator).
 Evaluation data takes the same forms, as padded batches whose `mask` marks the real rows.
+
+Float inputs holding NaN or Inf are refused (`check_finite`) with one line naming the array and its first bad
+index: in-memory arrays (an image data set's too) and evaluation batches at setup, before anything runs
+(`check="arrays"`, the default); with `check="all"` also every training batch of a stream or data set, as it is
+drawn.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+import math
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -44,6 +50,51 @@ def as_arrays(data: object, role: str = "data") -> dict[str, np.ndarray] | None:
     if not next(iter(sizes.values())):
         raise DataError(f"{role}: the arrays hold no examples")
     return arrays
+
+
+# Elements per np.isfinite call: bounds the temporary boolean array for inputs of many gigabytes.
+_FINITE_CHUNK = 1 << 22
+
+
+def check_finite(arrays: Mapping[str, Any], role: str) -> None:
+    """Refuses NaN/Inf in any float array of `arrays`: a DataError naming `role`, the array and the first bad index.
+
+    One pass over the data on the host; integer, boolean and other arrays are not looked at.
+    """
+    for name, value in arrays.items():
+        array = np.asarray(value)
+        if not _is_float(array.dtype):
+            continue
+        index = _first_non_finite(array)
+        if index is not None:
+            raise DataError(
+                f"{role}: array {name!r} holds {array[index]} at index {index}; inputs must be finite "
+                "(check_data='off' skips this check)"
+            )
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    # bfloat16 and the float8 types (ml_dtypes) are not numpy `inexact` subtypes.
+    return np.issubdtype(dtype, np.inexact) or dtype.name.startswith(("bfloat", "float"))
+
+
+def _first_non_finite(array: np.ndarray) -> tuple[int, ...] | None:
+    if array.ndim == 0:
+        return None if np.isfinite(array) else ()
+    rows = max(1, _FINITE_CHUNK // max(1, math.prod(array.shape[1:])))
+    for lo in range(0, len(array), rows):
+        finite = np.isfinite(array[lo : lo + rows])
+        if not finite.all():
+            first = np.unravel_index(int(np.argmin(finite)), finite.shape)
+            return (lo + int(first[0]), *(int(i) for i in first[1:]))
+    return None
+
+
+def _checked(batches: Iterator[dict[str, Any]], start: int) -> Iterator[dict[str, Any]]:
+    for i, batch in enumerate(batches, start):
+        if isinstance(batch, Mapping):  # anything else is refused by the loop, naming its type
+            check_finite(batch, f"data: training batch {i}")
+        yield batch
 
 
 class ArrayBatches(CachedPermutations):
@@ -96,8 +147,8 @@ class IterableBatches:
     trained on first, and the iterator running out ends the run.
     """
 
-    def __init__(self, iterable: Iterable[dict[str, Any]]) -> None:
-        self.iterable = iterable
+    def __init__(self, iterable: Iterable[dict[str, Any]], check_each: bool = False) -> None:
+        self.iterable, self.check_each = iterable, check_each
         self.one_shot = iter(iterable) is iterable
         self._first: dict[str, Any] | None = None
 
@@ -114,8 +165,10 @@ class IterableBatches:
 
     def iterator(self, start: int, stop: int) -> Iterator[dict[str, Any]]:
         if self.one_shot:
-            return itertools.islice(itertools.chain([self.example()], self.iterable), start, stop)
-        return itertools.islice(self._passes(), start, stop)
+            batches = itertools.islice(itertools.chain([self.example()], self.iterable), start, stop)
+        else:
+            batches = itertools.islice(self._passes(), start, stop)
+        return _checked(batches, start) if self.check_each else batches
 
     def _passes(self) -> Iterator[dict[str, Any]]:
         while True:
@@ -133,8 +186,8 @@ class IterableBatches:
 class DatasetBatches:
     """A jaxnn data set through the host pipeline (`TrainBatches`, Grain workers or inline)."""
 
-    def __init__(self, data: ImageDataset | TextCorpus, pipeline: PipelineConfig) -> None:
-        self.data, self.pipeline = data, pipeline
+    def __init__(self, data: ImageDataset | TextCorpus, pipeline: PipelineConfig, check_each: bool = False) -> None:
+        self.data, self.pipeline, self.check_each = data, pipeline, check_each
         self._source = TrainBatches(data, pipeline)
         if isinstance(data, ImageDataset) and pipeline.batch_size > len(data.x_train):
             raise DataError(
@@ -149,7 +202,8 @@ class DatasetBatches:
         return int(self._source.steps_per_epoch)
 
     def iterator(self, start: int, stop: int) -> Iterator[dict[str, np.ndarray]]:
-        return host_iterator(TrainBatches(self.data, self.pipeline, start, stop), self.pipeline)
+        batches = host_iterator(TrainBatches(self.data, self.pipeline, start, stop), self.pipeline)
+        return _checked(batches, start) if self.check_each else batches
 
     def state(self, next_step: int) -> dict[str, Any]:
         return iterator_state(next_step, self._source)
@@ -185,27 +239,42 @@ def _default_pipeline(pipeline: PipelineConfig | None, batch_size: int | None, s
 
 
 def as_train_source(
-    data: object, pipeline: PipelineConfig | None, batch_size: int | None, seed: int
+    data: object, pipeline: PipelineConfig | None, batch_size: int | None, seed: int, *, check: str = "arrays"
 ) -> DatasetBatches | ArraySource | IterableBatches:
-    """The source for `data` (see the module docstring); bad data raises DataError before anything runs."""
+    """The source for `data` (see the module docstring); bad data raises DataError before anything runs.
+
+    `check`: "arrays" refuses non-finite in-memory arrays here, "all" also each drawn batch of a stream or data
+    set, "off" neither (FitConfig.check_data).
+    """
     if isinstance(data, (ImageDataset, TextCorpus)):
-        return DatasetBatches(data, _default_pipeline(pipeline, batch_size, seed))
+        if check != "off" and isinstance(data, ImageDataset):
+            check_finite({"x_train": data.x_train}, f"data ({data.name})")
+        return DatasetBatches(data, _default_pipeline(pipeline, batch_size, seed), check_each=check == "all")
     arrays = as_arrays(data, "data")
     if arrays is not None:
+        if check != "off":
+            check_finite(arrays, "data")
         return ArraySource(arrays, _default_pipeline(pipeline, batch_size, seed))
     if isinstance(data, (str, bytes)) or not hasattr(data, "__iter__"):
         raise DataError(
             f"data: expected (x, y) arrays, a dict of arrays, a jaxnn data set or an iterable of batch "
             f"dicts, got {type(data).__name__}"
         )
-    return IterableBatches(data)
+    return IterableBatches(data, check_each=check == "all")
 
 
-def as_eval_batches(data: object, batch_size: int, *, seq_len: int = 128, seed: int = 0) -> list[dict[str, Any]] | None:
-    """Evaluation batches of `batch_size` rows: arrays padded with `mask` 0, data sets' test splits, or as given."""
+def as_eval_batches(
+    data: object, batch_size: int, *, seq_len: int = 128, seed: int = 0, check: str = "arrays"
+) -> list[dict[str, Any]] | None:
+    """Evaluation batches of `batch_size` rows: arrays padded with `mask` 0, data sets' test splits, or as given.
+
+    Unless `check` is "off", a NaN/Inf in them is refused here: it would otherwise come back as a `nan` metric.
+    """
     if data is None:
         return None
     if isinstance(data, (ImageDataset, TextCorpus)):
+        if check != "off" and isinstance(data, ImageDataset):
+            check_finite({"x_test": data.x_test}, f"eval_data ({data.name})")
         return eval_batches(data, batch_size, seq_len=seq_len, seed=seed)
     arrays = as_arrays(data, "eval_data")
     if arrays is None:
@@ -213,7 +282,21 @@ def as_eval_batches(data: object, batch_size: int, *, seq_len: int = 128, seed: 
             raise DataError(
                 f"eval_data: expected arrays, a data set or an iterable of batches, got {type(data).__name__}"
             )
-        return list(data)
+        return _checked_batches(list(data), check)
+    if check != "off":
+        check_finite(arrays, "eval_data")  # before padding, so that the index is the array's own
+    return _padded_batches(arrays, batch_size)
+
+
+def _checked_batches(batches: list[Any], check: str) -> list[Any]:
+    if check != "off":
+        for i, batch in enumerate(batches):
+            if isinstance(batch, Mapping):
+                check_finite(batch, f"eval_data: batch {i}")
+    return batches
+
+
+def _padded_batches(arrays: dict[str, np.ndarray], batch_size: int) -> list[dict[str, Any]]:
     n = len(next(iter(arrays.values())))
     batches = []
     for lo in range(0, n, batch_size):

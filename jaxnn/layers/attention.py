@@ -247,6 +247,7 @@ def MultiHeadAttention(
       0..T-1; `rotary_embedding`).
     - Params: `qkv` (one fused Dense) for self-attention with num_kv_heads == num_heads, else `q` and `kv`; `out`.
     - Causal self-attention decodes with a cache (`init_cache`): keys and values of every position seen so far.
+      Decoding past the cache's length is refused in eager calls and gives NaN outputs under jit.
     `implementation`: "auto" uses cuDNN's fused kernel for bf16/fp16 when the computation is lowered for CUDA and
     jax can trace cuDNN attention here (a CUDA jax with cuDNN, and shapes the kernel takes), the f32-accumulating
     path for half precision and float64 otherwise, and jax's XLA path for float32; "xla", "cudnn" and "f32acc" force
@@ -272,7 +273,7 @@ def MultiHeadAttention(
             check_positions(name, positions, x_BTD.shape)
         q, k, v = heads.project(params, x_BTD, source, policy)
         if cache is not None:
-            o, cache = _decode(q, k, v, cache, positions, rope_base if rope else None, policy)
+            o, cache = _decode(name, q, k, v, cache, positions, rope_base if rope else None, policy)
         else:
             if rope:
                 positions = jnp.broadcast_to(jnp.arange(T), (B, T)) if positions is None else positions
@@ -307,11 +308,26 @@ def _source_and_key_mask(name, cross, x_BTD, side):
     return context, _check_mask(name, "context_mask", side.get("context_mask"), context.shape[:2])
 
 
-def _decode(q_BTNH, k_BTKH, v_BTKH, cache, positions, rope_base, policy):
+def _check_cache_room(name: str, index: jax.Array, T: int, L: int) -> None:
+    """Refuses decoding past the cache's end when the index is concrete (eager calls); see `_decode` for jit."""
+    if isinstance(index, jax.core.Tracer) or int(index) + T <= L:
+        return
+    raise LayerError(
+        name,
+        f"decoding {T} position(s) from position {int(index)} overruns the cache of {L} positions; "
+        f"build it with max_len >= {int(index) + T}",
+    )
+
+
+def _decode(name, q_BTNH, k_BTKH, v_BTKH, cache, positions, rope_base, policy):
     """The next T positions against the cache: their keys and values are written at the cache's index, and each
-    query attends to every cached position up to its own."""
+    query attends to every cached position up to its own.
+
+    Past the cache's end, `dynamic_update_slice` would clamp the index and overwrite the last entries, giving
+    plausible but wrong outputs; an eager call is refused, a traced one returns NaN instead."""
     B, T = q_BTNH.shape[:2]
     index = cache["index"]
+    _check_cache_room(name, index, T, cache["k"].shape[1])
     if positions is None:
         positions = jnp.broadcast_to(index + jnp.arange(T), (B, T))
     if rope_base is not None:
@@ -322,6 +338,7 @@ def _decode(q_BTNH, k_BTKH, v_BTKH, cache, positions, rope_base, policy):
     L = k_BLKH.shape[1]
     valid_11TL = (jnp.arange(L)[None, :] <= (index + jnp.arange(T))[:, None])[None, None]
     o = _attention_f32acc(q_BTNH.astype(dtype), k_BLKH, v_BLKH, valid_11TL, policy)
+    o = jnp.where(index + T <= L, o, jnp.nan)
     return o, {"k": k_BLKH, "v": v_BLKH, "index": index + T}
 
 

@@ -1,0 +1,76 @@
+"""Bad input to generation: token ids outside the vocabulary, text given to the token API, decoding past the KV
+cache and out-of-range seeds each get one line naming the value, checked on the host before anything compiles;
+never zeros or overwritten cache entries passed off as tokens."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxnn.config import ConfigError
+from jaxnn.generate import generate, generate_bytes
+from jaxnn.layers import LayerError, init_cache, run_cached
+from jaxnn.layers.core import init_model
+from jaxnn.models import GPT, GPTConfig
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    model = GPT(GPTConfig(seq_len=16, d_model=16, num_layers=1, num_heads=2))
+    return model, jax.jit(lambda key: init_model(model, key, (1, 4))[1])(jax.random.key(0))
+
+
+@pytest.mark.parametrize("bad", [300, 256, -1])
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_prompt_ids_outside_the_vocabulary_are_refused(gpt, bad, use_cache):
+    model, params = gpt
+    with pytest.raises(
+        ValueError, match=rf"^generate: prompt token ids must be in \[0, 256\) .*got {bad} at index \(1, 1\)"
+    ):
+        generate(model, params, [[1, 2, 3], [1, bad, 2]], 3, use_cache=use_cache)
+
+
+def test_text_given_to_the_token_api_is_refused_with_the_way_to_pass_it(gpt):
+    model, params = gpt
+    for text, kind in ((b"hello", "bytes"), ("hello", "str")):
+        with pytest.raises(
+            TypeError, match=rf"^generate: prompt must be integer token ids, got {kind} .*generate_bytes"
+        ):
+            generate(model, params, text, 3)
+    with pytest.raises(TypeError, match=r"^generate_bytes: prompt must be bytes, got str 'hello'"):
+        generate_bytes(model, params, "hello", 3)
+    with pytest.raises(ValueError, match=r"^generate: prompt rows must all have the same length"):
+        generate(model, params, [[1, 2, 3], [4]], 3)
+
+
+def test_decoding_past_the_cache_is_refused_eagerly_and_nan_under_jit(gpt):
+    model, params = gpt
+    prompt = jnp.array([[1, 2, 3, 4]])
+    step = jax.jit(lambda p, x, c: run_cached(model, p, x, c))
+    logits, cache = step(params, prompt, init_cache(model, (1, 4), 6, jnp.float32))
+    assert np.isfinite(logits).all()
+    with pytest.raises(
+        LayerError,
+        match=r"^gpt/2_block/0_attn/1_attention: decoding 3 position\(s\) from position 4 overruns the "
+        r"cache of 6 positions; build it with max_len >= 7",
+    ):
+        run_cached(model, params, prompt[:, :3], cache)  # eager: the cache's index is a concrete 4
+    logits, _ = step(params, prompt, cache)  # positions 4..7 of a 6-position cache
+    assert np.isnan(logits).all()
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32, True])
+def test_seeds_out_of_range_are_refused(gpt, seed):
+    model, params = gpt
+    with pytest.raises(ConfigError, match=rf"^generate: seed must be an integer in \[0, 2\*\*32\), got {seed}$"):
+        generate(model, params, [[1, 2]], 2, key=seed, temperature=1.0)
+
+
+def test_sampling_settings_that_are_not_numbers_are_refused(gpt):
+    model, params = gpt
+    with pytest.raises(ValueError, match=r"^generate: temperature must be >= 0 \(a number; 0 is greedy\), got 'hot'"):
+        generate(model, params, [[1, 2]], 2, temperature="hot")
+    with pytest.raises(ValueError, match=r"^generate: top_p must be in \(0, 1\], got '0.9'"):
+        generate(model, params, [[1, 2]], 2, temperature=1.0, top_p="0.9", key=0)
+    with pytest.raises(ValueError, match=r"^generate: max_new_tokens must be a positive integer, got True"):
+        generate(model, params, [[1, 2]], True)
