@@ -270,7 +270,9 @@ def parse_model_config(items: list[str], flag: str = "--model-config") -> dict[s
 
 # TrainConfig's own fields that do not change what a run computes: a checkpoint may be resumed with them changed
 # (the FitConfig's are its RUN_ONLY).
-RUN_ONLY_FIELDS = ("mesh", "backend", "workers", "sample_bytes")
+RUN_ONLY_FIELDS = ("mesh", "backend", "workers", "sample_bytes", "init_from")
+SCHEDULES = ("cosine", "constant")
+LATER_DEFAULTS = {"schedule": "cosine", "label_smoothing": 0.0}
 BACKENDS = ("grain", "inline")
 
 
@@ -284,7 +286,9 @@ class TrainConfig:
 
     `dataset` "auto": text for gpt, else the format found in `data_dir`, else digits. `model_overrides` replaces
     fields of the model's config, as ((field, value), ...), e.g. (("d_model", 128),). `mesh` ("data=2,fsdp=4",
-    see jaxnn.sharding) replaces `fit.devices`.
+    see jaxnn.sharding) replaces `fit.devices`. `schedule`: the learning rate's cosine decay to 0 at the run's
+    last step, or "constant" after the warm-up, which lets a finished run be trained on with a larger `steps`.
+    `init_from`: start from another run's parameters and optimizer state (`jaxnn.fit`'s `init_from`).
     """
 
     model: str = "cnn"
@@ -302,6 +306,9 @@ class TrainConfig:
     backend: str = "grain"
     workers: int = 0
     sample_bytes: int = 300
+    schedule: str = "cosine"
+    label_smoothing: float = 0.0
+    init_from: str | None = None
     fit: FitConfig = dataclasses.field(default_factory=_quick_fit)
 
     def __post_init__(self):
@@ -318,9 +325,14 @@ class TrainConfig:
 
     def trajectory(self) -> dict:
         """This config's own fields that determine the computed parameters (what a resumed run must share);
-        `fit` adds the FitConfig's (`FitConfig.record`)."""
+        `fit` adds the FitConfig's (`FitConfig.record`). Fields added after runs were made are left out at their
+        defaults, so that those runs' records still match and they can be resumed."""
         d = self.as_dict()
-        return {k: v for k, v in d.items() if k not in RUN_ONLY_FIELDS and k != "fit"}
+        return {
+            k: v
+            for k, v in d.items()
+            if k not in RUN_ONLY_FIELDS and k != "fit" and not (k in LATER_DEFAULTS and v == LATER_DEFAULTS[k])
+        }
 
 
 def _validate(cfg: TrainConfig) -> None:
@@ -339,6 +351,10 @@ def _validate(cfg: TrainConfig) -> None:
     for name in ("warmup", "workers", "crop_pad", "weight_decay", "sample_bytes"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(cfg, name)!r}")
+    if cfg.schedule not in SCHEDULES:
+        raise ConfigError(f"unknown schedule {cfg.schedule!r}; choose one of {list(SCHEDULES)}")
+    if not (isinstance(cfg.label_smoothing, (int, float)) and 0 <= cfg.label_smoothing < 1):
+        raise ConfigError(f"label_smoothing must be in [0, 1), got {cfg.label_smoothing!r}")
     if cfg.backend not in BACKENDS:
         raise ConfigError(f"unknown backend {cfg.backend!r}; choose one of {list(BACKENDS)}")
     if cfg.fit.batch_size % cfg.fit.devices:

@@ -25,7 +25,7 @@ from jaxnn.data.datasets import DataError, ImageDataset, TextCorpus
 from jaxnn.data.sources import as_arrays, as_eval_batches
 from jaxnn.layers.core import Layer
 from jaxnn.precision import Policy, get_policy
-from jaxnn.train import Batch, LossFn, _forward, masked_classification_loss
+from jaxnn.train import Batch, LossFn, forward_batch, masked_classification_loss
 
 VALID = "__valid__"  # the loop's own mark of a batch's real rows, taken out before the loss sees the batch
 
@@ -40,7 +40,7 @@ def eval_sums_fn(model: Layer, loss_fn: LossFn, policy: Policy | str = "fp32") -
     def sums(params: Any, model_state: Any, batch: Batch) -> tuple[dict, jax.Array]:
         batch = dict(batch)
         valid = batch.pop(VALID).astype(jnp.float32)
-        logits, _ = _forward(model, policy, params, model_state, batch, key=None, train=False)
+        logits, _ = forward_batch(model, policy, params, model_state, batch, key=None, train=False)
         per = jax.vmap(lambda out, row: _one_example(loss_fn, out, row))(logits, batch)
         weight = valid * per.pop("count") if "count" in per else valid
         total = {k: jnp.sum(jnp.where(weight > 0, v, 0.0) * weight) for k, v in per.items() if v.ndim == 1}
@@ -194,7 +194,7 @@ def predict(
     mesh = _mesh_for(mesh, devices)
     _, split = _placement(mesh)
     policy = get_policy(precision)
-    forward = jax.jit(lambda p, s, x: _forward(model, policy, p, s, {"x": x}, key=None, train=False)[0])
+    forward = jax.jit(lambda p, s, x: forward_batch(model, policy, p, s, {"x": x}, key=None, train=False)[0])
     params, state = replicate((params, state), mesh)
     outputs = []
     for x in _inputs(data, batch_size):

@@ -51,6 +51,7 @@ from jaxnn.train import (
     TrainState,
     classification_loss,
     create_train_state,
+    forward_batch,
     make_optimizer,
     masked_classification_loss,
     train_step_fn,
@@ -118,6 +119,7 @@ def fit(
     name: str = "fit",
     profile_dir: str | None = None,
     compile_cache: str = "auto",
+    check_data: str = "arrays",
     **unknown: Any,
 ) -> FitResult:
     """Trains `model` on `data` and returns `FitResult(state, history, summary)`.
@@ -386,12 +388,12 @@ def _spec(batch: dict) -> dict:
 
 def _output_spec(model, precision, state, batch) -> Any:
     """The model's output shape on `batch` (eval mode), or None when the model cannot run (reported next)."""
-    from jaxnn.train import _forward
-
     policy = get_policy(precision)
     try:
         return jax.eval_shape(
-            lambda s, b: _forward(model, policy, s.params, s.model_state, b, key=None, train=False)[0], state, batch
+            lambda s, b: forward_batch(model, policy, s.params, s.model_state, b, key=None, train=False)[0],
+            state,
+            batch,
         )
     except Exception:  # noqa: BLE001 - the step's trace that follows names the failure
         return None

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxnn.config import SCHEDULES
 from jaxnn.layers.core import Layer, Params, PRNGKey, Shape, State, init_model, run
 from jaxnn.precision import LossScale, Policy, all_finite, get_policy
 
@@ -110,12 +111,20 @@ def weight_decay_mask(params: Params) -> Any:
     return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], "key", None) == "w", params)
 
 
-def make_schedule(learning_rate: float = 1e-3, *, total_steps: int = 1000, warmup_steps: int = 0) -> optax.Schedule:
-    """Linear warm-up from 0 to `learning_rate` over `warmup_steps`, then cosine decay to 0 at `total_steps`."""
+def make_schedule(
+    learning_rate: float = 1e-3, *, total_steps: int = 1000, warmup_steps: int = 0, decay: str = "cosine"
+) -> optax.Schedule:
+    """Linear warm-up from 0 to `learning_rate` over `warmup_steps`, then cosine decay to 0 at `total_steps`
+    (`decay="cosine"`) or `learning_rate` from then on (`decay="constant"`: a run can be trained on past
+    `total_steps` along the same schedule)."""
     if not learning_rate > 0:
         raise ValueError(f"learning_rate must be positive, got {learning_rate!r}")
     if total_steps <= 0:
         raise ValueError(f"total_steps must be positive, got {total_steps!r}")
+    if decay not in SCHEDULES:
+        raise ValueError(f"unknown schedule {decay!r}; choose one of {list(SCHEDULES)}")
+    if decay == "constant":
+        return optax.warmup_constant_schedule(0.0 if warmup_steps else learning_rate, learning_rate, warmup_steps)
     return optax.warmup_cosine_decay_schedule(
         0.0 if warmup_steps else learning_rate, learning_rate, warmup_steps, max(total_steps, warmup_steps + 1)
     )
@@ -128,14 +137,15 @@ def make_optimizer(
     warmup_steps: int = 0,
     weight_decay: float = 0.0,
     clip_norm: float | None = 1.0,
+    decay: str = "cosine",
 ) -> optax.GradientTransformation:
     """AdamW on `make_schedule`, global-norm clipping, and decay on kernels only (all optax)."""
-    schedule = make_schedule(learning_rate, total_steps=total_steps, warmup_steps=warmup_steps)
+    schedule = make_schedule(learning_rate, total_steps=total_steps, warmup_steps=warmup_steps, decay=decay)
     adamw = optax.adamw(schedule, weight_decay=weight_decay, mask=weight_decay_mask)
     return optax.chain(optax.clip_by_global_norm(clip_norm), adamw) if clip_norm else adamw
 
 
-def _forward(
+def forward_batch(
     model: Layer,
     policy: Policy,
     params: Params,
@@ -145,6 +155,8 @@ def _forward(
     key: PRNGKey | None,
     train: bool,
 ) -> tuple[Any, State]:
+    """The model's output for `batch["x"]` under `policy` (parameters and input cast to its compute dtype, the
+    output to its output dtype), and the model state after it: what every step, evaluation and prediction runs."""
     logits, model_state = run(
         model,
         policy.cast_to_compute(params),
@@ -197,7 +209,7 @@ def train_step_fn(
         scale = _loss_scale_of(state, policy) if policy.loss_scaling else None
 
         def scaled_loss(params: Params, model_state: State, batch: Batch, key: PRNGKey) -> tuple[jax.Array, Any]:
-            logits, model_state = _forward(model, policy, params, model_state, batch, key=key, train=True)
+            logits, model_state = forward_batch(model, policy, params, model_state, batch, key=key, train=True)
             loss, metrics = loss_fn(logits, batch)
             scaled = scale.scale_loss(loss) if scale is not None else loss
             return scaled, (loss, metrics, model_state)
@@ -333,7 +345,7 @@ def make_eval_step(
     policy = get_policy(policy)
 
     def eval_step(state: TrainState, batch: Batch) -> Metrics:
-        logits, _ = _forward(model, policy, state.params, state.model_state, batch, key=None, train=False)
+        logits, _ = forward_batch(model, policy, state.params, state.model_state, batch, key=None, train=False)
         loss, metrics = loss_fn(logits, batch)
         return {**metrics, "loss": loss}
 
@@ -345,6 +357,6 @@ def make_predict(model: Layer, policy: Policy | str = "fp32", **jit_kwargs: Any)
     policy = get_policy(policy)
 
     def predict(params: Params, model_state: State, x: jax.Array) -> Any:
-        return _forward(model, policy, params, model_state, {"x": x}, key=None, train=False)[0]
+        return forward_batch(model, policy, params, model_state, {"x": x}, key=None, train=False)[0]
 
     return jax.jit(predict, **jit_kwargs)

@@ -4,4 +4,5 @@ import sys
 
 from jaxnn.cli.main import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when a tool imports every module (API docs, the annotation test)
+    sys.exit(main())

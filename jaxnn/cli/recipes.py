@@ -7,6 +7,8 @@ with their own models.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import logging
 import pathlib
 from collections.abc import Callable, Iterable
@@ -80,10 +82,11 @@ def train(
 
     from jaxnn.callbacks import LearningRateLogger
     from jaxnn.data import PipelineConfig, TextCorpus
+    from jaxnn.data.pipeline import TrainBatches
     from jaxnn.layers import summary as model_summary
-    from jaxnn.loop import fit
+    from jaxnn.loop import FitInterrupted, fit
     from jaxnn.models import get_model
-    from jaxnn.train import lm_loss, make_optimizer, make_schedule, masked_classification_loss
+    from jaxnn.train import make_optimizer, make_schedule
 
     data = load_data(cfg)
     is_text = isinstance(data, TextCorpus)
@@ -100,23 +103,36 @@ def train(
         backend=cfg.backend,
         workers=cfg.workers,
     )
-    schedule = make_schedule(cfg.lr, total_steps=run.steps, warmup_steps=cfg.warmup)
-    tx = make_optimizer(cfg.lr, total_steps=run.steps, warmup_steps=cfg.warmup, weight_decay=cfg.weight_decay)
+    total = run.steps if run.epochs is None else run.epochs * TrainBatches(data, pipeline, 0, 1).steps_per_epoch
+    _refuse_training_on_a_decayed_schedule(cfg, total)
+    schedule = make_schedule(cfg.lr, total_steps=total, warmup_steps=cfg.warmup, decay=cfg.schedule)
+    tx = make_optimizer(
+        cfg.lr, total_steps=total, warmup_steps=cfg.warmup, weight_decay=cfg.weight_decay, decay=cfg.schedule
+    )
     if print_summary is not None and jax.process_index() == 0:
         example = (cfg.seq_len,) if isinstance(data, TextCorpus) else data.image_shape
         model_summary(model, (batch_size, *example), policy=run.precision, print_fn=print_summary)
-    result = fit(
-        model,
-        data,
-        loss=lm_loss if is_text else masked_classification_loss,
-        optimizer=tx,
-        eval_data=data,
-        pipeline=pipeline,
-        callbacks=[LearningRateLogger(schedule), *callbacks],
-        config={**cfg.trajectory(), "model_config": dataclasses.asdict(mcfg)},
-        mesh=cfg.mesh,
-        **{f.name: getattr(run, f.name) for f in dataclasses.fields(run)},
-    )
+    # The cosine schedule decays to 0 at the last step, so the step count is part of what the run computes.
+    fixed = {"steps": total} if cfg.schedule == "cosine" else {}
+    settings = {f.name: getattr(run, f.name) for f in dataclasses.fields(run)}
+    if run.epochs is not None:
+        settings["steps"] = None  # fit counts the epochs' steps itself
+    try:
+        result = fit(
+            model,
+            data,
+            loss=_loss(cfg, is_text),
+            optimizer=tx,
+            eval_data=data,
+            pipeline=pipeline,
+            callbacks=[LearningRateLogger(schedule), *callbacks],
+            config={**cfg.trajectory(), **fixed, "model_config": dataclasses.asdict(mcfg)},
+            mesh=cfg.mesh,
+            init_from=cfg.init_from,
+            **settings,
+        )
+    except FitInterrupted as stopped:  # Ctrl-C: the checkpoint is written; `jaxnn train` exits 130 after the summary
+        result = stopped.result
     summary = {"model": cfg.model, "dataset": data.name, **result.summary}
     finished_now = not (summary.get("interrupted_by") or summary.get("already_finished"))
     if is_text and cfg.sample_bytes and finished_now:
@@ -124,6 +140,34 @@ def train(
         if jax.process_index() == 0 and run.run_dir:
             write_json_atomic(pathlib.Path(run.run_dir) / "summary.json", summary)
     return summary
+
+
+def _loss(cfg: TrainConfig, is_text: bool) -> Any:
+    from jaxnn.train import lm_loss, masked_classification_loss
+
+    if is_text:
+        return lm_loss
+    if cfg.label_smoothing:
+        return functools.partial(masked_classification_loss, label_smoothing=cfg.label_smoothing)
+    return masked_classification_loss
+
+
+def _refuse_training_on_a_decayed_schedule(cfg: TrainConfig, total: int) -> None:
+    """A resume asking for another step count than a cosine-decayed run was made for would not continue it: its
+    learning rate reached 0 at the old last step. One line says so before anything is done."""
+    if not (cfg.fit.resume and cfg.schedule == "cosine" and cfg.fit.run_dir):
+        return
+    path = pathlib.Path(cfg.fit.run_dir) / "config.json"
+    try:
+        saved = json.loads(path.read_text()).get("steps") if path.is_file() else None
+    except (OSError, ValueError):
+        return  # a damaged config.json is the run directory's own check to report
+    if isinstance(saved, int) and saved != total:
+        raise ConfigError(
+            f"--steps {total}: the run in {cfg.fit.run_dir} was made for {saved} steps with the cosine schedule, "
+            f"whose learning rate decays to 0 at step {saved}; resume with --steps {saved}, or train with "
+            "--schedule constant from the start to be able to train on"
+        )
 
 
 def _sample(model, state, cfg: TrainConfig) -> str:

@@ -57,7 +57,6 @@ def generate_main(args: argparse.Namespace) -> int:
     """Runs `jaxnn generate`; errors go to `jaxnn.cli.main`'s exit-status table."""
     if args.length < 1:
         raise ValueError(f"--length must be positive, got {args.length}")
-    import jax
 
     from jaxnn.checkpoint import load_params
     from jaxnn.generate import generate_bytes
@@ -73,7 +72,7 @@ def generate_main(args: argparse.Namespace) -> int:
         args.prompt.encode(),
         args.length,
         context_len=mcfg.seq_len if mcfg.position == "learned" else None,
-        key=jax.random.key(args.seed),
+        key=args.seed,  # checked by generate: an integer in [0, 2**32)
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,

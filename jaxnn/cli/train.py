@@ -14,7 +14,14 @@ import os
 import pathlib
 from typing import TYPE_CHECKING, Any
 
-from jaxnn.config import MODEL_DEFAULTS, FitConfig, TrainConfig, default_model_overrides, parse_model_config
+from jaxnn.config import (
+    MODEL_DEFAULTS,
+    ConfigError,
+    FitConfig,
+    TrainConfig,
+    default_model_overrides,
+    parse_model_config,
+)
 
 if TYPE_CHECKING:
     from jaxnn.callbacks import Callback
@@ -39,10 +46,20 @@ def add_train_parser(sub: Any) -> None:
     a("--dataset", default="auto", help="data format: auto, digits, mnist, fashion_mnist, cifar10, text, synthetic")
     a("--size", default="base", help="model size: base (the model's default config) or small (for quick runs)")
     a("--steps", type=int, default=None, help="training steps (default per model)")
+    a("--epochs", type=int, default=None, help="passes over the training set, instead of --steps")
+    a("--accumulate", type=int, default=1, help="micro-batches per optimizer step (gradient accumulation)")
     a("--batch-size", type=int, default=None, help="global batch size, split over --devices (default per model)")
     a("--precision", default="fp32", help="precision policy: fp32, tf32, bf16 or fp16")
     a("--lr", type=float, default=None, help="peak learning rate of AdamW (default per model)")
     a("--warmup", type=int, default=None, help="linear warm-up steps before the cosine decay")
+    a(
+        "--schedule",
+        default="cosine",
+        choices=("cosine", "constant"),
+        help="learning rate after the warm-up: cosine decay to 0 at the last step, or constant (a finished run "
+        "can then be trained on with --resume and a larger --steps)",
+    )
+    a("--label-smoothing", type=float, default=0.0, help="classification: smooth the one-hot targets by this much")
     a("--weight-decay", type=float, default=0.0, help="AdamW weight decay on kernels")
     a("--seed", type=int, default=0, help="seed for initialisation, shuffling and augmentation")
     a("--seq-len", type=int, default=None, help="gpt: context length in bytes")
@@ -70,6 +87,9 @@ def add_train_parser(sub: Any) -> None:
     a("--log-every", type=int, default=50, help="log metrics and input wait every N steps")
     a("--ckpt-every", type=int, default=0, help="checkpoint every N steps (0: only at the end and on a signal)")
     a("--keep", type=int, default=3, help="checkpoints to keep")
+    a("--keep-best", default=None, metavar="METRIC", help="keep the checkpoints best by this eval metric")
+    a("--keep-best-mode", default="min", choices=("min", "max"), help="whether --keep-best's metric is best low")
+    a("--init-from", default=None, metavar="RUN_DIR", help="start from another run's parameters and optimizer state")
     a(
         "--devices",
         type=int,
@@ -93,6 +113,12 @@ def add_pipeline_and_output_flags(p: argparse.ArgumentParser) -> None:
     a("--prefetch", type=int, default=2, help="batches put on the device ahead of the step (0: none)")
     a("--backend", default="grain", choices=("grain", "inline"), help="host pipeline: Grain workers or inline")
     a("--workers", type=int, default=0, help="Grain worker processes (0: reader threads in this process)")
+    a(
+        "--check-data",
+        default="arrays",
+        choices=("arrays", "all", "off"),
+        help="refuse NaN/Inf inputs: in the data set's arrays at setup, also in every batch, or not at all",
+    )
     a("--no-progress", action="store_true", help="no progress bar")
     a("--no-plots", action="store_true", help="no PNG plots at the end")
     a(
@@ -177,8 +203,13 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     def pick(name: str, fallback: Any) -> Any:
         return getattr(args, name) if getattr(args, name) is not None else defaults.get(name, fallback)
 
+    if args.epochs is not None and args.steps is not None:
+        raise ConfigError(f"--steps {args.steps} and --epochs {args.epochs} exclude each other; give one")
+
     fit = FitConfig(
         steps=pick("steps", 600),
+        epochs=args.epochs,
+        accumulate=args.accumulate,
         batch_size=pick("batch_size", 64),
         precision=args.precision,
         seed=args.seed,
@@ -186,6 +217,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         log_every=args.log_every,
         ckpt_every=args.ckpt_every,
         keep=args.keep,
+        keep_best=args.keep_best,
+        keep_best_mode=args.keep_best_mode,
+        check_data=args.check_data,
         run_dir=args.run_dir or default_run_dir(args.model, args.data, args.resume),
         ckpt_dir=args.ckpt_dir,
         resume=args.resume,
@@ -213,6 +247,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         mesh=args.mesh,
         backend=args.backend,
         workers=args.workers,
+        schedule=args.schedule,
+        label_smoothing=args.label_smoothing,
+        init_from=args.init_from,
         fit=fit,
     )
 

@@ -1,0 +1,97 @@
+"""The package's shape, read from its source: imports form no loop (every module imports only modules below it),
+no private name crosses a file, each public submodule is reachable from `import jaxnn`, and the command line's
+package starts without jax."""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import jaxnn
+
+ROOT = pathlib.Path(jaxnn.__file__).parent
+
+
+def module_names() -> dict[str, pathlib.Path]:
+    names = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def imported(module: str, path: pathlib.Path, node: ast.Import | ast.ImportFrom, known) -> list[str]:
+    """The jaxnn modules an import statement loads (`from a import b` loads a.b when that is a module, else a)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name in known]
+    base = node.module or ""
+    if node.level:
+        package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+    return [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names if base in known]
+
+
+def import_graph() -> tuple[dict[str, set[str]], list[str]]:
+    """Module -> the jaxnn modules it imports anywhere (deferred imports in functions included), and every
+    private name imported from another jaxnn module."""
+    known = module_names()
+    graph, private = {}, []
+    for module, path in known.items():
+        graph[module] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                graph[module] |= set(imported(module, path, node, known)) - {module}
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxnn"):
+                private += [f"{module} imports {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    return graph, private
+
+
+def find_loop(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import loop as a path `a -> b -> ... -> a`, or None (depth-first search with colours)."""
+    state: dict[str, str] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = "open"
+        stack.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == "open":
+                return stack[stack.index(dep) :] + [dep]
+            if dep not in state and (loop := visit(dep)):
+                return loop
+        state[node] = "done"
+        stack.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (loop := visit(node)):
+            return loop
+    return None
+
+
+def test_find_loop_finds_a_loop_and_accepts_a_tree():
+    assert find_loop({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_loop({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_imports_form_no_loop():
+    graph, _ = import_graph()
+    assert len(graph) > 40 and "jaxnn.cli.main" in graph["jaxnn.cli"]
+    loop = find_loop(graph)
+    assert loop is None, "import loop: " + " -> ".join(loop)
+
+
+def test_no_private_name_is_imported_across_files():
+    _, private = import_graph()
+    assert private == []
+
+
+def test_every_public_submodule_is_an_attribute_of_jaxnn_and_the_cli_starts_without_jax():
+    top_level = {name.split(".")[1] for name in module_names() if name.count(".") >= 1}
+    assert top_level == set(jaxnn.SUBMODULES)
+    code = (
+        "import sys, jaxnn, jaxnn.cli; assert 'jax' not in sys.modules, 'jaxnn.cli loaded jax'; "
+        "assert callable(jaxnn.layers.Dense) and callable(jaxnn.evaluate) and jaxnn.profile.Profile; "
+        "import inspect; assert 'steps' in inspect.signature(jaxnn.fit).parameters"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
