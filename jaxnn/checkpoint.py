@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxnn.config import config_differences
+from jaxnn.config import config_differences, first_differences
 from jaxnn.pytree import is_prng_key, path_name
 from jaxnn.storage import StorageError, quiet_storage_noise, storage_error
 
@@ -229,17 +229,12 @@ class Checkpointer:
         is_array = lambda x: hasattr(x, "name") and hasattr(x, "shape")  # noqa: E731
         saved = {x.name: tuple(x.shape) for x in jax.tree.leaves(saved_tree, is_leaf=is_array) if is_array(x)}
         wanted = {_dotted(path): tuple(x.shape) for path, x in jax.tree_util.tree_flatten_with_path(target)[0]}
-        diffs = [
-            f"{name}: saved {saved.get(name, '-')}, asked for {wanted.get(name, '-')}"
-            for name in sorted(set(saved) | set(wanted))
-            if saved.get(name) != wanted.get(name)
-        ]
+        diffs = config_differences(saved, wanted, saved_as="saved", now_as="asked for")
         if saved and diffs:
             raise CheckpointError(
                 f"checkpoint {self.directory / str(step)} holds a state of another structure than "
-                f"the one to restore into ({len(diffs)} arrays differ: {'; '.join(diffs[:4])}"
-                f"{'; ...' if len(diffs) > 4 else ''}); build the state with the model and "
-                "optimizer it was saved with"
+                f"the one to restore into ({len(diffs)} arrays differ: {first_differences(diffs)}); build the "
+                "state with the model and optimizer it was saved with"
             )
 
     def restore(self, like_state: Any, config: dict | None) -> tuple[Any, dict, int] | None:

@@ -32,16 +32,22 @@ class ConfigError(ValueError):
 
 
 def config_differences(
-    saved: dict, current: dict, ignore: Iterable[str] = (), *, saved_as: str = "checkpoint"
+    saved: dict, current: dict, ignore: Iterable[str] = (), *, saved_as: str = "checkpoint", now_as: str = "now"
 ) -> list[str]:
-    """Human-readable `field: checkpoint X, now Y` lines for the fields where two config dicts differ."""
+    """Human-readable `field: checkpoint X, now Y` lines for the keys where two dicts differ (`-`: absent); the
+    one way jaxnn words a difference, of configs as of parameter shapes."""
     keys = sorted((set(saved) | set(current)) - set(ignore))
     missing = object()
     return [
-        f"{k}: {saved_as} {saved.get(k, missing)!r}, now {current.get(k, missing)!r}".replace(repr(missing), "-")
+        f"{k}: {saved_as} {saved.get(k, missing)!r}, {now_as} {current.get(k, missing)!r}".replace(repr(missing), "-")
         for k in keys
         if saved.get(k, missing) != current.get(k, missing)
     ]
+
+
+def first_differences(diffs: list[str], limit: int = 4) -> str:
+    """`diffs` joined for one line: the first `limit`, then "..." when there are more."""
+    return "; ".join(diffs[:limit]) + ("; ..." if len(diffs) > limit else "")
 
 
 def _check_mesh(mesh: str, batch_size: int) -> None:

@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 from jaxnn import compile_cache as xla_cache
 from jaxnn.callbacks import Callback, NonFiniteError, NonFiniteGuard, RunInfo
 from jaxnn.checkpoint import Checkpointer, CheckpointError, StopSignal, load_train_state, state_digest
-from jaxnn.config import ConfigError, FitConfig, config_differences
+from jaxnn.config import ConfigError, FitConfig, config_differences, first_differences
 from jaxnn.data.datasets import DataError, ImageDataset, TextCorpus
 from jaxnn.data.pipeline import PipelineConfig
 from jaxnn.data.prefetch import DevicePrefetch
@@ -340,15 +340,10 @@ def _starting_point(model: Layer, in_shape: Any, params: Any, model_state: Any) 
         if given is None:
             continue
         theirs, ours = shapes(given), shapes(own)
-        diffs = [
-            f"{n}: given {theirs.get(n, '-')}, model {ours.get(n, '-')}"
-            for n in sorted(set(theirs) | set(ours))
-            if theirs.get(n) != ours.get(n)
-        ]
+        diffs = config_differences(theirs, ours, saved_as="given", now_as="model")
         if diffs:
             raise ConfigError(
-                f"fit: the {part} given do not fit the model ({len(diffs)} differ: "
-                f"{'; '.join(diffs[:4])}{'; ...' if len(diffs) > 4 else ''})"
+                f"fit: the {part} given do not fit the model ({len(diffs)} differ: {first_differences(diffs)})"
             )
         record[f"initial_{part}"] = state_digest(given)[:16]
     return record

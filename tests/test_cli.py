@@ -37,6 +37,11 @@ def refused(capsys, argv, match):
         (["--devices", "0"], "devices must be a positive integer, got 0"),
         (["--batch-size", "4096"], "batch size 4096 is larger than the 1438 training examples of digits"),
         (["--metrics", "tensorboard", "--keep", "0"], "keep must be a positive integer, got 0"),
+        (["--steps", "4", "--epochs", "2"], "--steps 4 and --epochs 2 exclude each other"),
+        (["--label-smoothing", "1.5"], "label_smoothing must be in [0, 1), got 1.5"),
+        (["--model-config", "widths=abc"], "field 'widths' takes a tuple"),
+        (["--model-config", "depth=3"], "model 'cnn' has no config field(s) ['depth']"),
+        (["--model-config", "widths=[8]", "widths=[4]"], "field 'widths' is given twice"),
     ],
 )
 def test_bad_flags_refused(capsys, tmp_path, argv, match):
@@ -88,8 +93,8 @@ def test_train_writes_metrics_plots_summary_and_refuses_reuse(capsys, tmp_path):
     refused(capsys, [*QUICK, "--run-dir", str(run)], "already holds a run; pass --resume")
     refused(
         capsys,
-        [*QUICK, "--steps", "20", "--resume", "--run-dir", str(run)],
-        "belongs to a different config (steps: saved 24, now 20)",
+        [*QUICK, "--steps", "30", "--resume", "--run-dir", str(run)],
+        "--steps 30: the run in",
     )
     refused(capsys, [*QUICK, "--run-dir", str(run / "config.json")], "config.json is a file, not a directory")
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before  # nothing overwritten
@@ -133,6 +138,21 @@ def test_gpt_prints_a_sample(capsys, tmp_path):
     assert "top_k must be a positive integer" in capsys.readouterr().err
     assert cli.main(["generate", "--run-dir", str(tmp_path / "nothing")]) == 2
     assert "no such run" in capsys.readouterr().err
+
+
+def test_a_constant_schedule_run_trains_on_as_if_asked_for_more_steps(capsys, tmp_path):
+    quick = ["--model", "mlp", "--size", "small", "--batch-size", "16", "--no-progress", "--no-summary", "--no-plots"]
+    quick += ["--schedule", "constant", "--warmup", "2"]
+
+    def digest(run):
+        return json.loads((run / "summary.json").read_text())["param_digest"]
+
+    assert cli.main(["train", *quick, "--steps", "6", "--run-dir", str(tmp_path / "on")]) == 0
+    assert cli.main(["train", *quick, "--steps", "10", "--resume", "--run-dir", str(tmp_path / "on")]) == 0
+    assert cli.main(["train", *quick, "--steps", "10", "--run-dir", str(tmp_path / "whole")]) == 0
+    out = capsys.readouterr().out
+    assert "step 10/10" in out
+    assert digest(tmp_path / "on") == digest(tmp_path / "whole")
 
 
 def test_config_small_and_validation():

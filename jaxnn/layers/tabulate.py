@@ -166,7 +166,7 @@ def _first_child(layer: Layer, params, state):
     return params.get(key, {}), (state.get(key) if child.stateful and state else None), child
 
 
-def guess_input(layer: Layer, in_shape, params, state, policy: Policy):
+def guess_input(layer: Layer, in_shape: Sequence[int], params: Params, state: State, policy: Policy) -> Any:
     """The compute dtype if `layer` runs on it, else int32 if it runs on that; the compute dtype when neither does
     (the caller's own evaluation then raises the model's error)."""
     candidates = [jax.ShapeDtypeStruct(in_shape, policy.compute_dtype), jax.ShapeDtypeStruct(in_shape, jnp.int32)]
