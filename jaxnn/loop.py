@@ -118,6 +118,7 @@ def fit(
     name: str = "fit",
     profile_dir: str | None = None,
     compile_cache: str = "auto",
+    check_data: str = "arrays",
     **unknown: Any,
 ) -> FitResult:
     """Trains `model` on `data` and returns `FitResult(state, history, summary)`.
