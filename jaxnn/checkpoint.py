@@ -97,6 +97,7 @@ class Checkpointer:
         self._ocp = ocp
         self.keep_best = keep_best
         best = {"best_fn": lambda metrics: metrics[keep_best], "best_mode": best_mode} if keep_best else {}
+        quiet_storage_noise()  # before the manager, which reads every step's metadata
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -109,7 +110,6 @@ class Checkpointer:
         )
         self._in_flight: int | None = None
         self._closed = False
-        quiet_storage_noise()
         self._bad: set[int] = set()  # steps a restore found damaged: a later save at that step replaces them
 
     def all_steps(self) -> list[int]:
@@ -358,6 +358,7 @@ def load_params(path: str | os.PathLike[str], *, step: int | None = None) -> Loa
     if not steps:
         raise CheckpointError(f"{directory}: holds no checkpoint")
     problems = []
+    quiet_storage_noise()
     with ocp.CheckpointManager(directory.absolute()) as manager:
         for s in steps:
             try:
