@@ -25,7 +25,16 @@ def area(tmp_path_factory):
     rng = np.random.default_rng(0)
     data = rng.normal(size=(32, 8)).astype(np.float32), rng.integers(0, 3, 32)
     model = L.serial(L.Dense(8), L.Relu, L.Dense(3))
-    fit(model, data, optimizer=optax.adam(1e-3), run_dir=str(root / "run"), steps=4, batch_size=16, ckpt_every=2, **QUIET)
+    fit(
+        model,
+        data,
+        optimizer=optax.adam(1e-3),
+        run_dir=str(root / "run"),
+        steps=4,
+        batch_size=16,
+        ckpt_every=2,
+        **QUIET,
+    )
     (root / "empty").mkdir()
     (root / "afile").write_text("not a directory")
     return root
@@ -40,7 +49,10 @@ CASES = [
     (["export", "--run-dir", "{root}/nope", "--out", "{root}/o"], "{root}/nope: no such run or checkpoint directory"),
     (["export", "--run-dir", "{root}/afile", "--out", "{root}/o"], "{root}/afile is a file, not a run or checkpoint"),
     (["export", "--run-dir", "{root}/empty", "--out", "{root}/o"], "{root}/empty: holds no checkpoint"),
-    (["export", "--run-dir", "{root}/run", "--out", "{root}/o", "--step", "99"], "no checkpoint at step 99; it has steps 2, 4"),
+    (
+        ["export", "--run-dir", "{root}/run", "--out", "{root}/o", "--step", "99"],
+        "no checkpoint at step 99; it has steps 2, 4",
+    ),
     (["export", "--run-dir", "{root}/run", "--out", "{root}/afile", "--safetensors-only"], "{root}/afile is a file"),
     (["export", "--run-dir", "{root}/run", "--out", "{root}/o", "--platforms", "gpu"], "invalid choice: 'gpu'"),
     (["export", "--run-dir", "{root}/run"], "jaxnn export: the following arguments are required: --out"),
@@ -52,7 +64,10 @@ CASES = [
     ([*TRAIN, "--run-dir", "{root}/r", "--model-config", "nosuch=3"], "model 'mlp' has no config field(s) ['nosuch']"),
     ([*TRAIN, "--run-dir", "{root}/r", "--precision", "fp8"], "unknown precision 'fp8'"),
     ([*TRAIN, "--run-dir", "{root}/afile"], "{root}/afile is a file, not a directory"),
-    ([*TRAIN, "--run-dir", "{root}/r", "--ckpt-dir", "{root}/run/ckpt"], "checkpoint dir {root}/run/ckpt belongs to run"),
+    (
+        [*TRAIN, "--run-dir", "{root}/r", "--ckpt-dir", "{root}/run/ckpt"],
+        "checkpoint dir {root}/run/ckpt belongs to run",
+    ),
     ([*TRAIN, "--model", "nosuch"], "unknown model 'nosuch'"),
     (["profile", "--model", "mlp", "--model-config", "nosuch=1"], "model 'mlp' has no config field(s) ['nosuch']"),
     (["profile", "--model", "mlp", "--batch-size", "0"], "--batch-size must be a positive integer, got 0"),

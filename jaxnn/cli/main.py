@@ -15,6 +15,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from jaxnn.callbacks import NonFiniteError
 from jaxnn.cli.profile import add_profile_parser, profile_main
@@ -44,7 +45,7 @@ class UsageError(ValueError):
 class _Parser(argparse.ArgumentParser):
     # argparse prints its usage text and exits itself; one `jaxnn: error:` line naming the command, and the
     # exit-status table, serve every command alike (subcommand parsers are made of this class too).
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
