@@ -286,9 +286,10 @@ class RunFiles:
     def _claim(self) -> None:
         """Records this run as the owner of its run and checkpoint directories."""
         assert self.run_id is not None
-        write_owner(self._root, self.run_id, self._root)
         make_dirs(self._ckpt)
-        write_owner(self._ckpt, self.run_id, self._root)
+        for directory in (self._root, self._ckpt):
+            if (read_owner(directory) or {}).get("run_id") != self.run_id:  # a resume leaves its record as it was
+                write_owner(directory, self.run_id, self._root)
 
     def _check_use(self, partial: bool = False) -> None:
         """Refuses a run directory holding another run, unless resume or overwrite says what to do with it."""
