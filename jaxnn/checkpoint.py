@@ -74,6 +74,8 @@ class Checkpointer:
     `async_save`: orbax writes in background threads while training goes on (the default), or `save` returns
     only once the checkpoint is on disk. `keep_best="accuracy"` (with `best_mode` "max" or "min") keeps the
     `keep` checkpoints whose saved metrics are best (orbax's `best_fn`), plus every one saved without metrics.
+    `read_only`: only restores; the directory is neither created nor cleaned of half-written steps (they may be
+    another live run's saves in progress).
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class Checkpointer:
         async_save: bool = True,
         keep_best: str | None = None,
         best_mode: str = "min",
+        read_only: bool = False,
     ):
         import orbax.checkpoint as ocp
 
@@ -97,19 +100,20 @@ class Checkpointer:
         self._ocp = ocp
         self.keep_best = keep_best
         best = {"best_fn": lambda metrics: metrics[keep_best], "best_mode": best_mode} if keep_best else {}
+        quiet_storage_noise()  # before the manager, which reads every step's metadata
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=keep,
-                create=True,
-                cleanup_tmp_directories=True,
+                create=not read_only,
+                cleanup_tmp_directories=not read_only,
+                read_only=read_only,
                 enable_async_checkpointing=async_save,
                 **best,
             ),
         )
         self._in_flight: int | None = None
         self._closed = False
-        quiet_storage_noise()
         self._bad: set[int] = set()  # steps a restore found damaged: a later save at that step replaces them
 
     def all_steps(self) -> list[int]:
@@ -311,6 +315,8 @@ def checkpoint_dir(path: str | os.PathLike[str]) -> pathlib.Path:
     path = pathlib.Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such run or checkpoint directory")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is a file, not a run or checkpoint directory")
     if (path / "ckpt").is_dir():
         return path / "ckpt"
     return path.parent if path.name.isdigit() and (path / "state").is_dir() else path
@@ -322,7 +328,7 @@ def load_train_state(path: str | os.PathLike[str], like_state: Any) -> tuple[Any
     of `like_state`, whatever config the run had; and its step. A state of another structure is refused.
     (A step folder names its checkpoint directory: the newest good step there is used.)"""
     directory = checkpoint_dir(path)
-    ckpt = Checkpointer(directory, keep=1)  # it only reads: nothing is saved, so nothing is deleted
+    ckpt = Checkpointer(directory, keep=1, read_only=True)
     try:
         restored = ckpt.restore(like_state, None)
     finally:
@@ -345,14 +351,16 @@ def load_params(path: str | os.PathLike[str], *, step: int | None = None) -> Loa
     directory = checkpoint_dir(path)
     if step is None and path.name.isdigit() and (path / "state").is_dir():
         step = int(path.name)
-    steps = (
-        [step]
-        if step is not None
-        else sorted((int(p.name) for p in directory.iterdir() if p.name.isdigit()), reverse=True)
-    )
-    if not steps:
+    saved = sorted((int(p.name) for p in directory.iterdir() if p.name.isdigit()), reverse=True)
+    if not saved:
         raise CheckpointError(f"{directory}: holds no checkpoint")
+    if step is not None and step not in saved:
+        raise CheckpointError(
+            f"{directory}: no checkpoint at step {step}; it has steps {', '.join(map(str, sorted(saved)))}"
+        )
+    steps = [step] if step is not None else saved
     problems = []
+    quiet_storage_noise()
     with ocp.CheckpointManager(directory.absolute()) as manager:
         for s in steps:
             try:

@@ -1,6 +1,10 @@
 """Parameters as safetensors files, and models as serialized `jax.export` programs that run without jaxnn.
 
 `jaxnn export --run-dir R --out DIR` writes both for a `jaxnn train` run (`export_run`).
+
+An output folder holds one export: writing into a folder that holds another one (another config or step, as its
+weights header and export.json record them) or files that are not an export is refused before anything is
+written; the same export again (e.g. `--safetensors-only` beside its own full export) replaces its files.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jaxnn import pytree
-from jaxnn.storage import make_dirs, write_bytes_atomic, write_json_atomic
+from jaxnn.ownership import check_export_dir, export_identity
+from jaxnn.storage import check_writable, make_dirs, write_bytes_atomic, write_json_atomic
 
 if TYPE_CHECKING:
     from jaxnn.layers import Layer
@@ -247,6 +252,8 @@ def write_export(
     import jax
 
     out = pathlib.Path(out_dir)
+    check_platforms(platforms)
+    check_out_dir(out, config)
     exported = _export(model, params, model_state, example_shape, dtype, policy, platforms)
     make_dirs(out)
     data = bytes(exported.serialize())
@@ -267,6 +274,28 @@ def write_export(
     }
     write_json_atomic(out / INFO_FILE, info)  # last: a directory with export.json is complete
     return out
+
+
+def check_out_dir(out: pathlib.Path, config: dict | None) -> None:
+    """Refuses (RunDirError) an output folder holding another export or foreign files; see the module doc."""
+    check_writable(out)
+    check_export_dir(out, export_identity(config), (EXPORT_FILE, WEIGHTS_FILE, INFO_FILE), _recorded_identity)
+
+
+def _recorded_identity(path: pathlib.Path) -> str | None:
+    """The config an export file records (export.json's, the weights header's), as `export_identity` text."""
+    if path.name == EXPORT_FILE:
+        return None
+    try:
+        if path.name == INFO_FILE:
+            return export_identity(json.loads(path.read_text()).get("config"))
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="np") as f:
+            header = (f.metadata() or {}).get(CONFIG_KEY)
+        return export_identity(json.loads(header) if header else None)
+    except Exception:  # noqa: BLE001 - a damaged file records no config this export could match
+        return "(unreadable)"
 
 
 def _aval_json(aval: Any) -> dict[str, Any]:
@@ -327,6 +356,7 @@ def export_run(
     loaded = load_params(run_dir, step=step)
     config = {**loaded.config, "step": loaded.step}  # the run config, and which checkpoint this is
     out = pathlib.Path(out_dir)
+    check_out_dir(out, config)
     if safetensors_only:  # needs no model, so it also serves runs of `jaxnn.fit` with a custom one
         make_dirs(out)
         save_safetensors(loaded.params, out / WEIGHTS_FILE, model_state=loaded.model_state, config=config)

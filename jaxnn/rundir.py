@@ -3,7 +3,9 @@
 - `RunLock`: a lock file held for a run's life (`fcntl.flock`, released by the kernel if the process dies); it
   records the holder's host and process id, so a second run is refused with one line naming the holder, and a
   lock left by a crashed run is recognised and taken over with a warning.
-- `RunFiles`: checks, locks and writes one run directory (process 0), through `jaxnn.storage`'s whole-file writes.
+- `RunFiles`: checks, locks and writes one run directory (process 0), through `jaxnn.storage`'s whole-file writes;
+  it records the run's id in the run and checkpoint directories (`jaxnn.ownership`) and never writes into, rotates
+  or removes checkpoints of another run.
 """
 
 from __future__ import annotations
@@ -21,8 +23,16 @@ from typing import TYPE_CHECKING, Literal
 from jaxnn.config import config_differences
 from jaxnn.metrics import make_writers
 from jaxnn.optional import available
+from jaxnn.ownership import (
+    OWNER_FILE,
+    check_checkpoint_dir,
+    checkpoint_entries,
+    new_run_id,
+    read_owner,
+    write_owner,
+)
 from jaxnn.plots import write_plots
-from jaxnn.storage import PathLike, RunDirError, StorageError, check_writable, write_json_atomic
+from jaxnn.storage import PathLike, RunDirError, StorageError, check_writable, make_dirs, write_json_atomic
 
 if TYPE_CHECKING:
     from jaxnn.config import FitConfig
@@ -59,6 +69,43 @@ class RunLock:
         except (OSError, ValueError):
             return {}
 
+    def _in_use(self) -> RunDirError:
+        h = self._holder()
+        return RunDirError(
+            f"run dir {self.path.parent} is in use by process {h.get('pid', '?')} on host "
+            f"{h.get('host', '?')} (since {h.get('since', '?')}); wait for it, stop it, or "
+            "choose another --run-dir"
+        )
+
+    def check_free(self) -> None:
+        """Refuses (naming the holder) a directory another live process holds, without taking the lock or
+        writing anything: the first check of every caller, so that a run in use is never reported as
+        anything else. A stale lock passes here; `acquire` takes it over."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return  # no lock file: nobody holds it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise self._in_use() from None
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+        self._refuse_live_holder(self._holder())
+
+    def _refuse_live_holder(self, previous: dict) -> None:
+        me = (socket.gethostname(), os.getpid())
+        if not previous.get("pid") or (previous.get("host"), previous.get("pid")) == me:
+            return
+        if previous.get("host") == me[0] and _pid_alive(int(previous["pid"])):
+            # flock says free but the recorded process lives: a file system without working locks.
+            raise RunDirError(
+                f"run dir {self.path.parent} is in use by process {previous['pid']} on this host "
+                f"({LOCK_NAME} names it); stop it or remove {self.path}"
+            )
+
     def acquire(self) -> RunLock:
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -66,12 +113,7 @@ class RunLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 os.close(fd)
-                h = self._holder()
-                raise RunDirError(
-                    f"run dir {self.path.parent} is in use by process {h.get('pid', '?')} on host "
-                    f"{h.get('host', '?')} (since {h.get('since', '?')}); wait for it, stop it, or "
-                    "choose another --run-dir"
-                ) from None
+                raise self._in_use() from None
             # The holder may have released and removed the file between our open and our flock: lock the file
             # that is at the path now, not an orphan.
             if os.path.exists(self.path) and os.path.samestat(os.fstat(fd), os.stat(self.path)):
@@ -79,14 +121,12 @@ class RunLock:
             os.close(fd)
         previous = self._holder()
         me = {"host": socket.gethostname(), "pid": os.getpid()}
+        try:
+            self._refuse_live_holder(previous)
+        except RunDirError:
+            os.close(fd)
+            raise
         if previous.get("pid") and (previous.get("host"), previous.get("pid")) != (me["host"], me["pid"]):
-            if previous.get("host") == me["host"] and _pid_alive(int(previous["pid"])):
-                # flock says free but the recorded process lives: a file system without working locks.
-                os.close(fd)
-                raise RunDirError(
-                    f"run dir {self.path.parent} is in use by process {previous['pid']} on this host "
-                    f"({LOCK_NAME} names it); stop it or remove {self.path}"
-                )
             log.warning(
                 "run dir %s: taking over the lock left by process %s on host %s, which ended without releasing it",
                 self.path.parent,
@@ -121,7 +161,7 @@ class RunLock:
 
 # ------------------------------------------------------------------------------------------------- a run's files
 
-RUN_FILES = ("config.json", "summary.json", "metrics.jsonl", "loss.png", "accuracy.png", "tensorboard")
+RUN_FILES = ("config.json", "summary.json", "metrics.jsonl", "loss.png", "accuracy.png", "tensorboard", OWNER_FILE)
 
 
 class RunFiles:
@@ -139,6 +179,7 @@ class RunFiles:
         self._lock = RunLock(self.run_dir) if self.run_dir else None
         self._writers: list[MetricWriter] = []
         self._created = False
+        self.run_id: str | None = None  # set by `open`: this run's id, recorded in its directories
 
     @property
     def _root(self) -> pathlib.Path:
@@ -169,6 +210,7 @@ class RunFiles:
             raise error or RunDirError(f"process 0 refused the run directory {self.run_dir} (see its output)")
 
     def _open_main(self) -> None:
+        self._check_free()
         check_writable(self._root)
         check_writable(self._ckpt)
         self._created = not self._root.exists()
@@ -180,8 +222,12 @@ class RunFiles:
             raise
         try:
             self._check_use()
+            self._check_checkpoints()
+            kept = self._continued_id() if self.cfg.resume else None
             if self.cfg.overwrite:
                 self._clear()
+            self.run_id = kept or new_run_id()
+            self._claim()
             self._write_config()
             self._writers = make_writers(self.cfg.metrics, self._root)
         except BaseException:
@@ -207,10 +253,43 @@ class RunFiles:
         refused before the model is compiled; `open` repeats them under the lock with the whole record."""
         if self.run_dir is None or not self.is_main:
             return
+        self._check_free()
         check_writable(self.run_dir)
         check_writable(self._ckpt)
         if self.run_dir.is_dir():
             self._check_use(partial=True)
+        self._check_checkpoints()
+
+    def _check_free(self) -> None:
+        """A directory another live process holds is refused first, naming the holder, whatever else is there."""
+        if self._root.is_dir():
+            self._held.check_free()
+
+    def _continued_id(self) -> str | None:
+        """The id of the run this one continues (resume) or replaces (overwrite): the run directory's owner."""
+        owner = read_owner(self._root) if self._root.is_dir() else None
+        return owner.get("run_id") if owner else None
+
+    def _is_legacy(self) -> bool:
+        """A run directory written before owner files: its unowned checkpoints are its own."""
+        return read_owner(self._root) is None and (self._root / "config.json").is_file()
+
+    def _check_checkpoints(self) -> None:
+        """Refuses a checkpoint directory holding another run's checkpoints or foreign files, before any write."""
+        continues = self.cfg.resume or self.cfg.overwrite
+        check_checkpoint_dir(
+            self._ckpt,
+            self._continued_id() if continues else None,
+            legacy_ok=continues and self._is_legacy(),
+        )
+
+    def _claim(self) -> None:
+        """Records this run as the owner of its run and checkpoint directories."""
+        assert self.run_id is not None
+        make_dirs(self._ckpt)
+        for directory in (self._root, self._ckpt):
+            if (read_owner(directory) or {}).get("run_id") != self.run_id:  # a resume leaves its record as it was
+                write_owner(directory, self.run_id, self._root)
 
     def _check_use(self, partial: bool = False) -> None:
         """Refuses a run directory holding another run, unless resume or overwrite says what to do with it."""
@@ -233,13 +312,24 @@ class RunFiles:
             )
 
     def _clear(self) -> None:
-        targets = [self._root / name for name in RUN_FILES] + [self._ckpt]
+        """Removes what the replaced run wrote (its files and checkpoints, checked to be its own) and says so."""
+        targets = [self._root / name for name in RUN_FILES]
         targets += list(self._root.glob("metrics-*.csv")) + list(self._root.glob("*.partial-*"))
+        checkpoints, _ = checkpoint_entries(self._ckpt)
+        targets += [*checkpoints, self._ckpt / OWNER_FILE]
+        removed = []
         for path in targets:
             if path.is_dir():
                 shutil.rmtree(path)
             elif path.exists():
                 path.unlink()
+            else:
+                continue
+            removed.append(str(path.relative_to(self._root)) if path.is_relative_to(self._root) else str(path))
+        if self._ckpt.is_dir() and not any(self._ckpt.iterdir()):
+            self._ckpt.rmdir()
+        if removed:
+            log.warning("overwrite: removed the previous run's files from %s: %s", self._root, ", ".join(removed))
 
     def _write_config(self) -> None:
         path = self._root / "config.json"

@@ -4,7 +4,8 @@
 - `repair_jsonl`: a JSON-lines file whose last line was cut short by a crash gets that fragment set aside (never
   appended to); `append_line` writes one whole line or, on an OS error, leaves the file as it was.
 - `StorageError`: an OS error while writing, as one line naming the path, the operation and the free space;
-  `quiet_storage_noise` keeps orbax's and asyncio's background threads from repeating it as tracebacks.
+  `quiet_storage_noise` keeps orbax's, asyncio's and tensorstore's background threads from repeating it (or a
+  damaged checkpoint's read error, already reported) as tracebacks.
 - `check_writable`: a path refused (`RunDirError`) before anything is written there.
 
 The floor of the package: it imports nothing else from jaxnn.
@@ -19,6 +20,7 @@ import logging
 import os
 import pathlib
 import shutil
+import sys
 import time
 from typing import Any, TypeAlias
 
@@ -69,24 +71,69 @@ _DISK_FULL_MARKS = ("No space left on device", "os_error_code='28'", "RESOURCE_E
 
 class _DropStorageNoise(logging.Filter):
     """Drops the log records orbax's and asyncio's background threads emit for a write that failed for lack of
-    space: the save reports it as one StorageError line."""
+    space (the save reports it as one StorageError line), and the echoes of a failed checkpoint read: orbax reads
+    a step's arrays concurrently, the first damaged one fails the read (jaxnn reports the step and falls back to
+    the previous one), and the sibling reads' errors, which nothing awaits any more, get logged by asyncio."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
         if record.exc_info and record.exc_info[1] is not None:
             text += str(record.exc_info[1])
-        return not any(mark in text for mark in _DISK_FULL_MARKS)
+        if any(mark in text for mark in _DISK_FULL_MARKS):
+            return False
+        return not (record.name == "asyncio" and "exception was never retrieved" in text and "tensorstore" in text)
 
 
 _NOISE_FILTER = _DropStorageNoise()
+# orbax logs this for a step whose metadata file was cut short, then raises; the restore reports the step.
+_DAMAGED_METADATA = "Failed to json parse Metadata file"
+
+
+class _DropDamagedMetadata(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _DAMAGED_METADATA not in record.getMessage()
+
+
+_METADATA_FILTER = _DropDamagedMetadata()
+
+
+def _is_closed_loop_echo(unraisable: Any) -> bool:
+    """Whether an unraisable error is tensorstore handing a read's result to the event loop of a restore that
+    has already ended (it failed on a damaged file and was reported); nothing waits for that result."""
+    err = unraisable.exc_value
+    if not (isinstance(err, RuntimeError) and str(err) == "Event loop is closed"):
+        return False
+    tb = unraisable.exc_traceback
+    names = set()
+    while tb is not None:
+        names.add(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    return "call_soon_threadsafe" in names
+
+
+def _quiet_closed_loop_echoes() -> None:
+    previous = sys.unraisablehook
+    if getattr(previous, "_jaxnn_quiet", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        if not _is_closed_loop_echo(unraisable):
+            previous(unraisable)
+
+    hook._jaxnn_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 def quiet_storage_noise() -> None:
-    """Installs the filter above on the absl and asyncio loggers (once)."""
+    """Installs the filters above on the absl and asyncio loggers, and the closed-loop filter on
+    `sys.unraisablehook` (once; every other record and unraisable error passes through)."""
     for name in ("absl", "asyncio"):
         logger = logging.getLogger(name)
         if _NOISE_FILTER not in logger.filters:
             logger.addFilter(_NOISE_FILTER)
+    if _METADATA_FILTER not in logging.getLogger("absl").filters:
+        logging.getLogger("absl").addFilter(_METADATA_FILTER)
+    _quiet_closed_loop_echoes()
 
 
 def check_writable(path: PathLike) -> None:

@@ -15,6 +15,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from jaxnn.callbacks import NonFiniteError
 from jaxnn.cli.profile import add_profile_parser, profile_main
@@ -37,8 +38,19 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+class UsageError(ValueError):
+    """Flags argparse refuses (a missing one, a choice not offered); reported like every other bad input."""
+
+
+class _Parser(argparse.ArgumentParser):
+    # argparse prints its usage text and exits itself; one `jaxnn: error:` line naming the command, and the
+    # exit-status table, serve every command alike (subcommand parsers are made of this class too).
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxnn", description="jaxnn: train models with JAX on the host at hand.")
+    parser = _Parser(prog="jaxnn", description="jaxnn: train models with JAX on the host at hand.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_train_parser(sub)
     add_export_parser(sub)
@@ -58,8 +70,8 @@ def exit_status(err: BaseException) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return COMMANDS[args.command](args)
     except Exception as err:
         status = exit_status(err)

@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from jaxnn.config import MODEL_DEFAULTS, MODELS, ConfigError, parse_model_config
+from jaxnn.storage import check_writable
 
 # One example's shape per model when --in-shape is not given: MNIST-sized images (a format `jaxnn train` reads);
 # the GPT takes --seq-len token ids.
@@ -98,6 +99,8 @@ def _checked(args: argparse.Namespace) -> tuple[Any, Any, tuple[int, ...], int, 
 def profile_main(args: argparse.Namespace) -> int:
     """Runs `jaxnn profile`; errors go to `jaxnn.cli.main`'s exit-status table."""
     model, mcfg, shape, batch, accel = _checked(args)  # a ConfigError or ProjectionError before any measurement
+    if args.out:
+        check_writable(args.out)  # a bad --out is refused now, not after minutes of measurement
     from jaxnn.precision import get_policy
     from jaxnn.profile import measure_peaks, profile_layers
 
