@@ -40,6 +40,7 @@ SUBMODULES = (
     "metrics",
     "models",
     "optional",
+    "ownership",
     "parallel",
     "plots",
     "precision",

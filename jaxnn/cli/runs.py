@@ -15,7 +15,12 @@ def add_export_parser(sub: Any) -> None:
         "batch size), weights.safetensors and export.json (shapes, dtypes, how to call it).",
     )
     p.add_argument("--run-dir", required=True, help="run directory of `jaxnn train` (or its ckpt/ or a step folder)")
-    p.add_argument("--out", required=True, metavar="DIR", help="output directory (files in it are replaced)")
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="output directory: new, or holding this same export (another export or foreign files are refused)",
+    )
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest readable one)")
     p.add_argument(
         "--platforms", nargs="+", default=["cpu"], choices=("cpu", "cuda", "rocm", "tpu"), help="platforms to lower for"
@@ -64,7 +69,8 @@ def generate_main(args: argparse.Namespace) -> int:
 
     loaded = load_params(args.run_dir, step=args.step)
     if loaded.config.get("model") != "gpt":
-        raise ValueError(f"{args.run_dir}: a {loaded.config.get('model')!r} run; generate needs a GPT run")
+        what = f"a {loaded.config['model']!r} run" if loaded.config.get("model") else "not a run of `jaxnn train`"
+        raise ValueError(f"{args.run_dir}: {what}; generate needs a GPT run of `jaxnn train`")
     model, mcfg = model_from_record(loaded.config)
     text = generate_bytes(
         model,
