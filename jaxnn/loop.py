@@ -88,6 +88,7 @@ def fit(
     callbacks: Iterable[Callback] = (),
     mesh: Mesh | str | None = None,
     pipeline: PipelineConfig | None = None,
+    augment: Any = None,
     config: dict | None = None,
     params: Any = None,
     model_state: Any = None,
@@ -135,7 +136,10 @@ def fit(
     mesh: a `jax.sharding.Mesh` with a `data` axis and optionally `fsdp` and `tensor` axes, or its sizes as text
       ("data=2,fsdp=4", see `jaxnn.sharding`) (default: `devices` local devices on a `data` axis, or all devices
       of all processes in a multi-process run).
-    pipeline: a `PipelineConfig` for jaxnn data sets (workers, augmentation).
+    pipeline: a `PipelineConfig` for jaxnn data sets (workers, host-side augmentation).
+    augment: a `jaxnn.augment.Augment` (or its text, "crop,flip,mixup"): random augmentation inside the step, on
+      the device, keyed by (seed, step, example index); evaluation sees the data unaugmented. Mixup and cutmix add
+      `y_soft`, which the classification losses train against.
     config: JSON-able facts about the run (model and optimizer settings) saved in config.json and the
       checkpoints; a resume with different facts is refused, naming them.
     params, model_state: start from these (e.g. `jaxnn.finetune.load_into` of a trained model's) instead of the
@@ -162,6 +166,7 @@ def fit(
         eval_data, batch_size, seq_len=getattr(pipeline, "seq_len", 128), seed=cfg.seed, check=cfg.check_data
     )
     tx = optimizer if optimizer is not None else make_optimizer(1e-3, total_steps=cfg.steps)
+    aug = _augmentation(augment, model, cfg, example)
     if isinstance(mesh, str):
         mesh = make_sharded_mesh(mesh)
     elif mesh is None:
@@ -170,6 +175,8 @@ def fit(
     _check_accumulate(cfg, mesh)
     # fit's own optimizer decays to `steps`, so there `steps` fixes the results; a caller's optimizer decides.
     base = {**cfg.record(), **({"steps": cfg.steps} if optimizer is None else {}), **(config or {})}
+    if aug is not None:
+        base["augment"] = aug.record()
     _refuse_longer_default_schedule(cfg, optimizer)
     files = RunFiles(cfg, _json_record(base), is_main=jax.process_index() == 0)
     files.precheck()  # a run dir in use is refused now, before anything is compiled
@@ -179,14 +186,14 @@ def fit(
     state = create_sharded_state(lambda: _initial_state(model, tx, cfg, example["x"].shape, params, model_state), mesh)
     if init_from is not None:
         state, start_from = _state_from(init_from, state)
-    _check_step_runs(model, loss, tx, cfg, state, example, source)
+    _check_step_runs(model, loss, tx, cfg, state, example, source, aug)
     _check_eval_data(evals, example, model, loss, state)
     _check_monitors(callbacks, cfg, evals, model, loss, state)
     record = _json_record({**base, **_model_record(state.params), **start_from})
     files.record = record
     files.open()  # the run dir is checked and locked here; nothing was written before
     try:
-        result, interrupted = _train(model, loss, tx, cfg, source, evals, mesh, state, record, files, callbacks)
+        result, interrupted = _train(model, loss, tx, cfg, source, evals, mesh, state, record, files, callbacks, aug)
     finally:
         files.close()
     if interrupted:
@@ -194,8 +201,10 @@ def fit(
     return result
 
 
-def _train(model, loss, tx, cfg, source, evals, mesh, state, record, files, callbacks) -> tuple[FitResult, bool]:
-    dp = data_parallel_train_step(model, loss, tx, cfg.precision, mesh=mesh, form=cfg.form, accumulate=cfg.accumulate)
+def _train(model, loss, tx, cfg, source, evals, mesh, state, record, files, callbacks, aug) -> tuple[FitResult, bool]:
+    dp = data_parallel_train_step(
+        model, loss, tx, cfg.precision, mesh=mesh, form=cfg.form, accumulate=cfg.accumulate, augment=_step_fn(aug)
+    )
     ckpt = (
         Checkpointer(
             files.ckpt_dir,
@@ -359,7 +368,43 @@ def _initial_state(model: Layer, tx: Any, cfg: FitConfig, in_shape: Any, params:
     return state
 
 
-def _check_step_runs(model, loss, tx, cfg, state, example, source) -> None:
+def _augmentation(augment, model, cfg, example) -> Any:
+    """fit's `augment` as an `Augment` with the model's classes filled in, or None; bad settings are one line."""
+    if augment is None:
+        return None
+    from jaxnn.augment import Augment, parse_augment
+
+    try:
+        aug = parse_augment(augment) if isinstance(augment, str) else augment
+    except ValueError as err:
+        raise ConfigError(f"fit: {err}") from None
+    if not isinstance(aug, Augment):
+        raise ConfigError(f"fit: augment must be a jaxnn.augment.Augment or its text, got {type(augment).__name__}")
+    if aug.mixes and aug.num_classes is None:
+        out = _output_spec(model, cfg.precision, _initial_spec(model, cfg, example), _spec(example))
+        if out is None or not hasattr(out, "shape"):
+            raise ConfigError("fit: mixup and cutmix need Augment(num_classes=...); the model's output gives none")
+        aug = dataclasses.replace(aug, num_classes=int(out.shape[-1]))
+    return aug
+
+
+def _initial_spec(model, cfg, example) -> Any:
+    """The shapes of a fresh train state (no FLOPs): enough to read the model's output shape."""
+    return jax.eval_shape(
+        lambda k: create_train_state(model, optax.sgd(0.0), k, np.shape(example["x"]), cfg.precision),
+        jax.random.key(0),
+    )
+
+
+def _step_fn(aug) -> Any:
+    if aug is None:
+        return None
+    from jaxnn.augment import augment_batch
+
+    return functools.partial(augment_batch, aug)
+
+
+def _check_step_runs(model, loss, tx, cfg, state, example, source, aug=None) -> None:
     """Traces the step on the batch's shapes (no compile, no FLOPs) so a model/loss/data mismatch is one line."""
     batch = _spec(example)
     shapes = {k: f"{v.dtype}{list(v.shape)}" for k, v in batch.items()}
@@ -369,7 +414,8 @@ def _check_step_runs(model, loss, tx, cfg, state, example, source) -> None:
             _check_labels(logits, example, _all_labels(source, example), shapes)
         _check_loss_output(loss, logits, batch)
     try:
-        jax.eval_shape(train_step_fn(model, loss, tx, cfg.precision, accumulate=cfg.accumulate), state, batch)
+        step = train_step_fn(model, loss, tx, cfg.precision, accumulate=cfg.accumulate, augment=_step_fn(aug))
+        jax.eval_shape(step, state, batch)
     except Exception as err:  # noqa: BLE001 - any failure here is the model, the loss or the data
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(

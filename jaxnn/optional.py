@@ -2,7 +2,7 @@
 
 jaxnn's core needs jax, optax, orbax-checkpoint, numpy and safetensors; what only some users need is an extra:
 `pip install 'jaxnn[plots]'` (matplotlib), `[progress]` (tqdm), `[tensorboard]` (tensorboardX), `[grain]` (Grain's
-worker processes), `[data]` (scikit-learn, for the bundled digits), or `[all]`; `[docs]` (pdoc) builds the
+worker processes), `[data]` (scikit-learn, for the bundled digits), `[augment]` (dm-pix, for on-device augmentation), or `[all]`; `[docs]` (pdoc) builds the
 documentation (`make docs`).
 """
 
@@ -23,6 +23,7 @@ EXTRAS = {
     "grain": "grain",
     "sklearn": "data",
     "pdoc": "docs",
+    "dm_pix": "augment",
 }
 _warned: set[str] = set()
 

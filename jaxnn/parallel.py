@@ -49,7 +49,7 @@ from jaxnn.mesh import (
 from jaxnn.precision import Policy
 from jaxnn.pytree import is_prng_key
 from jaxnn.sharding import shards_state
-from jaxnn.train import Batch, LossFn, Metrics, StepFn, TrainState, train_step_fn
+from jaxnn.train import AugmentFn, Batch, LossFn, Metrics, StepFn, TrainState, train_step_fn
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +148,7 @@ def per_device_step_fn(
     policy: Policy | str = "fp32",
     axis_name: str = DATA_AXIS,
     accumulate: int = 1,
+    augment: AugmentFn | None = None,
 ) -> StepFn:
     """The step one device runs inside `shard_map`/`pmap` over `axis_name`: `(state, local_batch) -> (state, metrics)`.
 
@@ -157,7 +158,8 @@ def per_device_step_fn(
     would. `loss_fn` must be a mean over the examples (equal shards make the global mean the mean of local ones).
     Metrics are averaged (`lax.pmean`), and so is the model state (BatchNorm running statistics), which keeps it
     identical everywhere even with per-device statistics. Each device draws its own randomness (dropout) from
-    `fold_in(key, device index)`.
+    `fold_in(key, device index)`; `augment` runs on the local rows numbered by their place in the global batch,
+    with the run's own key, so each example is augmented as on one device.
     """
     step = train_step_fn(
         _grads_summed_over(model, axis_name),
@@ -168,6 +170,9 @@ def per_device_step_fn(
     )
 
     def per_device(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        if augment is not None:
+            rows = jax.tree.leaves(batch)[0].shape[0]
+            batch = augment(batch, state.key, state.step, lax.axis_index(axis_name) * rows)
         device_key = jax.random.fold_in(state.key, lax.axis_index(axis_name))
         new_state, metrics = step(state._replace(key=device_key), batch)
         new_state = new_state._replace(key=state.key, model_state=_pmean_floats(new_state.model_state, axis_name))
@@ -206,12 +211,14 @@ def data_parallel_train_step(
     form: str = "jit",
     donate: bool = True,
     accumulate: int = 1,
+    augment: AugmentFn | None = None,
 ) -> DataParallelStep:
     """Data-parallel training over the `data` axis of `mesh` (all devices by default) in `form` (see `FORMS`).
 
     For BatchNorm models build the model with `BatchNorm(axis_name=bn_axis_name(form, cross_replica))`.
     The returned `step` refuses a batch whose size the device count does not divide. `accumulate=K` averages the
     gradients of K micro-batches per update (`jaxnn.train.train_step_fn`); form "pmap" does not take it.
+    `augment` (see `jaxnn.train.AugmentFn`) transforms each batch inside the step, identically in every form.
     """
     _check_form(form)
     mesh = make_mesh() if mesh is None else mesh
@@ -227,7 +234,7 @@ def data_parallel_train_step(
                 "form 'pmap' is kept for single-process comparison; use 'jit' or 'shard_map' across processes"
             )
         pmapped = jax.pmap(
-            per_device_step_fn(model, loss_fn, tx, policy),
+            per_device_step_fn(model, loss_fn, tx, policy, augment=augment),
             axis_name=DATA_AXIS,
             devices=list(mesh.devices.flat),
             donate_argnums=donate_argnums,
@@ -248,9 +255,10 @@ def data_parallel_train_step(
         )
 
     if form == "jit":
-        return _jit_step(train_step_fn(model, loss_fn, tx, policy, accumulate=accumulate), mesh, form, donate_argnums)
+        step = train_step_fn(model, loss_fn, tx, policy, accumulate=accumulate, augment=augment)
+        return _jit_step(step, mesh, form, donate_argnums)
     body = jax.shard_map(
-        per_device_step_fn(model, loss_fn, tx, policy, accumulate=accumulate),
+        per_device_step_fn(model, loss_fn, tx, policy, accumulate=accumulate, augment=augment),
         mesh=mesh,
         in_specs=(P(), P(DATA_AXIS)),
         out_specs=(P(), P()),

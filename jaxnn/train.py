@@ -18,9 +18,13 @@ from jaxnn.config import SCHEDULES
 from jaxnn.layers.core import Layer, Params, PRNGKey, Shape, State, init_model, run
 from jaxnn.precision import LossScale, Policy, all_finite, get_policy
 
-Batch: TypeAlias = dict[str, Any]  # "x" inputs, "y" targets, optionally "mask": arrays with a leading batch axis
+# "x" inputs, "y" targets, optionally "mask" and "y_soft" (mixed targets): arrays with a leading batch axis
+Batch: TypeAlias = dict[str, Any]
 Metrics: TypeAlias = dict[str, jax.Array]
 LossFn: TypeAlias = Callable[[jax.Array, Batch], tuple[jax.Array, Metrics]]
+# `(batch, train key, step, global index of the batch's first row) -> batch`: random augmentation in the step,
+# e.g. `functools.partial(jaxnn.augment.augment_batch, Augment(...))`.
+AugmentFn: TypeAlias = Callable[[Batch, jax.Array, jax.Array, Any], Batch]
 
 
 class TrainState(NamedTuple):
@@ -64,9 +68,13 @@ def create_train_state(
 
 
 def classification_loss(logits: jax.Array, batch: Batch) -> tuple[jax.Array, Metrics]:
-    """Mean softmax cross-entropy against integer labels `batch["y"]`, with accuracy as a metric."""
+    """Mean softmax cross-entropy against integer labels `batch["y"]` (or the soft targets `batch["y_soft"]`,
+    e.g. mixup's, where the batch has them), with accuracy against `y` as a metric."""
     labels = batch["y"]
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
+    if "y_soft" in batch:
+        loss = optax.softmax_cross_entropy(logits.astype(jnp.float32), batch["y_soft"]).mean()
+    else:
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
     accuracy = jnp.mean(jnp.argmax(logits, axis=-1) == labels)
     return loss, {"accuracy": accuracy}
 
@@ -79,10 +87,17 @@ def masked_classification_loss(
     Padding rows (mask 0, e.g. an epoch's or the test set's last partial batch) count for nothing; `count` in the
     metrics is the number of real rows, so evaluation can weight batches by it. `label_smoothing` (e.g. 0.1, via
     `functools.partial`) trains against `optax.smooth_labels` targets; accuracy still counts the integer labels.
+    A batch with `y_soft` (B, classes), e.g. mixup's or cutmix's mixed one-hot targets (`jaxnn.augment`), trains
+    against those instead (smoothed too, if asked).
     """
     labels = batch["y"]
     logits32 = logits.astype(jnp.float32)
-    if label_smoothing:
+    if "y_soft" in batch:
+        soft = batch["y_soft"].astype(jnp.float32)
+        per_example = optax.softmax_cross_entropy(
+            logits32, optax.smooth_labels(soft, label_smoothing) if label_smoothing else soft
+        )
+    elif label_smoothing:
         targets = optax.smooth_labels(jax.nn.one_hot(labels, logits.shape[-1]), label_smoothing)
         per_example = optax.softmax_cross_entropy(logits32, targets)
     else:
@@ -185,8 +200,12 @@ def train_step_fn(
     *,
     grad_norm: bool = True,
     accumulate: int = 1,
+    augment: AugmentFn | None = None,
 ) -> StepFn:
     """The un-jitted pure step `(state, batch) -> (state, metrics)`; jit it, scan it, or shard_map it.
+
+    `augment` transforms the batch first, in the step, from the state's key and step (rows numbered from 0: a
+    per-device step passes its own offset instead, see `jaxnn.parallel.per_device_step_fn`).
 
     Metrics: the loss, what `loss_fn` returns besides it, and (unless `grad_norm=False`) the global gradient
     norm, which costs a reduction over every gradient and one more output: with the accuracy, ~11% of the
@@ -204,6 +223,8 @@ def train_step_fn(
     takes_value = isinstance(tx, optax.GradientTransformationExtraArgs)
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        if augment is not None:
+            batch = augment(batch, state.key, state.step, 0)
         key = jax.random.fold_in(state.key, state.step)
         # The state's loss scale when the policy scales the loss (None otherwise, even if the state has one).
         scale = _loss_scale_of(state, policy) if policy.loss_scaling else None
