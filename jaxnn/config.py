@@ -278,7 +278,7 @@ def parse_model_config(items: list[str], flag: str = "--model-config") -> dict[s
 # (the FitConfig's are its RUN_ONLY).
 RUN_ONLY_FIELDS = ("mesh", "backend", "workers", "sample_bytes", "init_from")
 SCHEDULES = ("cosine", "constant")
-LATER_DEFAULTS = {"schedule": "cosine", "label_smoothing": 0.0}
+LATER_DEFAULTS = {"schedule": "cosine", "label_smoothing": 0.0, "augment": ""}
 BACKENDS = ("grain", "inline")
 
 
@@ -295,6 +295,8 @@ class TrainConfig:
     see jaxnn.sharding) replaces `fit.devices`. `schedule`: the learning rate's cosine decay to 0 at the run's
     last step, or "constant" after the warm-up, which lets a finished run be trained on with a larger `steps`.
     `init_from`: start from another run's parameters and optimizer state (`jaxnn.fit`'s `init_from`).
+    `augment`: random augmentation in the train step on the device, as `jaxnn.augment.parse_augment` reads it
+    ("crop,flip,mixup"); `crop_pad` and `flip` are the host pipeline's.
     """
 
     model: str = "cnn"
@@ -315,6 +317,7 @@ class TrainConfig:
     schedule: str = "cosine"
     label_smoothing: float = 0.0
     init_from: str | None = None
+    augment: str = ""
     fit: FitConfig = dataclasses.field(default_factory=_quick_fit)
 
     def __post_init__(self):
@@ -361,6 +364,15 @@ def _validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"unknown schedule {cfg.schedule!r}; choose one of {list(SCHEDULES)}")
     if not (isinstance(cfg.label_smoothing, (int, float)) and 0 <= cfg.label_smoothing < 1):
         raise ConfigError(f"label_smoothing must be in [0, 1), got {cfg.label_smoothing!r}")
+    if cfg.augment:
+        from jaxnn.augment import parse_augment
+
+        try:
+            parse_augment(cfg.augment)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if cfg.model == "gpt":
+            raise ConfigError(f"augment {cfg.augment!r}: augmentation is for the image models, not {cfg.model!r}")
     if cfg.backend not in BACKENDS:
         raise ConfigError(f"unknown backend {cfg.backend!r}; choose one of {list(BACKENDS)}")
     if cfg.fit.batch_size % cfg.fit.devices:

@@ -42,6 +42,8 @@ def refused(capsys, argv, match):
         (["--model-config", "widths=abc"], "field 'widths' takes a tuple"),
         (["--model-config", "depth=3"], "model 'cnn' has no config field(s) ['depth']"),
         (["--model-config", "widths=[8]", "widths=[4]"], "field 'widths' is given twice"),
+        (["--augment", "crop,spin"], "augment: unknown 'spin' in 'crop,spin'"),
+        (["--model", "gpt", "--augment", "flip"], "augmentation is for the image models, not 'gpt'"),
     ],
 )
 def test_bad_flags_refused(capsys, tmp_path, argv, match):

@@ -129,6 +129,7 @@ def train(
             config={**cfg.trajectory(), **fixed, "model_config": dataclasses.asdict(mcfg)},
             mesh=cfg.mesh,
             init_from=cfg.init_from,
+            augment=cfg.augment or None,
             **settings,
         )
     except FitInterrupted as stopped:  # Ctrl-C: the checkpoint is written; `jaxnn train` exits 130 after the summary

@@ -76,6 +76,13 @@ def add_train_parser(sub: Any) -> None:
     a("--crop-pad", type=int, default=0, help="images: random crop after zero-padding by this many pixels")
     a("--flip", action="store_true", help="images: random horizontal flips")
     a(
+        "--augment",
+        default="",
+        metavar="OPS",
+        help="images: random augmentation inside the train step, on the device, e.g. crop,flip,brightness=0.2,"
+        "mixup (ops: crop[=pad] flip vflip brightness contrast saturation mixup cutmix; needs dm-pix)",
+    )
+    a(
         "--run-dir",
         default=None,
         help="run directory (default runs/<model>-<data>/<time>; with --resume, the newest of those)",
@@ -250,6 +257,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         schedule=args.schedule,
         label_smoothing=args.label_smoothing,
         init_from=args.init_from,
+        augment=args.augment,
         fit=fit,
     )
 
