@@ -1,6 +1,6 @@
 # Benchmarks against the peer libraries, and the GPU MFU check (benchmarks/). The peers live in the `bench` extra,
 # never in the runtime deps.
-.PHONY: bench-peers bench-gpu bench-gpu-dry install-bench
+.PHONY: bench-peers bench-gpu bench-gpu-dry install-bench bench-augment
 
 BENCH_STAMP := $(VENV)/.installed-bench
 
@@ -19,3 +19,6 @@ bench-gpu: $(STAMP) ## GPT ~300M params, T=1024, bf16, fused attention: MFU vs t
 
 bench-gpu-dry: $(STAMP) ## the bench-gpu code path at a tiny size, on the CPU
 	$(PY) -m benchmarks.train_steps --gpu --dry-run --out-dir results/bench $(ARGS)
+
+bench-augment: $(STAMP) ## random crop+flip for the CNN on 32x32 images: host numpy vs inside the step (dm-pix), one run
+	$(PY) -m benchmarks.augment_placement $(ARGS)

@@ -1,0 +1,195 @@
+"""Where random crop and flip run (`make bench-augment`): on the host in numpy, or inside the train step on the device.
+
+The same augmentation both ways, for the CNN on 32x32x3 images, side by side in one run:
+- host: `jaxnn.data` computes each batch (gather, normalise, `random_crop`, `random_flip` in numpy) in one thread,
+  `DevicePrefetch` copies it ahead, and the plain step trains on it;
+- device: the host computes the same batches without the crop and flip, and the step applies
+  `jaxnn.augment.Augment(crop_pad=4, flip=True)` (dm-pix) to them before the forward pass.
+
+Figures: the host's augmentation time per batch and images/s per core (one thread: one core), the device's extra
+step time (the augmented step against the plain one, both on a batch already on the device), steps/s and the
+input-wait fraction of each placement (the time `next()` waited for a batch / wall time), and the step rate at
+which host augmentation stops keeping up: one core prepares `1 / host batch time` batches a second. The projected
+accelerator figures come from XLA's cost analysis of the two programs and `jaxnn.profile.projection`'s model (max
+of FLOPs / peak and bytes / bandwidth): projected, not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from benchmarks.machine import cpu_label
+
+IMAGE = (32, 32, 3)
+PAD = 4
+
+
+def _median_s(fn, repeats: int, number: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(number):
+            fn()
+        times.append((time.perf_counter() - t) / number)
+    return float(np.median(times))
+
+
+def _cost(compiled: Any) -> tuple[float | None, float | None]:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    if not cost:
+        return None, None
+    return cost.get("flops"), cost.get("bytes accessed")
+
+
+def measure(*, batch: int = 64, widths: tuple[int, ...] = (16, 32), steps: int = 30, repeats: int = 3) -> dict:
+    """Host against in-step crop+flip on this machine's default device; see the module docstring."""
+    import jax
+
+    from jaxnn.data import DevicePrefetch, PipelineConfig, TrainBatches, host_iterator, synthetic
+    from jaxnn.models import CNN, CNNConfig
+    from jaxnn.optional import installed
+    from jaxnn.profile.projection import accelerator
+    from jaxnn.train import classification_loss, create_train_state, make_optimizer, train_step_fn
+
+    data = synthetic(IMAGE, n_train=max(16 * batch, 1024), n_test=batch)
+    host_cfg = PipelineConfig(batch_size=batch, crop_pad=PAD, flip=True, backend="inline")
+    plain_cfg = PipelineConfig(batch_size=batch, backend="inline")
+    host_src, plain_src = TrainBatches(data, host_cfg), TrainBatches(data, plain_cfg)
+    counter = iter(range(1 << 30))
+    with_aug = _median_s(lambda: host_src.batch(next(counter)), repeats, 20)
+    without = _median_s(lambda: plain_src.batch(next(counter)), repeats, 20)
+    host_aug_s = max(with_aug - without, 0.0)
+    result: dict[str, Any] = {
+        "cpu": cpu_label(),
+        "device": str(jax.devices()[0].device_kind),
+        "batch": batch,
+        "widths": list(widths),
+        "image": list(IMAGE),
+        "augment": f"crop (pad {PAD}) + flip",
+        "host_batch_s": with_aug,
+        "host_batch_plain_s": without,
+        "host_augment_s": host_aug_s,
+        "host_images_per_s_per_core": batch / with_aug,
+        "host_augment_images_per_s_per_core": batch / host_aug_s if host_aug_s else None,
+        # One core keeps up with steps no faster than this; n cores with n times it.
+        "host_keeps_up_to_steps_per_s_per_core": 1.0 / with_aug,
+        "notes": [],
+    }
+    if not installed("dm_pix"):
+        result["notes"].append("device rows skipped: dm-pix is not installed (pip install 'jaxnn[augment]')")
+        return result
+    import functools
+
+    from jaxnn.augment import Augment, augment_batch
+
+    model = CNN(CNNConfig(widths=widths))
+    tx = make_optimizer(1e-3)
+    state0 = jax.jit(lambda k: create_train_state(model, tx, k, (batch, *IMAGE)))(jax.random.key(0))
+    aug_fn = functools.partial(augment_batch, Augment(crop_pad=PAD, flip=True))
+    plain_step = jax.jit(train_step_fn(model, classification_loss, tx))
+    device_step = jax.jit(train_step_fn(model, classification_loss, tx, augment=aug_fn))
+    placed = jax.device_put(plain_src.batch(0))
+    step_plain = _median_s(lambda: jax.block_until_ready(plain_step(state0, placed)[1]["loss"]), repeats, 10)
+    step_aug = _median_s(lambda: jax.block_until_ready(device_step(state0, placed)[1]["loss"]), repeats, 10)
+
+    def run(cfg, step_fn) -> dict:
+        # The steps stream as fit runs them: batches copied ahead, the loss read only at the end.
+        prefetch = DevicePrefetch(host_iterator(TrainBatches(data, cfg, 0, steps + 1), cfg), size=2)
+        state, metrics = step_fn(state0, next(prefetch))
+        jax.block_until_ready(metrics["loss"])
+        prefetch.take_wait()
+        t = time.perf_counter()
+        for _ in range(steps):
+            state, metrics = step_fn(state, next(prefetch))
+        jax.block_until_ready(metrics["loss"])
+        wall = time.perf_counter() - t
+        return {"steps_per_s": steps / wall, "input_wait_fraction": prefetch.take_wait() / wall}
+
+    host_run, device_run = run(host_cfg, plain_step), run(plain_cfg, device_step)
+    for r in (host_run, device_run):
+        r["images_per_s"] = r["steps_per_s"] * batch
+    aug_program = jax.jit(aug_fn).lower(placed, state0.key, state0.step, 0).compile()
+    acc = accelerator()
+    aug_flops, aug_bytes = _cost(aug_program)
+    step_flops, step_bytes = _cost(plain_step.lower(state0, placed).compile())
+    projected_aug = acc.lower_bound(aug_flops, aug_bytes, "float32")
+    projected_step = acc.lower_bound(step_flops, step_bytes, "float32")
+    projected_steps_per_s = 1.0 / projected_step if projected_step else None
+    result.update(
+        {
+            "step_plain_s": step_plain,
+            "step_augmented_s": step_aug,
+            "device_extra_s": step_aug - step_plain,
+            "device_extra_fraction": (step_aug - step_plain) / step_plain,
+            "host": host_run,
+            "in_step": device_run,
+            "projected": {
+                "label": "projected, not measured",
+                "accelerator": acc.name,
+                "source": acc.source,
+                "augment_flops": aug_flops,
+                "augment_bytes": aug_bytes,
+                "device_extra_s": projected_aug,
+                "step_s": projected_step,
+                "steps_per_s": projected_steps_per_s,
+                # Host cores that crop and flip fast enough for the projected step rate.
+                "host_cores_needed": projected_steps_per_s * with_aug if projected_steps_per_s else None,
+            },
+        }
+    )
+    return result
+
+
+def format_table(r: dict) -> str:
+    lines = [
+        f"crop+flip placement, CNN {r['widths']} on {r['image'][0]}x{r['image'][1]} images, batch {r['batch']}, "
+        f"on {r['cpu']} ({r['device']})",
+        f"host: {r['host_batch_s'] * 1e3:.2f} ms per batch with crop+flip ({r['host_augment_s'] * 1e3:.2f} ms of it "
+        f"the augmentation): {r['host_images_per_s_per_core']:,.0f} images/s per core, keeps up with at most "
+        f"{r['host_keeps_up_to_steps_per_s_per_core']:,.0f} steps/s per core",
+    ]
+    lines += [f"note: {n}" for n in r["notes"]]
+    if "host" not in r:
+        return "\n".join(lines)
+    p = r["projected"]
+    lines += [
+        "| placement | steps/s | images/s | input wait | device step |",
+        "|---|---|---|---|---|",
+        f"| host (numpy) | {r['host']['steps_per_s']:,.1f} | {r['host']['images_per_s']:,.0f} | "
+        f"{r['host']['input_wait_fraction']:.0%} | {r['step_plain_s'] * 1e3:.2f} ms |",
+        f"| in the step (dm-pix) | {r['in_step']['steps_per_s']:,.1f} | {r['in_step']['images_per_s']:,.0f} | "
+        f"{r['in_step']['input_wait_fraction']:.0%} | {r['step_augmented_s'] * 1e3:.2f} ms "
+        f"(+{r['device_extra_fraction']:.0%}) |",
+        f"{p['accelerator']} ({p['label']}, {p['source']}): augmentation "
+        f"{(p['device_extra_s'] or 0) * 1e6:.2f} us per step, step {(p['step_s'] or 0) * 1e6:.1f} us, "
+        f"host cores for crop+flip at that rate: {p['host_cores_needed'] or float('nan'):,.0f}",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.augment_placement", description=__doc__)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=30, help="streamed steps per placement")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="runs/bench-augment.json")
+    args = parser.parse_args(argv)
+    result = measure(batch=args.batch, steps=args.steps, repeats=args.repeats)
+    print(format_table(result))
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
