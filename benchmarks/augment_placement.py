@@ -49,7 +49,9 @@ def _cost(compiled: Any) -> tuple[float | None, float | None]:
     return cost.get("flops"), cost.get("bytes accessed")
 
 
-def measure(*, batch: int = 64, widths: tuple[int, ...] = (16, 32), steps: int = 30, repeats: int = 3) -> dict:
+def measure(
+    *, batch: int = 64, widths: tuple[int, ...] = (16, 32), steps: int = 30, repeats: int = 3, number: int = 10
+) -> dict:
     """Host against in-step crop+flip on this machine's default device; see the module docstring."""
     import jax
 
@@ -64,8 +66,8 @@ def measure(*, batch: int = 64, widths: tuple[int, ...] = (16, 32), steps: int =
     plain_cfg = PipelineConfig(batch_size=batch, backend="inline")
     host_src, plain_src = TrainBatches(data, host_cfg), TrainBatches(data, plain_cfg)
     counter = iter(range(1 << 30))
-    with_aug = _median_s(lambda: host_src.batch(next(counter)), repeats, 20)
-    without = _median_s(lambda: plain_src.batch(next(counter)), repeats, 20)
+    with_aug = _median_s(lambda: host_src.batch(next(counter)), repeats, 2 * number)
+    without = _median_s(lambda: plain_src.batch(next(counter)), repeats, 2 * number)
     host_aug_s = max(with_aug - without, 0.0)
     result: dict[str, Any] = {
         "cpu": cpu_label(),
@@ -97,8 +99,8 @@ def measure(*, batch: int = 64, widths: tuple[int, ...] = (16, 32), steps: int =
     plain_step = jax.jit(train_step_fn(model, classification_loss, tx))
     device_step = jax.jit(train_step_fn(model, classification_loss, tx, augment=aug_fn))
     placed = jax.device_put(plain_src.batch(0))
-    step_plain = _median_s(lambda: jax.block_until_ready(plain_step(state0, placed)[1]["loss"]), repeats, 10)
-    step_aug = _median_s(lambda: jax.block_until_ready(device_step(state0, placed)[1]["loss"]), repeats, 10)
+    step_plain = _median_s(lambda: jax.block_until_ready(plain_step(state0, placed)[1]["loss"]), repeats, number)
+    step_aug = _median_s(lambda: jax.block_until_ready(device_step(state0, placed)[1]["loss"]), repeats, number)
 
     def run(cfg, step_fn) -> dict:
         # The steps stream as fit runs them: batches copied ahead, the loss read only at the end.

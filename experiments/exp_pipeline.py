@@ -12,6 +12,12 @@ Augmentation is the pipeline's random crop (zero padding `PAD`) and flip, applie
 time (median and spread over windows of `steps` steps), samples/s, and the device-idle fraction,
 1 - (compute-only step time x steps) / wall time, where the compute-only time is the same compiled step timed alone
 on a batch already on the device; and the time the loop waited for input (`DevicePrefetch.take_wait`).
+
+`split` measures the real thing beside the synthetic cost: the same random crop and flip in numpy on the host and
+inside the step (`jaxnn.augment`, dm-pix), with `benchmarks.augment_placement`: images/s per host core, the
+device's extra step time, the input-wait fraction of each placement, the step rate at which host augmentation
+stops keeping up, and a projected accelerator row (projected, not measured). Without dm-pix (the GPU machine has
+no network to install it) its device rows are skipped with a note.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from benchmarks import augment_placement
 from experiments import common
 from jaxnn.data import DevicePrefetch, PipelineConfig, TrainBatches, host_iterator, synthetic
 from jaxnn.models import CNN, CNNConfig
@@ -29,11 +36,18 @@ from jaxnn.train import classification_loss, make_optimizer, train_step_fn
 
 NAME = "exp_pipeline"
 
-CONFIG = {  # batch, steps per window, augmentation repeats, CNN widths, host reader threads
-    "tiny": {"batch": 8, "steps": 2, "costs": [1], "widths": (4,), "threads": 1},
-    "quick": {"batch": 64, "steps": 6, "costs": [1, 8, 32], "widths": (16, 32), "threads": 2},
-    "full": {"batch": 128, "steps": 10, "costs": [1, 8, 32, 96], "widths": (16, 32), "threads": 2},
-    "gpu": {"batch": 256, "steps": 10, "costs": [1, 4, 16, 64], "widths": (32, 64, 128), "threads": 8},
+CONFIG = {  # batch, steps per window, augmentation repeats, CNN widths, host reader threads, streamed split steps
+    "tiny": {"batch": 8, "steps": 2, "costs": [1], "widths": (4,), "threads": 1, "split_steps": 2},
+    "quick": {"batch": 64, "steps": 6, "costs": [1, 8, 32], "widths": (16, 32), "threads": 2, "split_steps": 30},
+    "full": {"batch": 128, "steps": 10, "costs": [1, 8, 32, 96], "widths": (16, 32), "threads": 2, "split_steps": 60},
+    "gpu": {
+        "batch": 256,
+        "steps": 10,
+        "costs": [1, 4, 16, 64],
+        "widths": (32, 64, 128),
+        "threads": 8,
+        "split_steps": 100,
+    },
 }
 IMAGE = (32, 32, 3)
 PAD = 4
@@ -143,8 +157,22 @@ def run(size: str = "quick", budget: common.Budget | None = None) -> dict:
                     "input_wait_fraction": input_wait,
                 }
             )
+    split = None
+    if budget.over(0.9):
+        budget.skip("split")
+    else:
+        tiny = size == "tiny"
+        split = augment_placement.measure(
+            batch=batch,
+            widths=tuple(cfg["widths"]),
+            steps=cfg["split_steps"],
+            repeats=1 if tiny else repeats,
+            number=1 if tiny else 10,
+        )
+        split["cores"] = common.cpu_cores()
     return {
         "rows": rows,
+        "split": split,
         "compute_only": compute_only.as_dict(),
         "host_batch": host_batch,
         "threads": cfg["threads"],
@@ -188,11 +216,30 @@ def plot(record: dict, path) -> None:
 
 
 def summarize(record: dict) -> list[str]:
-    return [
+    lines = [
         f"cost {r['cost']:3d} {r['arrangement']:10s} {r['step_s'] * 1e3:8.1f} ms/step "
         f"{r['samples_per_s']:9.0f} samples/s idle {r['device_idle']:.2f}"
         for r in record["rows"]
     ]
+    if record.get("split"):
+        lines += augment_placement.format_table(record["split"]).splitlines()
+    return lines
+
+
+def split_line(split: dict) -> dict:
+    """Where host crop+flip stops keeping up: measured here, and at the projected accelerator step rate.
+
+    `keeps_up_here`: the host's cores prepare augmented batches at least as fast as the in-step placement trains;
+    `keeps_up_projected`: the projected accelerator's step rate needs no more host cores than this machine has."""
+    cores = split.get("cores") or 1
+    line = split["host_keeps_up_to_steps_per_s_per_core"]
+    out: dict = {"steps_per_s_per_core": line, "cores": cores, "batch": split["batch"]}
+    if "in_step" in split:
+        out["keeps_up_here"] = line * cores >= split["in_step"]["steps_per_s"]
+        needed = split["projected"]["host_cores_needed"]
+        out["cores_needed_projected"] = needed
+        out["keeps_up_projected"] = needed is not None and needed <= cores
+    return out
 
 
 if __name__ == "__main__":

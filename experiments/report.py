@@ -242,8 +242,11 @@ def verdict_libraries(check: dict | None, prec: dict | None) -> tuple[str, str]:
 
 
 def verdict_pipeline(pipe: dict | None) -> tuple[str, str]:
-    """Per augmentation cost, the fastest arrangement. Confirmed when host preprocessing overlapped with the step
-    wins at every cost; refuted when augmenting on the device wins at every cost; depends otherwise."""
+    """With the real crop+flip measured (`split`): confirmed when the host's cores keep up both here and at the
+    projected accelerator step rate, refuted when they keep up at neither, depends otherwise; the text names the
+    line (steps/s per host core) either way. Without it, per synthetic augmentation cost, the fastest arrangement:
+    confirmed when host preprocessing overlapped with the step wins at every cost, refuted when augmenting on the
+    device wins at every cost, depends otherwise."""
     if not pipe:
         return NOT_MEASURED, "no exp_pipeline results"
     s = exp_pipeline.summary(pipe)
@@ -259,12 +262,31 @@ def verdict_pipeline(pipe: dict | None) -> tuple[str, str]:
         if sync_idle is None
         else f"; in-line (sync) preprocessing leaves the device idle {sync_idle:.0%} of the time"
     )
-    return verdict, (
-        "fastest per augmentation cost: "
+    synthetic = (
+        "synthetic cost, fastest per augmentation cost: "
         + ", ".join(f"{c}: {w}" for c, w in sorted(winners.items()))
         + f"; at cost {top} the best is {s[top].get('best_over_sync', float('nan')):.2f}x sync"
         + idle
     )
+    split = pipe.get("split")
+    if not split or "in_step" not in split:
+        return verdict, synthetic
+    line = exp_pipeline.split_line(split)
+    here, projected = line["keeps_up_here"], line["keeps_up_projected"]
+    verdict = "confirmed" if here and projected else "refuted" if not (here or projected) else "depends"
+    p = split["projected"]
+    text = (
+        f"the line: one host core crops and flips {line['steps_per_s_per_core']:,.0f} batches of "
+        f"{line['batch']} a second, so host augmentation keeps up while the step rate stays under "
+        f"{line['steps_per_s_per_core']:,.0f} steps/s per host core and belongs in the step above it; "
+        f"here ({line['cores']} cores, {split['in_step']['steps_per_s']:,.0f} steps/s) the host "
+        f"{'keeps up' if here else 'falls behind'}, and in the step it costs the device "
+        f"{split['device_extra_s'] * 1e3:+.2f} ms ({split['device_extra_fraction']:+.0%}) a step; "
+        f"at the {p['accelerator']}'s projected {p['steps_per_s'] or 0:,.0f} steps/s (projected, not measured) "
+        f"it would need {line['cores_needed_projected'] or 0:,.0f} host cores, for "
+        f"{(p['device_extra_s'] or 0) * 1e6:.1f} us of device time in the step; {synthetic}"
+    )
+    return verdict, text
 
 
 def verdict_batches(par: dict | None) -> tuple[str, str]:
@@ -457,6 +479,43 @@ def section_pipeline(m: Machines) -> tuple[str, dict]:
                     ),
                 )
             )
+    split = lambda t: (m.get(t, "exp_pipeline") or {}).get("split") or {}  # noqa: E731
+
+    def measured(fn):
+        return lambda t: fn(split(t)) if "in_step" in split(t) else None
+
+    rows += [
+        (
+            "crop+flip on the host: images/s per core (steps/s it keeps up with per core)",
+            lambda t: (
+                f"{split(t)['host_images_per_s_per_core']:,.0f} "
+                f"({split(t)['host_keeps_up_to_steps_per_s_per_core']:,.0f})"
+                if split(t)
+                else None
+            ),
+        ),
+        (
+            "crop+flip in the step: extra device time per step",
+            measured(lambda v: f"{v['device_extra_s'] * 1e3:+.2f} ms ({v['device_extra_fraction']:+.0%})"),
+        ),
+        (
+            "input-wait fraction: host / in the step",
+            measured(lambda v: f"{v['host']['input_wait_fraction']:.0%} / {v['in_step']['input_wait_fraction']:.0%}"),
+        ),
+        (
+            "steps/s: host / in the step",
+            measured(lambda v: f"{v['host']['steps_per_s']:,.1f} / {v['in_step']['steps_per_s']:,.1f}"),
+        ),
+        (
+            "H200 step rate, host cores for crop+flip at it (projected, not measured)",
+            measured(
+                lambda v: (
+                    f"{v['projected']['steps_per_s'] or 0:,.0f} steps/s, "
+                    f"{v['projected']['host_cores_needed'] or 0:,.0f} cores"
+                )
+            ),
+        ),
+    ]
     verdicts = {t: verdict_pipeline(m.get(t, "exp_pipeline")) for t in m.cpu + m.gpu}
     return _table(m, rows), verdicts
 

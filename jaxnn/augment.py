@@ -161,11 +161,10 @@ def _mix(aug: Augment, keys: jax.Array, x: jax.Array, y: jax.Array) -> tuple[jax
 
     def one(key, xa, xb):
         k_lam, k_box, k_pick = jax.random.split(key, 3)
-        alpha = aug.cutmix if aug.cutmix and not aug.mixup else aug.mixup
         use_cut = jnp.asarray(bool(aug.cutmix))
-        if aug.mixup and aug.cutmix:
+        if aug.mixup and aug.cutmix:  # each example takes one of the two at random
             use_cut = jax.random.bernoulli(k_pick)
-            alpha = jnp.where(use_cut, aug.cutmix, aug.mixup)
+        alpha = jnp.where(use_cut, aug.cutmix, aug.mixup)
         lam = jax.random.beta(k_lam, alpha, alpha)
         inside, kept = _cutmix_mask(k_box, lam, H, W)
         mixed = jnp.where(use_cut, jnp.where(inside, xb, xa), lam * xa + (1 - lam) * xb)

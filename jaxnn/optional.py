@@ -2,8 +2,8 @@
 
 jaxnn's core needs jax, optax, orbax-checkpoint, numpy and safetensors; what only some users need is an extra:
 `pip install 'jaxnn[plots]'` (matplotlib), `[progress]` (tqdm), `[tensorboard]` (tensorboardX), `[grain]` (Grain's
-worker processes), `[data]` (scikit-learn, for the bundled digits), `[augment]` (dm-pix, for on-device augmentation), or `[all]`; `[docs]` (pdoc) builds the
-documentation (`make docs`).
+worker processes), `[data]` (scikit-learn, for the bundled digits), `[augment]` (dm-pix, for augmentation in the
+step), or `[all]`; `[docs]` (pdoc) builds the documentation (`make docs`).
 """
 
 from __future__ import annotations

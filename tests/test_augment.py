@@ -3,6 +3,7 @@ labels that sum to one and match the pixels, keys that follow the global row, an
 bitwise. Tiny images, a few steps."""
 
 import functools
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -153,8 +154,8 @@ def _cnn():
 def test_augmented_training_resumes_bitwise_and_evaluates_unaugmented(tmp_path):
     data = _images()
     aug = Augment(crop_pad=1, flip=True, mixup=0.4)
-    run = dict(optimizer=optax.adam(1e-2), steps=6, batch_size=16, log_every=3, ckpt_every=3)
-    run |= dict(progress=False, plots=False, augment=aug, eval_data=data)
+    run = {"optimizer": optax.adam(1e-2), "steps": 6, "batch_size": 16, "log_every": 3, "ckpt_every": 3}
+    run |= {"progress": False, "plots": False, "augment": aug, "eval_data": data}
     straight = jaxnn.fit(_cnn(), data, run_dir=str(tmp_path / "straight"), **run)
 
     class StopAt(Callback):
@@ -173,3 +174,10 @@ def test_augmented_training_resumes_bitwise_and_evaluates_unaugmented(tmp_path):
         jaxnn.fit(_cnn(), data, run_dir=str(tmp_path / "part"), resume=True, **{**run, "augment": "flip"})
     with pytest.raises(ConfigError, match="fit: augment: unknown 'spin'"):
         jaxnn.fit(_cnn(), data, **{**run, "augment": "spin"})
+
+
+def test_the_placement_snippet_in_docs_data_md_runs():
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "data.md").read_text()
+    section = text[text.index("## Augmentation: which work goes where") :]
+    snippet = section[section.index("```python\n") + 10 : section.index("```\n", section.index("```python"))]
+    exec(compile(snippet, "docs/data.md", "exec"), {})

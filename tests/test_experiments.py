@@ -19,6 +19,7 @@ from jax import lax
 
 from experiments import common, exp_parallel, exp_precision, gpu_check, report
 from jaxnn.models import MLP
+from jaxnn.optional import installed
 from jaxnn.parallel import FORMS
 from jaxnn.timing import time_fn
 
@@ -350,6 +351,13 @@ def test_dry_run_figures_are_measured(dry_run):
     pipe = load("exp_pipeline")
     assert {r["arrangement"] for r in pipe["rows"]} == {"sync", "overlapped", "device"}
     assert all(0.0 <= r["device_idle"] <= 1.0 for r in pipe["rows"])
+    split = pipe["split"]  # the real crop+flip on the host and in the step, with the projection labelled
+    assert split["host_images_per_s_per_core"] > 0 and split["host_keeps_up_to_steps_per_s_per_core"] > 0
+    if split["notes"]:  # no dm-pix: the device rows say why they are missing
+        assert "dm-pix is not installed" in split["notes"][0] and "in_step" not in split
+    else:
+        assert 0.0 <= split["in_step"]["input_wait_fraction"] <= 1.0
+        assert split["projected"]["label"] == "projected, not measured" and split["projected"]["step_s"] > 0
     inf = load("exp_inference")
     assert all(r["p50_ms"] <= r["p99_ms"] for r in inf["rows"]) and {r["model"] for r in inf["rows"]} == {"cnn", "gpt"}
     par = load("exp_parallel")
@@ -371,6 +379,8 @@ def test_report_on_the_dry_run_has_every_claim(dry_run, tmp_path):
     for n in range(1, 8):
         assert f"## Claim {n}:" in text
     assert "GPU (not measured)" in text and f"CPU `{folder.name}`" in text
+    if installed("dm_pix"):  # claim 5's verdict names where host augmentation stops keeping up
+        assert "host augmentation keeps up while the step rate stays under" in text
     assert "12x" in text and "about 8x" in text and "about 15x" in text
 
 
