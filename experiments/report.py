@@ -276,7 +276,7 @@ def verdict_pipeline(pipe: dict | None) -> tuple[str, str]:
     verdict = "confirmed" if here and projected else "refuted" if not (here or projected) else "depends"
     p = split["projected"]
     text = (
-        f"the line: one host core crops and flips {line['steps_per_s_per_core']:,.0f} batches of "
+        f"the line: one host core prepares {line['steps_per_s_per_core']:,.0f} cropped and flipped batches of "
         f"{line['batch']} a second, so host augmentation keeps up while the step rate stays under "
         f"{line['steps_per_s_per_core']:,.0f} steps/s per host core and belongs in the step above it; "
         f"here ({line['cores']} cores, {split['in_step']['steps_per_s']:,.0f} steps/s) the host "

@@ -24,6 +24,7 @@ _NAMES = {
 }
 
 SUBMODULES = (
+    "augment",
     "callbacks",
     "checkpoint",
     "cli",

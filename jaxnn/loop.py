@@ -30,6 +30,7 @@ import optax
 from jax.sharding import Mesh
 
 from jaxnn import compile_cache as xla_cache
+from jaxnn.augment import Augment, augment_batch, parse_augment
 from jaxnn.callbacks import Callback, NonFiniteError, NonFiniteGuard, RunInfo
 from jaxnn.checkpoint import Checkpointer, CheckpointError, StopSignal, load_train_state, state_digest
 from jaxnn.config import ConfigError, FitConfig, config_differences, first_differences
@@ -88,7 +89,7 @@ def fit(
     callbacks: Iterable[Callback] = (),
     mesh: Mesh | str | None = None,
     pipeline: PipelineConfig | None = None,
-    augment: Any = None,
+    augment: Augment | str | None = None,
     config: dict | None = None,
     params: Any = None,
     model_state: Any = None,
@@ -372,8 +373,6 @@ def _augmentation(augment, model, cfg, example) -> Any:
     """fit's `augment` as an `Augment` with the model's classes filled in, or None; bad settings are one line."""
     if augment is None:
         return None
-    from jaxnn.augment import Augment, parse_augment
-
     try:
         aug = parse_augment(augment) if isinstance(augment, str) else augment
     except ValueError as err:
@@ -399,8 +398,6 @@ def _initial_spec(model, cfg, example) -> Any:
 def _step_fn(aug) -> Any:
     if aug is None:
         return None
-    from jaxnn.augment import augment_batch
-
     return functools.partial(augment_batch, aug)
 
 

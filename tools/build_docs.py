@@ -49,6 +49,7 @@ MODULES = (
     "jaxnn.train",
     "jaxnn.precision",
     "jaxnn.data",
+    "jaxnn.augment",
     "jaxnn.checkpoint",
     "jaxnn.finetune",
     "jaxnn.export",
