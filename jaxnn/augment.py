@@ -75,6 +75,12 @@ class Augment:
         """Whether any per-image operation (crop, flips, colour jitter) is on."""
         return bool(self.crop_pad or self.flip or self.vflip or self.brightness or self.contrast or self.saturation)
 
+    def check_available(self) -> None:
+        """Raises ImportError in one line, naming the extra, when an image operation is on and dm-pix is missing:
+        before tracing, where jax would add its own lines to the message."""
+        if self.transforms_images:
+            _pix()
+
     def record(self) -> dict:
         """The settings as JSON, for the run's record: a resume with other augmentation is refused."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "num_classes"}
@@ -180,6 +186,7 @@ def augment_batch(aug: Augment, batch: dict, key: jax.Array, step: Any, offset: 
     """`batch` with `x` augmented per example (keys from `example_keys`) and, when mixing, `y_soft` added.
 
     `offset` is the global index of the batch's first row (a device's shard starts past the devices before it)."""
+    aug.check_available()
     x = batch["x"]
     if jnp.ndim(x) != 4:
         raise ValueError(f"Augment: wants images (batch, height, width, channels), got x of shape {jnp.shape(x)}")

@@ -379,6 +379,7 @@ def _augmentation(augment, model, cfg, example) -> Any:
         raise ConfigError(f"fit: {err}") from None
     if not isinstance(aug, Augment):
         raise ConfigError(f"fit: augment must be a jaxnn.augment.Augment or its text, got {type(augment).__name__}")
+    aug.check_available()
     if aug.mixes and aug.num_classes is None:
         out = _output_spec(model, cfg.precision, _initial_spec(model, cfg, example), _spec(example))
         if out is None or not hasattr(out, "shape"):

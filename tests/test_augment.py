@@ -181,3 +181,14 @@ def test_the_placement_snippet_in_docs_data_md_runs():
     section = text[text.index("## Augmentation: which work goes where") :]
     snippet = section[section.index("```python\n") + 10 : section.index("```\n", section.index("```python"))]
     exec(compile(snippet, "docs/data.md", "exec"), {})
+
+
+def test_without_dm_pix_the_step_augmentation_says_what_to_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "dm_pix", None)  # as on the GPU machine, which cannot install it
+    want = r"^on-device augmentation \(jaxnn.augment\) needs dm_pix: pip install 'jaxnn\[augment\]'$"
+    with pytest.raises(ImportError, match=want):
+        augment_batch(Augment(flip=True), {"x": jnp.zeros((2, H, W, 3))}, jax.random.key(0), 0)
+    with pytest.raises(ImportError, match=want):  # fit: before anything is compiled or written
+        jaxnn.fit(_cnn(), _images(), augment="flip", steps=1, batch_size=16, progress=False, plots=False)
