@@ -11,7 +11,7 @@ GPU_ARGS ?=
 GPU_ARCHIVE ?= $(if $(OUT),$(OUT)/)
 
 .PHONY: exp-matmul exp-precision exp-sequential exp-pipeline exp-inference exp-parallel exp-train report \
-	experiments gpu-check gpu-check-dry
+	experiments gpu-check gpu-check-dry project-gpu
 
 exp-matmul: $(STAMP) ## matmul GFLOP/s vs size (64..8192) per backend, next to the measured peak
 	$(PY) -m experiments.exp_matmul --size $(SIZE) --out $(RESULTS)
@@ -33,6 +33,9 @@ exp-parallel: $(STAMP) ## training throughput vs device count (jit, shard_map, p
 
 exp-train: $(STAMP) ## CNN and GPT training in fp32, bf16, fp16 (loss scaling): curves, quality, speed
 	$(PY) -m experiments.exp_train --size $(SIZE) --out $(RESULTS)
+
+project-gpu: $(STAMP) ## compile every experiment's programs here: costs for REPORT.md's projected H200 column
+	$(PY) -m experiments.projected --size $(SIZE) --out $(RESULTS)
 
 report: $(STAMP) ## REPORT.md from every results/<machine-tag>/ present: per-claim tables, plots, verdicts
 	$(PY) -m experiments.report --results $(RESULTS) --out REPORT.md

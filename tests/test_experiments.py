@@ -592,3 +592,35 @@ def test_report_survives_any_subset_of_rows(gpu_fixture):
     assert verdicts["Parallel matrix work"] == verdicts["Latency"] == "not measured"
     assert verdicts["Split the work"] == verdicts["Inference"] == "not measured"
     assert verdicts["Big data, big batches"] == "confirmed"
+
+
+def test_report_sets_each_projection_beside_its_measurement(gpu_fixture):
+    """Synthetic program costs next to the synthetic GPU run: the projected column is labelled, apart from the
+    measured one, and where both exist the cell gives measured / projected, worked out by hand here."""
+    programs = [
+        {"dtype": d, "n": n, "flops": 2.0 * n**3, "nbytes": 12.0 * n * n, "kind": "fp32" if d == "f32" else "bf16"}
+        for n in (64, 4096)
+        for d in ("f32", "bf16")
+    ]
+    programs = [{**r, "kernels": 1, "loop_trips": 0, "h2d_bytes": 0.0, "d2h_bytes": 0.0} for r in programs]
+    (gpu_fixture / "projected").mkdir()
+    (gpu_fixture / "projected" / "costs.json").write_text(
+        json.dumps({"compiled_on": "cpu-x", "date": "2026-12-02", "programs": {"exp_matmul": programs}})
+    )
+    text = report.build(gpu_fixture, gpu_fixture / "REPORT.md")
+    assert "| figure | CPU (not measured) | GPU `gpu-h200` | GPU H200 (projected, not measured) |" in text
+    # fp32 4096^3 on the model: 1.374e11 FLOPs / 67e12 FLOP/s + one 5 µs launch = 2.0563 ms -> 66,837 GFLOP/s;
+    # measured in the fixture: 1.374e11 / 1e-4 s = 1,374,390 GFLOP/s, 20.56x the projection.
+    projected = 2 * 4096**3 / (2 * 4096**3 / 67e12 + 5e-6) / 1e9
+    assert round(projected) == 66837
+    row = next(line for line in text.splitlines() if line.startswith("| best fp32 (exact) |"))
+    assert row.endswith("| 66,837 GFLOP/s (n=4096); measured 1,374,390, measured/projected 20.56x |"), row
+    assert "| 1,374,390 GFLOP/s (n=4096) |" in row  # the measured column is the measurement, untouched
+    assert "| bf16 matmul kernels | not measured | `__cublas$lt$matmul` | not projected |" in text
+    # Each claim keeps its measured verdict and gets a projected one on its own line after it.
+    lines = text.splitlines()
+    projected_lines = [i for i, line in enumerate(lines) if line.startswith("**Projected verdict (projected, not")]
+    assert len(projected_lines) == 7 and all(lines[i - 2].startswith("**Verdict: ") for i in projected_lines)
+    assert (
+        "| 1. Parallel matrix work | confirmed | projected: not measured |" in text
+    )  # no CPU results to project against
