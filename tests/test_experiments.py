@@ -261,8 +261,10 @@ def test_gpu_check_names_every_missing_module_before_starting(tmp_path, capsys, 
 
 
 def test_gpu_budgets_fit_the_run():
-    # The MFU benchmark (~60-90 s) and jax's start come on top of the experiments' soft budgets.
-    assert sum(gpu_check.BUDGETS.values()) + 90 + gpu_check.OVERRUN_MARGIN_S <= gpu_check.TOTAL_LIMIT_S <= 430
+    # The MFU benchmark (~60-90 s, kept back from the experiments) and jax's start come on top of the experiments'
+    # soft budgets; the MFU child's hard timeout ends the run inside one 10-minute command whatever happens.
+    assert sum(gpu_check.BUDGETS.values()) + gpu_check.MFU_RESERVE_S + gpu_check.OVERRUN_MARGIN_S <= 430
+    assert gpu_check.TOTAL_LIMIT_S <= 430 and gpu_check.TOTAL_LIMIT_S + gpu_check.MFU_GRACE_S + 60 < 600
 
 
 @pytest.mark.slow

@@ -4,6 +4,11 @@ The lower bound of one compiled program is max(FLOPs / peak FLOP/s of its dtype,
 roofline model. It is a bound, not a prediction: it leaves out kernel launches (microseconds each on a GPU, which
 dominate small layers), and it uses the FLOPs and bytes of the program XLA compiled for the machine at hand, whose
 fusion decisions differ from a GPU compiler's.
+
+`GpuModel` goes one step further for REPORT.md's projected GPU column: the roofline of a whole program's
+`ProgramCost` plus a launch per kernel, the host's dispatch, host-device copies (latency and bandwidth) and a copy
+latency per loop iteration; `H200_MODEL_SOURCES` says where each of its default parameters comes from (datasheet,
+measured elsewhere, or assumed). Its figures are projected, not measured.
 """
 
 from __future__ import annotations
@@ -107,7 +112,8 @@ def _check_positive(what: str, value: Any) -> None:
 # Every parameter of the projected GPU column, with where it comes from. "datasheet": NVIDIA's H200 SXM datasheet
 # (dense, no sparsity). "measured elsewhere": H200s measured through PyTorch in November 2026 (769-798 TFLOP/s for
 # an 8192^3 bf16 product; about 4.3 TB/s for a device-to-device copy), not by this project. "assumed": typical
-# figures for CUDA and jax, no measurement behind them; the first GPU run shows their error (the report sets each projection beside its measurement).
+# figures for CUDA and jax, no measurement behind them; the first GPU run shows their error (the report sets each
+# projection beside its measurement).
 H200_MODEL_SOURCES = {
     "bf16": "measured elsewhere: 790 TFLOP/s, the middle of 769-798 for an 8192^3 bf16 product (datasheet: 989)",
     "tf32": "datasheet: 494.5 TFLOP/s dense TF32 (jax's default precision for fp32 products on a GPU)",
@@ -164,14 +170,17 @@ class GpuModel:
             _check_positive(f"{self.name} {field}", getattr(self, field))
 
     def peak(self, kind: str) -> float:
+        """Peak FLOP/s of one kind of arithmetic; an error naming the kinds the model has when it lacks `kind`."""
         if kind not in self.peaks:
             raise ProjectionError(f"{self.name}: no peak for {kind!r}; it has {sorted(self.peaks)}")
         return self.peaks[kind]
 
     def transfer_s(self, nbytes: float) -> float:
+        """Seconds of one host-device copy of `nbytes` (none for 0 bytes)."""
         return 0.0 if nbytes <= 0 else self.transfer_latency_s + nbytes / self.transfer_bandwidth
 
     def device_s(self, cost: ProgramCost) -> float:
+        """Seconds the device spends on one call: launches, the roofline, and the loop iterations' copies."""
         roofline = max(cost.flops / self.peak(cost.kind), cost.nbytes / self.bandwidth)
         return cost.kernels * self.launch_s + roofline + cost.loop_trips * self.transfer_latency_s
 
@@ -184,4 +193,5 @@ class GpuModel:
         return self.dispatch_s + self.transfer_s(cost.h2d_bytes) + self.device_s(cost) + self.transfer_s(cost.d2h_bytes)
 
     def as_dict(self) -> dict[str, Any]:
+        """The parameters and their sources as plain JSON-ready values."""
         return dataclasses.asdict(self)
