@@ -1,6 +1,8 @@
 """The projected GPU column's model (`jaxnn.profile.projection.GpuModel`) on hand-computed cases, and the kernel
 count `experiments.projected` reads from compiled HLO."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -85,3 +87,20 @@ def test_kernel_count_and_loop_cost_of_a_compiled_chain():
     assert cost.loop_trips == steps and cost.kernels >= steps  # at least one kernel per dependent step
     # XLA counts the loop body once; a chain is all loop, so its work is 16 bodies': >= 16 matrix-vector products.
     assert cost.flops == pytest.approx(steps * once.flops) and cost.flops >= steps * 2 * hidden**2
+
+
+def test_project_model_sets_measured_cpu_beside_projected_gpu(tmp_path, capsys):
+    from experiments import project_model
+
+    out = tmp_path / "p.json"
+    argv = ["--model", "mlp", "--field", "hidden=[16]", "--batches", "4", "1", "--repeats", "1", "--json", str(out)]
+    assert project_model.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "(measured, " in printed and "H200 samples/s (projected, not measured)" in printed
+    result = json.loads(out.read_text())
+    assert [r["batch"] for r in result["rows"]] == [1, 4]
+    wins = [r["gpu_samples_per_s_projected"] > r["cpu_samples_per_s"] for r in result["rows"]]
+    first = next((r["batch"] for i, r in enumerate(result["rows"]) if all(wins[i:])), None)
+    assert result["gpu_projected_wins_from_batch"] == first
+    assert project_model.main(["--model", "nope"]) == 2
+    assert "unknown model 'nope'" in capsys.readouterr().err
