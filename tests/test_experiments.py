@@ -260,6 +260,15 @@ def test_gpu_check_names_every_missing_module_before_starting(tmp_path, capsys, 
     assert not list(tmp_path.iterdir())
 
 
+def test_gpu_check_refuses_an_archive_it_cannot_write(capsys):
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--archive", "results.zip"])
+    assert "--archive 'results.zip': name a folder or a .tar.gz file" in capsys.readouterr().err
+    args = gpu_check.parse_args(["--only", "exp_matmul"])
+    assert args.mfu is False and gpu_check.parse_args(["--only", "bench_gpu_mfu"]).mfu is True
+    assert gpu_check.parse_args(["--no-mfu"]).mfu is False and gpu_check.parse_args([]).mfu is True
+
+
 def test_gpu_budgets_fit_the_run():
     # The MFU benchmark (~60-90 s, kept back from the experiments) and jax's start come on top of the experiments'
     # soft budgets; the MFU child's hard timeout ends the run inside one 10-minute command whatever happens.
