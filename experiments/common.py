@@ -122,6 +122,18 @@ def backends_present() -> list[str]:
     return [default] if default == "cpu" else [default, "cpu"]
 
 
+def interleaved(sizes: dict[str, list], order: Callable[[list], list] = sorted) -> list[tuple]:
+    """(size, backend) pairs, every backend's row of one size before the next size: `sizes` maps a backend to its
+    sizes, `order` orders their union once for all. A GPU compiles once per row, so a budget that runs out
+    row by row would otherwise leave the host CPU, measured after it, with none of the rows it is compared on."""
+    return [
+        (size, backend)
+        for size in order(sorted(set().union(*sizes.values())))
+        for backend in sizes
+        if size in sizes[backend]
+    ]
+
+
 def first_device(backend: str):
     return jax.devices(backend)[0]
 

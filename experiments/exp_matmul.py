@@ -46,33 +46,33 @@ def run(size: str = "quick", budget: common.Budget | None = None) -> dict:
     budget = budget or common.Budget(None)
     repeats = 3 if size == "tiny" else 5
     rows, peaks = [], {}
-    for backend in common.backends_present():
+    sizes = {b: common.preset(SIZES, size)["cpu" if b == "cpu" else "gpu"] for b in common.backends_present()}
+    for n, backend in common.interleaved(sizes, decisive_first):
         device = common.first_device(backend)
-        kind = "cpu" if backend == "cpu" else "gpu"
-        for n in decisive_first(common.preset(SIZES, size)[kind]):
-            for dname, dtype in DTYPES.items():
-                if budget.over(0.85):
-                    budget.skip(f"{backend} {dname} n={n}")
-                    continue
-                key_a, key_b = jax.random.split(jax.random.key(n))
-                a = jax.device_put(jax.random.normal(key_a, (n, n), jnp.float32).astype(dtype), device)
-                b = jax.device_put(jax.random.normal(key_b, (n, n), jnp.float32).astype(dtype), device)
-                product = _product(dtype)
-                timing = time_fn(lambda: product(a, b), repeats=repeats)
-                rows.append(
-                    {
-                        "backend": backend,
-                        "dtype": dname,
-                        "n": n,
-                        **timing.as_dict(),
-                        "gflops": matmul_flops(n, n, n) / timing.median / 1e9,
-                    }
-                )
+        for dname, dtype in DTYPES.items():
+            if budget.over(0.85):
+                budget.skip(f"{backend} {dname} n={n}")
+                continue
+            key_a, key_b = jax.random.split(jax.random.key(n))
+            a = jax.device_put(jax.random.normal(key_a, (n, n), jnp.float32).astype(dtype), device)
+            b = jax.device_put(jax.random.normal(key_b, (n, n), jnp.float32).astype(dtype), device)
+            product = _product(dtype)
+            timing = time_fn(lambda: product(a, b), repeats=repeats)
+            rows.append(
+                {
+                    "backend": backend,
+                    "dtype": dname,
+                    "n": n,
+                    **timing.as_dict(),
+                    "gflops": matmul_flops(n, n, n) / timing.median / 1e9,
+                }
+            )
+    for backend in common.backends_present():
         peak_n = PEAK_SIZE[size] if backend != "cpu" or size != "gpu" else 2048
         if budget.over(0.95):
             budget.skip(f"{backend} peak")
             continue
-        peaks[backend] = measure_matmul_peak(peak_n, jnp.bfloat16, device, repeats=repeats)
+        peaks[backend] = measure_matmul_peak(peak_n, jnp.bfloat16, common.first_device(backend), repeats=repeats)
     order = {b: i for i, b in enumerate(common.backends_present())}
     return {
         "rows": sorted(rows, key=lambda r: (order[r["backend"]], r["n"], r["dtype"] != "f32")),

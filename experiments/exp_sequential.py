@@ -46,42 +46,42 @@ def run(size: str = "quick", budget: common.Budget | None = None) -> dict:
     repeats = 3 if size == "tiny" else 5
     steps = common.preset(STEPS, size)
     rows = []
-    for backend in common.backends_present():
+    hiddens = {b: common.preset(HIDDEN, size) for b in common.backends_present()}
+    for hidden, backend in common.interleaved(hiddens):
         device = common.first_device(backend)
-        for hidden in common.preset(HIDDEN, size):
-            if budget.over(0.85):
-                budget.skip(f"{backend} H={hidden}")
-                continue
-            keys = jax.random.split(jax.random.key(hidden), 5)
-            scale = 1.0 / hidden**0.5
-            put = lambda x: jax.device_put(x, device)  # noqa: E731
-            w = put(jax.random.normal(keys[0], (hidden, hidden)) * scale)
-            u = put(jax.random.normal(keys[1], (hidden, hidden)) * scale)
-            b = put(jnp.zeros((hidden,)))
-            h0 = put(jax.random.normal(keys[2], (hidden,)))
-            xs = put(jax.random.normal(keys[3], (steps, hidden)))
-            x2 = put(jax.random.normal(keys[4], (steps, 2 * hidden)))
-            w2 = put(jnp.concatenate([w, u], axis=1).T)
-            chain, rnn, parallel = make_chain(steps), make_rnn(), make_parallel()
-            cases = {
-                "chain": (lambda: chain(w, h0), 2.0 * steps * hidden**2),
-                "chain_parallel": (lambda: parallel(xs, w), 2.0 * steps * hidden**2),
-                "rnn": (lambda: rnn(w, u, b, h0, xs), 4.0 * steps * hidden**2),
-                "rnn_parallel": (lambda: parallel(x2, w2), 4.0 * steps * hidden**2),
-            }
-            for case, (fn, flops) in cases.items():
-                timing = time_fn(fn, repeats=repeats)
-                rows.append(
-                    {
-                        "backend": backend,
-                        "case": case,
-                        "hidden": hidden,
-                        "steps": steps,
-                        **timing.as_dict(),
-                        "us_per_step": timing.median / steps * 1e6,
-                        "gflops": flops / timing.median / 1e9,
-                    }
-                )
+        if budget.over(0.85):
+            budget.skip(f"{backend} H={hidden}")
+            continue
+        keys = jax.random.split(jax.random.key(hidden), 5)
+        scale = 1.0 / hidden**0.5
+        put = lambda x: jax.device_put(x, device)  # noqa: E731
+        w = put(jax.random.normal(keys[0], (hidden, hidden)) * scale)
+        u = put(jax.random.normal(keys[1], (hidden, hidden)) * scale)
+        b = put(jnp.zeros((hidden,)))
+        h0 = put(jax.random.normal(keys[2], (hidden,)))
+        xs = put(jax.random.normal(keys[3], (steps, hidden)))
+        x2 = put(jax.random.normal(keys[4], (steps, 2 * hidden)))
+        w2 = put(jnp.concatenate([w, u], axis=1).T)
+        chain, rnn, parallel = make_chain(steps), make_rnn(), make_parallel()
+        cases = {
+            "chain": (lambda: chain(w, h0), 2.0 * steps * hidden**2),
+            "chain_parallel": (lambda: parallel(xs, w), 2.0 * steps * hidden**2),
+            "rnn": (lambda: rnn(w, u, b, h0, xs), 4.0 * steps * hidden**2),
+            "rnn_parallel": (lambda: parallel(x2, w2), 4.0 * steps * hidden**2),
+        }
+        for case, (fn, flops) in cases.items():
+            timing = time_fn(fn, repeats=repeats)
+            rows.append(
+                {
+                    "backend": backend,
+                    "case": case,
+                    "hidden": hidden,
+                    "steps": steps,
+                    **timing.as_dict(),
+                    "us_per_step": timing.median / steps * 1e6,
+                    "gflops": flops / timing.median / 1e9,
+                }
+            )
     return {"rows": rows}
 
 

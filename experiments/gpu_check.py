@@ -14,15 +14,21 @@ import importlib
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 
+from experiments.archive import pack as pack_archive
+from experiments.archive import target as archive_target
+
 # Seconds each experiment may take at GPU size, in the order they run: the claims a GPU decides first (tensor
 # cores, then matrix throughput, training, inference), the CPU-side claims last. Each budget is soft (a measurement
-# that starts inside it is finished). The MFU benchmark (benchmarks.train_steps.gpu_mfu, about 60-90 s) runs
-# before them; with jax's start and the tensor-core check, the whole run stays inside TOTAL_LIMIT_S.
+# that starts inside it is finished). The MFU benchmark (benchmarks.train_steps.gpu_mfu, about 60-90 s) runs after
+# them in a child process: an abort inside cuDNN's fused attention (reported upstream under CUDA 13) then ends
+# only the child, never the experiments. With jax's start and the tensor-core check, the whole run stays inside
+# TOTAL_LIMIT_S, and the child's hard timeout keeps it inside one 10-minute command.
 BUDGETS = {
     "exp_precision": 40,
     "exp_matmul": 45,
@@ -35,6 +41,19 @@ BUDGETS = {
 TOTAL_LIMIT_S = 430  # 8 minutes of device time, less the start of the machine and the copy of the results
 OVERRUN_MARGIN_S = 40  # what one measurement that starts just inside a budget may take beyond it
 MIN_EXPERIMENT_S = 15  # an experiment given less than this is skipped, not started
+MFU_RESERVE_S = 90  # kept back from the experiments for the MFU child when it will run
+MFU_TIMEOUT_S = 150  # the child's hard limit: a hung compile costs at most this
+# The child may end this far past TOTAL_LIMIT_S (430 + 60 s: still well inside one 10-minute command), so that
+# experiments that overran still leave it a full measurement.
+MFU_GRACE_S = 60
+MFU_NAME = "bench_gpu_mfu"
+# Published MFU figures (PaLM, MaxText) divide by the datasheet's dense bf16 rate, not a measured GEMM peak: the
+# H200 SXM's 989 TFLOP/s (NVIDIA datasheet, dense, no sparsity). Quoted, not measured.
+H200_DENSE_BF16_TFLOPS = 989.0
+# A compiled program can call a bf16 GEMM and still not run on tensor cores (a library fallback): the proof is a
+# measured rate. An H200's CUDA cores peak at 67 TFLOP/s fp32 (datasheet); a bf16 product measured at 3x that or
+# more cannot come from them. The 4096^3 product of the check reaches several hundred TFLOP/s on tensor cores.
+TENSOR_CORE_MIN_TFLOPS = 3 * 67.0
 # The dry run: generous budgets so every code path runs, except exp_train's, which is spent before it starts, so
 # that the skipping (decisive rows kept, the rest recorded as skipped) runs before GPU time depends on it.
 DRY_RUN_BUDGETS = {**dict.fromkeys(BUDGETS, 120.0), "exp_train": 0.0}
@@ -82,6 +101,7 @@ def tensor_core_check(n: int = 4096) -> dict:
 
     from experiments import common
     from jaxnn import precision
+    from jaxnn.timing import matmul_flops, time_fn
 
     a = jnp.ones((n, n), jnp.bfloat16)
     matmul = jax.jit(lambda a, b: precision.einsum("mk,kn->mn", a, b))
@@ -93,6 +113,9 @@ def tensor_core_check(n: int = 4096) -> dict:
         )
     )
     mm_calls = common.library_calls(common.compiled_hlo(matmul, a, a))
+    # The HLO says which kernel is called; only the rate it reaches says the tensor cores ran it.
+    seconds = time_fn(lambda: matmul(a, a), repeats=3).median
+    tflops = matmul_flops(n, n, n) / seconds / 1e12
     conv_calls = common.library_calls(common.compiled_hlo(conv, x, w))
     gemms = [c for c in mm_calls if GEMM_TARGET.search(c["target"])]
     cudnn_convs = [c for c in conv_calls if "cudnn" in c["target"].lower()]
@@ -106,6 +129,9 @@ def tensor_core_check(n: int = 4096) -> dict:
         # cuDNN runs a convolution on tensor cores only with half-precision inputs and filter (its first two
         # operands); f32 operands would be an f32/TF32 convolution whatever the source asked for.
         "bf16_conv": any(_bf16_operands(c) for c in cudnn_convs),
+        "bf16_tflops": tflops,
+        "tensor_core_min_tflops": TENSOR_CORE_MIN_TFLOPS,
+        "tensor_core_rate": tflops >= TENSOR_CORE_MIN_TFLOPS,
     }
 
 
@@ -223,13 +249,24 @@ class Progress:
     """gpu_check.json, rewritten (atomically) as each part of the run ends: a crash or the time limit keeps every
     finished part, and `complete` says whether the run got to its end."""
 
-    def __init__(self, path: Path, record: dict):
+    def __init__(self, path: Path, record: dict, archive: Path | None = None):
         self.path, self.record = path, {**record, "table": [], "complete": False}
+        self.archive = archive
 
     def add(self, name: str, status: str, seconds: float, line: str) -> None:
         self.record["table"].append({"name": name, "status": status, "seconds": seconds, "headline": line})
         print(f"gpu-check: {name} {status} in {seconds:.0f} s", flush=True)
         self.save()
+        self.pack()
+
+    def pack(self) -> None:
+        """Refreshes the archive (when asked for one): what a time limit leaves must already be packed."""
+        if self.archive is None:
+            return
+        try:
+            pack_archive(self.path.parent, self.archive)
+        except OSError as err:  # a full disk costs the archive, never the measurements
+            print(f"gpu-check: could not write {self.archive}: {err}", file=sys.stderr)
 
     def save(self, **fields) -> None:
         self.record.update(fields)
@@ -249,7 +286,21 @@ def parse_args(argv):
         action="store_true",
         help="tiny sizes on the CPU, GPU assertions skipped: proves the script before GPU time",
     )
-    parser.add_argument("--only", nargs="*", default=None, choices=list(BUDGETS), help="run only these experiments")
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        default=None,
+        choices=[*BUDGETS, MFU_NAME],
+        help=f"run only these experiments ({MFU_NAME}: the MFU benchmark, which --only otherwise skips)",
+    )
+    parser.add_argument("--no-mfu", action="store_true", help="skip the MFU benchmark (its child process)")
+    parser.add_argument(
+        "--archive",
+        default=None,
+        metavar="PATH",
+        help="also write the results folder as one tar.gz (a folder, or a name ending in /, gets <tag>.tar.gz "
+        "and copies of gpu_check.json and gpu_mfu.json), refreshed as each part ends",
+    )
     parser.add_argument("--total-limit", type=float, default=None, help="seconds for the whole run (default 430)")
     parser.add_argument(
         "--budget", action="append", default=[], metavar="NAME=SECONDS", help="one experiment's budget (repeatable)"
@@ -266,39 +317,67 @@ def parse_args(argv):
             parser.error(f"--budget {item!r}: seconds must be a number")
     if args.total_limit is None:
         args.total_limit = DRY_RUN_TOTAL_S if args.dry_run else TOTAL_LIMIT_S
+    args.mfu = not args.no_mfu and (args.only is None or MFU_NAME in args.only)
+    try:
+        archive_target(args.archive, "tag")
+    except ValueError as err:
+        parser.error(str(err))
     return args
 
 
-def run_mfu(out_dir: Path, dry_run: bool, progress: Progress) -> None:
-    """make bench-gpu (the MFU target) first: one measurement that cannot be cut short, so it runs while the whole
-    budget is there, and the experiments' soft budgets shrink to what it leaves."""
+def run_mfu(out_dir: Path, dry_run: bool, timeout_s: float, progress: Progress) -> dict | None:
+    """make bench-gpu (the MFU target) in a child process with a hard timeout: a crash, an abort or a hang there
+    costs the run that measurement only. Returns what the child wrote to gpu_mfu.json (also a partial file)."""
     t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "benchmarks.train_steps", "--gpu", "--out-dir", str(out_dir)]
+    # The parent keeps its GPU memory; without preallocation the child takes only what it needs of the rest.
+    root = str(Path(__file__).resolve().parents[1])
+    pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONPATH": pythonpath}
+    path = out_dir / "gpu_mfu.json"
+    path.unlink(missing_ok=True)  # a stale file from an earlier run must not pass as this run's
     try:
-        from benchmarks.train_steps import gpu_mfu
+        proc = subprocess.run([*cmd, *(["--dry-run"] if dry_run else [])], env=env, timeout=timeout_s, check=False)
+        ended = f"exit status {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        ended = f"killed after its {timeout_s:.0f} s timeout"
+    try:
+        mfu = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        mfu = None
+    if mfu is not None and mfu.get("model_tflops"):
+        mfu["mfu_datasheet"] = mfu["model_tflops"] / H200_DENSE_BF16_TFLOPS
+        mfu["datasheet_tflops"] = H200_DENSE_BF16_TFLOPS
+    ok = mfu is not None and mfu.get("mfu") is not None
+    progress.save(mfu=mfu)
+    progress.add(MFU_NAME, "ok" if ok else "FAILED", time.perf_counter() - t0, mfu_headline(mfu, ended))
+    return mfu
 
-        mfu = gpu_mfu(str(out_dir), dry_run=dry_run)
-        status = "ok" if mfu.get("mfu") is not None else "FAILED"
-        line = (
-            f"GPT {mfu.get('num_params', 0) / 1e6:.3g}M bf16 attention {mfu.get('attention')}: "
-            f"{mfu.get('step_s', float('nan')) * 1e3:.1f} ms/step, MFU "
-            + ("-" if mfu.get("mfu") is None else f"{100 * mfu['mfu']:.1f}%")
-            + f" of a {mfu['peak']['gflops'] / 1e3:.3g} TFLOP/s bf16 GEMM peak"
-        )
-    except Exception as err:  # one failing measurement must not cost the experiments their GPU time
-        traceback.print_exc()
-        status, line = "FAILED", f"{type(err).__name__}: {err}"[:100]
-    progress.add("bench_gpu_mfu", status, time.perf_counter() - t0, line)
+
+def mfu_headline(mfu: dict | None, ended: str) -> str:
+    """MFU against both denominators: the bf16 GEMM peak of the same run and the datasheet's dense bf16 rate."""
+    if not mfu or mfu.get("mfu") is None:
+        notes = "; ".join((mfu or {}).get("notes", []))
+        return f"no MFU ({ended}){': ' + notes if notes else ''}"[:200]
+    return (
+        f"GPT {mfu.get('num_params', 0) / 1e6:.3g}M bf16 attention {mfu.get('attention')}: "
+        f"{mfu['step_s'] * 1e3:.1f} ms/step, MFU {100 * mfu['mfu']:.1f}% of the run's "
+        f"{mfu['peak']['gflops'] / 1e3:.3g} TFLOP/s bf16 GEMM peak, {100 * mfu['mfu_datasheet']:.1f}% of the "
+        f"datasheet's {H200_DENSE_BF16_TFLOPS:.0f} TFLOP/s dense bf16"
+    )
 
 
 def run_experiments(args, size: str, start: float, progress: Progress) -> None:
     from experiments import common
 
+    reserve = MFU_RESERVE_S if args.mfu and not args.dry_run else 0.0
     for name, budget in args.budgets.items():
         if args.only is not None and name not in args.only:
             continue
         # An experiment's budget shrinks to what the whole run has left, less a margin for the measurement that
-        # overruns a soft budget, so the last experiment cannot push the run past its ceiling.
-        left = args.total_limit - OVERRUN_MARGIN_S - (time.perf_counter() - start)
+        # overruns a soft budget and the MFU child's share, so the last experiment cannot push the run past its
+        # ceiling.
+        left = args.total_limit - OVERRUN_MARGIN_S - reserve - (time.perf_counter() - start)
         if left < MIN_EXPERIMENT_S:
             progress.add(name, "skipped", 0.0, f"out of total time ({left:.0f} s left)")
             continue
@@ -316,6 +395,9 @@ def run_experiments(args, size: str, start: float, progress: Progress) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
+    # Before jax starts: without preallocation (75% of the GPU by default) this process holds only what its
+    # experiments used, and the MFU child started after them finds the rest free.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     missing = preflight()
     if missing:
         print(f"gpu-check: cannot start, missing modules: {', '.join(missing)}", file=sys.stderr)
@@ -338,7 +420,11 @@ def main(argv=None) -> int:
     out_dir = common.results_path(args.out, "gpu_check", common.machine_tag()).parent
     out_dir.mkdir(parents=True, exist_ok=True)
     size = "tiny" if args.dry_run else "gpu"
-    progress = Progress(out_dir / "gpu_check.json", {"name": "gpu_check", "machine": common.machine_info()})
+    progress = Progress(
+        out_dir / "gpu_check.json",
+        {"name": "gpu_check", "machine": common.machine_info()},
+        archive=archive_target(args.archive, out_dir.name),
+    )
     progress.save(
         size=size,
         dry_run=args.dry_run,
@@ -357,10 +443,13 @@ def main(argv=None) -> int:
         traceback.print_exc()
         lowerings = {"error": f"{type(err).__name__}: {err}"[:300]}
     progress.save(lowerings=lowerings)
-    run_mfu(out_dir, args.dry_run, progress)
     run_experiments(args, size, start, progress)
+    if args.mfu:
+        left = args.total_limit + MFU_GRACE_S - (time.perf_counter() - start)
+        run_mfu(out_dir, args.dry_run, min(MFU_TIMEOUT_S, max(left, MIN_EXPERIMENT_S)), progress)
     total = time.perf_counter() - start
     progress.save(total_s=total, complete=True)
+    progress.pack()
     print(f"\n{'experiment':16s} {'status':16s} {'seconds':>7s}  headline")
     for row in progress.record["table"]:
         print(f"{row['name']:16s} {row['status']:16s} {row['seconds']:7.1f}  {row['headline']}")
@@ -375,9 +464,17 @@ def report_check(info: dict, dry_run: bool, progress: Progress) -> None:
     conv = ", ".join(sorted({f"{c['target']}({'/'.join(c['operand_dtypes'])})" for c in info["conv_calls"]}))
     print(
         f"gpu-check: {info['device_kind']} ({info['backend']}), jax {info['jax_version']}; bf16 GEMM: "
-        f"{gemm or 'none'}; convolution: {conv or 'none'}",
+        f"{gemm or 'none'} at {info['bf16_tflops']:.3g} TFLOP/s; convolution: {conv or 'none'}",
         flush=True,
     )
+    if not dry_run and not info["tensor_core_rate"]:
+        progress.add(
+            "tensor_core_rate",
+            "FAILED",
+            0.0,
+            f"bf16 {info['matmul_n']}^3 product at {info['bf16_tflops']:.0f} TFLOP/s, under the "
+            f"{TENSOR_CORE_MIN_TFLOPS:.0f} TFLOP/s no CUDA core reaches: tensor cores did not run it",
+        )
     if not dry_run and not info["bf16_conv"]:
         progress.add(
             "tensor_core_conv", "FAILED", 0.0, f"the bf16 convolution is not a cuDNN call on bf16 operands: {conv}"

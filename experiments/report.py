@@ -12,10 +12,22 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+from collections.abc import Callable
 from pathlib import Path
 
-from experiments import exp_inference, exp_matmul, exp_parallel, exp_pipeline, exp_precision, exp_sequential, exp_train
+from experiments import (
+    exp_inference,
+    exp_matmul,
+    exp_parallel,
+    exp_pipeline,
+    exp_precision,
+    exp_sequential,
+    exp_train,
+    projected,
+)
+from experiments import projected_report as pr
 from experiments.common import load_results
+from experiments.gpu_check import TENSOR_CORE_MIN_TFLOPS
 
 NOT_MEASURED = "not measured"
 
@@ -91,10 +103,12 @@ class Machines:
     """The results by machine tag; columns of the tables are the CPU tags, then the GPU tags (or one 'GPU' column
     reading 'not measured' when no GPU results exist)."""
 
-    def __init__(self, results: dict[str, dict[str, dict]]):
+    def __init__(self, results: dict[str, dict[str, dict]], costs: dict | None = None):
         self.results = results
         self.cpu = sorted(t for t in results if not _is_gpu(t))
         self.gpu = sorted(t for t in results if _is_gpu(t))
+        # The projected column (when results/projected/ holds program costs): always the last, apart from the rest.
+        self.projection = pr.Projection(costs, self.cpu, self.gpu, self.get) if costs else None
 
     def columns(self) -> list[str | None]:
         return (self.cpu or [None]) + (self.gpu or [None])
@@ -108,18 +122,28 @@ class Machines:
         return self.results.get(tag, {}).get(name) if tag else None
 
 
-def _table(machines: Machines, rows: list[tuple[str, callable]]) -> str:
-    """`rows`: (label, fn(tag, machines) -> str or None); None shows as 'not measured'."""
-    head = ["figure"] + machines.header()
+def _table(machines: Machines, rows: list[tuple[str, callable]], cells: Callable | None = None) -> str:
+    """`rows`: (label, fn(tag, machines) -> str or None); None shows as 'not measured'. `cells(projection)`: the
+    projected column's {label: fn() -> str}; a row without one, or whose figures are missing, reads 'not
+    projected'."""
+    proj = machines.projection
+    projected = _guard(cells, proj) if proj is not None and cells is not None else {}
+    projected = projected if isinstance(projected, dict) else {}
+    head = ["figure"] + machines.header() + ([proj.header()] if proj is not None else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, fn in rows:
         cells = []
         for tag in machines.columns():
             try:
                 value = fn(tag) if tag else None
-            except (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError):
+            # Any subset of rows may be missing (a budget, a crash, a sweep one machine lacks): a cell without its
+            # figures reads 'not measured', whatever lookup found the gap.
+            except LOOKUP_ERRORS:
                 value = None
             cells.append(NOT_MEASURED if value is None else value)
+        if proj is not None:
+            guarded = _guard(projected[label]) if label in projected else pr.NOT_PROJECTED
+            cells.append(guarded if isinstance(guarded, str) else pr.NOT_PROJECTED)
         lines.append("| " + " | ".join([label] + cells) + " |")
     return "\n".join(lines)
 
@@ -131,6 +155,17 @@ def _plots(machines: Machines, name: str, report_dir: Path, results_root: Path) 
         if png.exists():
             out.append(f"![{name} on {tag}]({os.path.relpath(png, report_dir)})")
     return "\n\n".join(out)
+
+
+LOOKUP_ERRORS = (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError, StopIteration, AttributeError)
+
+
+def _guard(verdict, *records):
+    """A verdict, or 'not measured' naming what was missing when the records lack the rows it is decided on."""
+    try:
+        return verdict(*records)
+    except LOOKUP_ERRORS as err:
+        return NOT_MEASURED, f"incomplete results ({type(err).__name__}: {err})"
 
 
 def _overall(verdicts: dict[str, tuple[str, str]]) -> tuple[str, str]:
@@ -205,7 +240,9 @@ def verdict_latency(seq: dict | None, mm: dict | None) -> tuple[str, str]:
 
 def verdict_tensor_cores(prec: dict | None) -> tuple[str, str]:
     """On an accelerator: confirmed when bf16 products run >= 8x exact fp32 (the like-for-like figure behind the
-    '12x'), depends from 2x to 8x, refuted under 2x. On a CPU: the same thresholds for its matrix units."""
+    '12x') at a measured rate of at least `gpu_check.TENSOR_CORE_MIN_TFLOPS` (3x the H200's fp32 datasheet rate,
+    which no CUDA core reaches), depends from 2x to 8x or below that rate, refuted under 2x. On a CPU: the same
+    thresholds for its matrix units."""
     if not prec:
         return NOT_MEASURED, "no exp_precision results"
     s = exp_precision.summary(prec).get("matmul", {})
@@ -222,6 +259,11 @@ def verdict_tensor_cores(prec: dict | None) -> tuple[str, str]:
         amx = "with" if any(f.startswith("amx") for f in prec["machine"].get("cpu_flags", [])) else "without"
         return NOT_MEASURED, f"no GPU in this run; this CPU ({amx} AMX in its flags): {numbers}"
     verdict = "confirmed" if bf16 >= 8 else "depends" if bf16 >= 2 else "refuted"
+    # The ratio alone could come from a slow fp32 path; tensor cores are proven by a bf16 rate no CUDA core reaches.
+    rate = s["bf16"].get("gflops")
+    if verdict == "confirmed" and (rate is None or rate < TENSOR_CORE_MIN_TFLOPS * 1e3):
+        verdict = "depends"
+        numbers += f"; but the bf16 rate is under the {TENSOR_CORE_MIN_TFLOPS:.0f} TFLOP/s no CUDA core reaches"
     return verdict, numbers
 
 
@@ -365,8 +407,8 @@ def section_matmul(m: Machines) -> tuple[str, dict]:
         ),
         ("accelerator overtakes the CPU from n =", lambda t: _fmt(exp_matmul.summary(get(t)).get("overtake_n"))),
     ]
-    verdicts = {t: verdict_matmul(get(t)) for t in m.cpu + m.gpu}
-    return _table(m, rows), verdicts
+    verdicts = {t: _guard(verdict_matmul, get(t)) for t in m.cpu + m.gpu}
+    return _table(m, rows, pr.matmul_cells), verdicts
 
 
 def section_latency(m: Machines) -> tuple[str, dict]:
@@ -397,8 +439,8 @@ def section_latency(m: Machines) -> tuple[str, dict]:
         ("smallest fp32 product, host CPU", lambda t: lat(t, "cpu")),
         ("smallest fp32 product, GPU", lambda t: lat(t, "gpu")),
     ]
-    verdicts = {t: verdict_latency(seq(t), m.get(t, "exp_matmul")) for t in m.cpu + m.gpu}
-    return _table(m, rows), verdicts
+    verdicts = {t: _guard(verdict_latency, seq(t), m.get(t, "exp_matmul")) for t in m.cpu + m.gpu}
+    return _table(m, rows, pr.latency_cells), verdicts
 
 
 def section_precision(m: Machines) -> tuple[str, dict]:
@@ -440,8 +482,8 @@ def section_precision(m: Machines) -> tuple[str, dict]:
             rows.append(
                 (f"train {model} {p}: step speedup, quality (fp32's)", lambda t, model=model, p=p: trained(t, model, p))
             )
-    verdicts = {t: verdict_tensor_cores(m.get(t, "exp_precision")) for t in m.cpu + m.gpu}
-    return _table(m, rows), verdicts
+    verdicts = {t: _guard(verdict_tensor_cores, m.get(t, "exp_precision")) for t in m.cpu + m.gpu}
+    return _table(m, rows, pr.precision_cells), verdicts
 
 
 def section_libraries(m: Machines) -> tuple[str, dict]:
@@ -461,14 +503,21 @@ def section_libraries(m: Machines) -> tuple[str, dict]:
         ),
         ("gpu-check: cuDNN convolution", lambda t: None if chk(t)["dry_run"] else str(chk(t)["check"]["cudnn_conv"])),
     ]
-    verdicts = {t: verdict_libraries(chk(t), m.get(t, "exp_precision")) for t in m.cpu + m.gpu}
-    return _table(m, rows), verdicts
+    verdicts = {t: _guard(verdict_libraries, chk(t), m.get(t, "exp_precision")) for t in m.cpu + m.gpu}
+    return _table(m, rows, lambda p: {}), verdicts
+
+
+def _costs(pipe, t, m: Machines) -> list:
+    try:
+        return list(pipe(t)) if m.get(t, "exp_pipeline") else []
+    except LOOKUP_ERRORS:
+        return []
 
 
 def section_pipeline(m: Machines) -> tuple[str, dict]:
     pipe = lambda t: exp_pipeline.summary(m.get(t, "exp_pipeline"))  # noqa: E731
     rows = []
-    costs = sorted({int(c) for t in m.cpu + m.gpu for c in (pipe(t) if m.get(t, "exp_pipeline") else {})})
+    costs = sorted({int(c) for t in m.cpu + m.gpu for c in _costs(pipe, t, m)})
     for cost in costs:
         for arr in ("sync", "overlapped", "device"):
             rows.append(
@@ -516,19 +565,21 @@ def section_pipeline(m: Machines) -> tuple[str, dict]:
             ),
         ),
     ]
-    verdicts = {t: verdict_pipeline(m.get(t, "exp_pipeline")) for t in m.cpu + m.gpu}
-    return _table(m, rows), verdicts
+    verdicts = {t: _guard(verdict_pipeline, m.get(t, "exp_pipeline")) for t in m.cpu + m.gpu}
+    return _table(m, rows, lambda p: pr.pipeline_cells(p, costs)), verdicts
 
 
 def section_batches(m: Machines) -> tuple[str, dict]:
     par = lambda t: m.get(t, "exp_parallel")  # noqa: E731
     rows = []
-    batches = sorted({r["global_batch"] for t in m.cpu + m.gpu if par(t) for r in par(t)["sweep"]})
+    batches = sorted({r["global_batch"] for t in m.cpu + m.gpu if par(t) for r in par(t).get("sweep", [])})
     for b in batches:
         rows.append(
             (
                 f"train samples/s, batch {b} (1 device)",
-                lambda t, b=b: _fmt(next(r["samples_per_s"] for r in par(t)["sweep"] if r["global_batch"] == b)),
+                lambda t, b=b: _fmt(
+                    next((r["samples_per_s"] for r in par(t)["sweep"] if r["global_batch"] == b), None)
+                ),
             )
         )
     for form in ("jit", "shard_map", "pmap"):
@@ -541,8 +592,8 @@ def section_batches(m: Machines) -> tuple[str, dict]:
             )
         )
     rows.append(("devices simulated on the CPU", lambda t: str(par(t)["simulated_devices"])))
-    verdicts = {t: verdict_batches(par(t)) for t in m.cpu + m.gpu}
-    return _table(m, rows), verdicts
+    verdicts = {t: _guard(verdict_batches, par(t)) for t in m.cpu + m.gpu}
+    return _table(m, rows, lambda p: pr.batch_cells(p, batches)), verdicts
 
 
 def section_inference(m: Machines) -> tuple[str, dict]:
@@ -566,8 +617,8 @@ def section_inference(m: Machines) -> tuple[str, dict]:
                     ),
                 )
             )
-    verdicts = {t: verdict_inference(m.get(t, "exp_inference")) for t in m.cpu + m.gpu}
-    return _table(m, rows), verdicts
+    verdicts = {t: _guard(verdict_inference, m.get(t, "exp_inference")) for t in m.cpu + m.gpu}
+    return _table(m, rows, pr.inference_cells), verdicts
 
 
 CORRECTION = (
@@ -582,7 +633,7 @@ CORRECTION = (
 def build(results_root: str | Path, report_path: str | Path) -> str:
     """Builds the report's Markdown from `results_root` and writes it to `report_path`; returns the text."""
     results_root, report_path = Path(results_root), Path(report_path)
-    m = Machines(load_results(results_root))
+    m = Machines(load_results(results_root), projected.load(results_root))
     report_dir = report_path.parent.resolve()
     root = results_root.resolve()
     out = [
@@ -632,7 +683,8 @@ def build(results_root: str | Path, report_path: str | Path) -> str:
         title, claim = CLAIMS[number]
         table, verdicts = fn(m)
         verdict, reason = _overall(verdicts)
-        summary_rows.append((number, title, verdict))
+        guessed = _guard(pr.verdict, m.projection, number) if m.projection else None
+        summary_rows.append((number, title, verdict, guessed[0] if guessed else None))
         out += ["", f"## Claim {number}: {title}", "", f"> {claim}", "", table, ""]
         if number == 3:
             s = SPEC
@@ -650,6 +702,9 @@ def build(results_root: str | Path, report_path: str | Path) -> str:
                 "",
             ]
         out += [f"**Verdict: {verdict}.** {reason}", ""]
+        if guessed:
+            # Its own line, after the measured verdict, never in its place.
+            out += [f"**Projected verdict ({pr.LABEL}): projected: {guessed[0]}.** {guessed[1]}", ""]
         for name in plots:
             pics = _plots(m, name, report_dir, root)
             if pics:
@@ -657,14 +712,30 @@ def build(results_root: str | Path, report_path: str | Path) -> str:
     from experiments.roofline import section as roofline_section
 
     out += roofline_section(m.results, report_dir, root)
+    proj_head = f" projected verdict ({pr.LABEL}) |" if m.projection else ""
     out[out.index("## Machines") : out.index("## Machines")] = (
-        ["## Verdicts", "", "| claim | verdict |", "|---|---|"]
-        + [f"| {n}. {t} | {v} |" for n, t, v in summary_rows]
+        ["## Verdicts", "", f"| claim | verdict |{proj_head}", "|---|---|" + ("---|" if m.projection else "")]
+        + [f"| {n}. {t} | {v} |" + (f" projected: {g} |" if g else "") for n, t, v, g in summary_rows]
         + [""]
+        + (_projection_note(m) if m.projection else [])
     )
     text = "\n".join(out).rstrip() + "\n"
     report_path.write_text(text)
     return text
+
+
+def _projection_note(m: Machines) -> list[str]:
+    p = m.projection
+    return [
+        f"The last column of each table and each *projected verdict* are {pr.LABEL}: an H200 modelled "
+        f"(`jaxnn.profile.projection.GpuModel`) from the FLOPs, bytes and kernels of the programs measured here, "
+        f"compiled on `{p.costs.get('compiled_on')}` ({p.costs.get('date', '')[:10]}, `make project-gpu`), set "
+        f"against the measured CPU figures of `{p.cpu}`. Where a GPU run measured the same figure, the cell gives "
+        "measured/projected: the model's error. The model's parameters and their sources:",
+        "",
+        *p.sources(),
+        "",
+    ]
 
 
 def main(argv=None) -> None:

@@ -6,9 +6,12 @@ RESULTS ?= results
 # gpu-check runs on a machine without network, from a plain checkout: the venv when one exists, else python3.
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 GPU_ARGS ?=
+# Where the GPU machine collects what it hands back ($OUT there): the results folder as one tar.gz and the two
+# summaries. Unset (no OUT), nothing is archived.
+GPU_ARCHIVE ?= $(if $(OUT),$(OUT)/)
 
 .PHONY: exp-matmul exp-precision exp-sequential exp-pipeline exp-inference exp-parallel exp-train report \
-	experiments gpu-check gpu-check-dry
+	experiments gpu-check gpu-check-dry project-gpu
 
 exp-matmul: $(STAMP) ## matmul GFLOP/s vs size (64..8192) per backend, next to the measured peak
 	$(PY) -m experiments.exp_matmul --size $(SIZE) --out $(RESULTS)
@@ -31,6 +34,9 @@ exp-parallel: $(STAMP) ## training throughput vs device count (jit, shard_map, p
 exp-train: $(STAMP) ## CNN and GPT training in fp32, bf16, fp16 (loss scaling): curves, quality, speed
 	$(PY) -m experiments.exp_train --size $(SIZE) --out $(RESULTS)
 
+project-gpu: $(STAMP) ## compile every experiment's programs here: costs for REPORT.md's projected H200 column
+	$(PY) -m experiments.projected --size $(SIZE) --out $(RESULTS)
+
 report: $(STAMP) ## REPORT.md from every results/<machine-tag>/ present: per-claim tables, plots, verdicts
 	$(PY) -m experiments.report --results $(RESULTS) --out REPORT.md
 
@@ -39,7 +45,8 @@ experiments: $(STAMP) ## all experiments at quick size (<10 min on 2 cores, prog
 	$(PY) -m experiments.report --results $(RESULTS) --out REPORT.md
 
 gpu-check: ## on a GPU machine (no venv needed): check tensor cores, run every experiment at GPU size in <8 min
-	PYTHONPATH=. $(GPU_PY) -m experiments.gpu_check --out $(RESULTS) $(GPU_ARGS)
+	PYTHONPATH=. $(GPU_PY) -m experiments.gpu_check --out $(RESULTS) $(if $(GPU_ARCHIVE),--archive $(GPU_ARCHIVE)) $(GPU_ARGS)
 
 gpu-check-dry: ## the gpu-check code path at tiny sizes on the CPU (GPU assertions skipped)
-	PYTHONPATH=. $(GPU_PY) -m experiments.gpu_check --dry-run --out $${TMPDIR:-/tmp}/jaxnn-gpu-check-dry $(GPU_ARGS)
+	PYTHONPATH=. $(GPU_PY) -m experiments.gpu_check --dry-run --out $${TMPDIR:-/tmp}/jaxnn-gpu-check-dry \
+		--archive $(or $(GPU_ARCHIVE),$${TMPDIR:-/tmp}/jaxnn-gpu-check-dry-archive/) $(GPU_ARGS)

@@ -1,0 +1,278 @@
+"""The projected GPU column's inputs: each experiment's programs compiled here, at the sizes this machine measured,
+and their costs (XLA's FLOPs and bytes, the kernels they launch, their loop iterations, the bytes a request copies
+in and out), written to `results/projected/costs.json`. The report applies `jaxnn.profile.projection.GpuModel` to
+them, so a change of the model's parameters needs no recompilation. Nothing is run, only compiled.
+
+`python -m experiments.projected [--size quick] [--out results]` (`make project-gpu`). Compiling on the CPU gives
+the CPU compiler's fusions, not a GPU compiler's: the kernel count is an estimate, and so is every figure
+projected from it: projected, not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import common, exp_inference, exp_matmul, exp_parallel, exp_pipeline, exp_precision, exp_sequential
+from jaxnn.layers.core import init_model
+from jaxnn.models import CNN, GPT, MLP, CNNConfig
+from jaxnn.profile.projection import ProgramCost
+from jaxnn.timing import cost_counts
+from jaxnn.train import classification_loss, create_train_state, make_optimizer, make_predict, train_step_fn
+
+FOLDER = "projected"  # results/<FOLDER>/ is not a machine: the report reads it apart from the measured folders
+# Instructions that launch no kernel of their own on a GPU (bookkeeping, or a loop whose body is counted).
+NO_KERNEL = {
+    "parameter",
+    "constant",
+    "tuple",
+    "get-tuple-element",
+    "bitcast",
+    "while",
+    "call",
+    "conditional",
+    "after-all",
+    "opt-barrier",
+    "partition-id",
+    "replica-id",
+}
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(.*)$")
+
+
+def _op_of(rhs: str) -> str:
+    """The opcode of an instruction's right-hand side, past its (possibly tuple) result type."""
+    if rhs.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rhs):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0:
+                rhs = rhs[i + 1 :]
+                break
+    else:
+        rhs = rhs.split(" ", 1)[1] if " " in rhs else ""
+    match = re.match(r"\s*([\w\-]+)\(", rhs)
+    return match.group(1) if match else ""
+
+
+def kernel_launches(hlo_text: str) -> tuple[int, int, int]:
+    """(kernels, loop iterations, trip count of the outermost loop) of a compiled HLO module: every instruction
+    of the entry computation that launches a kernel, and a while loop's body and condition once per iteration
+    (XLA's known trip count; 1 where it is unknown). Fused computations are one kernel, their callers'."""
+    comps: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        header = _HEADER.match(line)
+        if header:
+            current = header.group(1)
+            comps[current] = []
+            entry = current if line.startswith("ENTRY") else entry
+        elif current is not None and (instr := _INSTR.match(line)):
+            comps[current].append(instr.group(1))
+
+    def count(name: str, seen: tuple = ()) -> tuple[int, int, int]:
+        kernels = trips = outer = 0
+        for rhs in comps.get(name, []) if name not in seen else []:
+            op = _op_of(rhs)
+            if op == "while":
+                n = int((re.search(r'"known_trip_count":\{"n":"(\d+)"', rhs) or [0, 1])[1])
+                parts = [count(m, (*seen, name)) for m in re.findall(r"(?:body|condition)=%?([\w.\-]+)", rhs)]
+                kernels += n * sum(k for k, _, _ in parts)
+                trips += n * (1 + sum(t for _, t, _ in parts))
+                outer = max(outer, n)
+            elif op == "call":  # XLA:CPU wraps small loops in calls; what they call runs as if inline
+                for callee in re.findall(r"to_apply=%?([\w.\-]+)", rhs):
+                    k, t, o = count(callee, (*seen, name))
+                    kernels, trips, outer = kernels + k, trips + t, max(outer, o)
+            elif op and op not in NO_KERNEL:
+                kernels += 1
+        return kernels, trips, outer
+
+    if entry is None:
+        return 1, 0, 1
+    kernels, trips, outer = count(entry)
+    return max(kernels, 1), trips, max(outer, 1)
+
+
+def program_cost(
+    fn: Callable, args: tuple, kind: str, h2d: float = 0.0, d2h: float = 0.0, *, loop_is_all: bool = False
+) -> ProgramCost:
+    """Compiles `fn` (jitted) for `args` (arrays or ShapeDtypeStructs) and reads its cost. XLA's cost analysis
+    counts a loop body once: `loop_is_all` scales FLOPs and bytes by the outermost trip count, for programs that
+    are one loop (the chains and RNNs); others add their loops' work themselves (`pipeline_costs`)."""
+    compiled = fn.lower(*args).compile()
+    flops, nbytes = cost_counts(compiled)
+    kernels, trips, outer = kernel_launches(compiled.as_text())
+    scale = outer if loop_is_all else 1
+    return ProgramCost((flops or 0.0) * scale, (nbytes or 0.0) * scale, kind, kernels, trips, h2d, d2h)
+
+
+def _spec(shape, dtype=jnp.float32):
+    return jax.ShapeDtypeStruct(tuple(shape), dtype)
+
+
+def _nbytes(shape, dtype) -> float:
+    return float(np.prod(shape)) * jnp.dtype(dtype).itemsize
+
+
+# ------------------------------------------------------------------------------------------------ the programs
+
+
+def matmul_costs(size: str) -> list[dict]:
+    sizes = sorted(set(common.preset(exp_matmul.SIZES, size)["cpu"]) | set(exp_matmul.SIZES["gpu"]["gpu"]))
+    out = []
+    for n in sizes:
+        for dname, dtype in exp_matmul.DTYPES.items():
+            cost = program_cost(exp_matmul._product(dtype), (_spec((n, n), dtype),) * 2, _kind(dtype, "HIGHEST"))
+            out.append({"dtype": dname, "n": n, **_as_dict(cost)})
+    return out
+
+
+def _kind(dtype, precision: str | None) -> str:
+    """What arithmetic a GPU runs a product in: bf16/fp16 tensor cores; fp32 on CUDA cores at precision HIGHEST,
+    else TF32 tensor cores (jax's default precision on a GPU)."""
+    name = jnp.dtype(dtype).name
+    if name in ("bfloat16", "float16"):
+        return "bf16" if name == "bfloat16" else "fp16"
+    return "fp32" if precision == "HIGHEST" else "tf32"
+
+
+def precision_costs(size: str) -> list[dict]:
+    # Claim 3 compares a GPU with itself, so at the GPU run's size: the size its measured figures come from.
+    n = exp_precision.MATMUL_N["gpu" if size != "tiny" else "tiny"]
+    out = []
+    for mode, (dtype, precision, preferred) in exp_precision.MODES.items():
+        fn = exp_precision._matmul(precision, preferred)
+        cost = program_cost(fn, (_spec((n, n), dtype),) * 2, _kind(dtype, getattr(precision, "name", None)))
+        out.append({"op": "matmul", "mode": mode, "n": n, **_as_dict(cost)})
+    return out
+
+
+def sequential_costs(size: str) -> list[dict]:
+    steps = common.preset(exp_sequential.STEPS, size)
+    out = []
+    for hidden in common.preset(exp_sequential.HIDDEN, size):
+        h, s = _spec((hidden,)), _spec((hidden, hidden))
+        cases = {
+            "chain": (exp_sequential.make_chain(steps), (s, h)),
+            "rnn": (exp_sequential.make_rnn(), (s, s, h, h, _spec((steps, hidden)))),
+            "chain_parallel": (exp_sequential.make_parallel(), (_spec((steps, hidden)), s)),
+            "rnn_parallel": (exp_sequential.make_parallel(), (_spec((steps, 2 * hidden)), _spec((2 * hidden, hidden)))),
+        }
+        for case, (fn, args) in cases.items():
+            cost = program_cost(fn, args, "tf32", loop_is_all=True)
+            out.append({"case": case, "hidden": hidden, "steps": steps, **_as_dict(cost)})
+    return out
+
+
+def inference_costs(size: str) -> list[dict]:
+    batches = sorted(set(common.preset(exp_inference.BATCHES, size)["cpu"]) | set(exp_inference.BATCHES["gpu"]["gpu"]))
+    out = []
+    for name, cfg in common.preset(exp_inference.MODELS, size).items():
+        model = CNN(cfg) if name == "cnn" else GPT(cfg)
+        shape = (1, *exp_inference.IMAGE) if name == "cnn" else (1, cfg.seq_len)
+        _, params, state = init_model(model, jax.random.key(0), shape)
+        predict = make_predict(model)
+        for batch in batches:
+            x = _spec((batch, *shape[1:]), jnp.float32 if name == "cnn" else jnp.int32)
+            logits = jax.eval_shape(predict, params, state, x)
+            cost = program_cost(
+                predict, (params, state, x), "tf32", _nbytes(x.shape, x.dtype), _nbytes(logits.shape, logits.dtype)
+            )
+            out.append({"model": name, "batch": batch, **_as_dict(cost)})
+    return out
+
+
+def _train_step_cost(model, in_shape, batch: int, step=None) -> ProgramCost:
+    tx = make_optimizer(1e-3)
+    state = jax.eval_shape(lambda: create_train_state(model, tx, jax.random.key(0), (batch, *in_shape)))
+    step = step or train_step_fn(model, classification_loss, tx)
+    data = {"x": _spec((batch, *in_shape)), "y": _spec((batch,), jnp.int32)}
+    return program_cost(jax.jit(step), (state, data), "tf32", _nbytes((batch, *in_shape), jnp.float32))
+
+
+def parallel_costs(size: str) -> list[dict]:
+    cfg = common.preset(exp_parallel.CONFIG, size)
+    model = CNN(cfg["cfg"]) if cfg["model"] == "cnn" else MLP(cfg["cfg"])
+    return [
+        {"global_batch": b, **_as_dict(_train_step_cost(model, exp_parallel.IMAGE, b))}
+        for b in sorted(set(cfg["sweep"]) | {4096})
+    ]
+
+
+def pipeline_costs(size: str) -> list[dict]:
+    cfg = common.preset(exp_pipeline.CONFIG, size)
+    model, batch = CNN(CNNConfig(widths=cfg["widths"])), cfg["batch"]
+    tx = make_optimizer(1e-3)
+    base = train_step_fn(model, classification_loss, tx)
+    plain = _train_step_cost(model, exp_pipeline.IMAGE, batch)
+    out = [{"step": "plain", "cost": 0, **_as_dict(plain)}]
+    x = _spec((batch, *exp_pipeline.IMAGE))
+    once = program_cost(jax.jit(lambda x: exp_pipeline.device_augment(x, jax.random.key(1), 1)), (x,), "tf32")
+    for c in cfg["costs"]:
+
+        def step(state, data, c=c):
+            key = jax.random.fold_in(jax.random.key(1), state.step)
+            return base(state, {**data, "x": exp_pipeline.device_augment(data["x"], key, c)})
+
+        # Kernels and loop iterations from the step as compiled; its work is the plain step's and c augmentations'.
+        cost = _train_step_cost(model, exp_pipeline.IMAGE, batch, step)
+        work = {"flops": plain.flops + c * once.flops, "nbytes": plain.nbytes + c * once.nbytes}
+        out.append({"step": "device", "cost": c, **_as_dict(cost), **work})
+    return out
+
+
+COLLECTORS = {
+    "exp_matmul": matmul_costs,
+    "exp_precision": precision_costs,
+    "exp_sequential": sequential_costs,
+    "exp_inference": inference_costs,
+    "exp_parallel": parallel_costs,
+    "exp_pipeline": pipeline_costs,
+}
+
+
+def _as_dict(cost: ProgramCost) -> dict:
+    return {k: getattr(cost, k) for k in ProgramCost.__dataclass_fields__}
+
+
+def collect(size: str = "quick", only: list[str] | None = None) -> dict:
+    """{"size", "date", "programs": {experiment: [row key fields + ProgramCost fields]}}."""
+    programs = {name: fn(size) for name, fn in COLLECTORS.items() if only is None or name in only}
+    date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    return {
+        "kind": "projection costs",
+        "size": size,
+        "date": date,
+        "compiled_on": common.machine_tag(),
+        "programs": programs,
+    }
+
+
+def load(results_root: str | Path) -> dict | None:
+    path = Path(results_root) / FOLDER / "costs.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m experiments.projected", description=__doc__)
+    parser.add_argument("--size", choices=common.SIZES, default="quick", help="the preset the CPU runs measured")
+    parser.add_argument("--out", default="results", help="results folder; writes <out>/projected/costs.json")
+    args = parser.parse_args(argv)
+    costs = collect(args.size)
+    path = Path(args.out) / FOLDER / "costs.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(costs, indent=1) + "\n")
+    print(f"projected: wrote {path} ({sum(len(v) for v in costs['programs'].values())} programs, {args.size} sizes)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,355 @@
+"""REPORT.md's projected GPU column: each claim's figures for an H200 from `jaxnn.profile.projection.GpuModel`
+applied to the costs of the programs this machine measured (`experiments.projected`), next to the measured CPU
+figures of the same programs. Every cell and verdict here is labelled projected, not measured; none replaces a
+measured one. Where a GPU run measured the same figure, the cell adds measured / projected, the model's error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from experiments import exp_inference, exp_matmul, exp_pipeline, exp_sequential
+from experiments.gpu_check import TENSOR_CORE_MIN_TFLOPS
+from jaxnn.profile.projection import GpuModel, ProgramCost
+
+LABEL = "projected, not measured"
+NOT_PROJECTED = "not projected"
+
+
+class Projection:
+    """The model, the program costs, the CPU whose measurements the projections are set against (the one the
+    programs were compiled on when it has results, else the newest), and the first measured GPU, if any."""
+
+    def __init__(self, costs: dict, cpu_tags: list[str], gpu_tags: list[str], get: Callable, model=None):
+        self.model = model or GpuModel()
+        self.costs, self.get = costs, get
+        compiled_on = costs.get("compiled_on")
+        self.cpu = compiled_on if compiled_on in cpu_tags else (cpu_tags[-1] if cpu_tags else None)
+        self.gpu = gpu_tags[0] if gpu_tags else None
+
+    def header(self) -> str:
+        return f"GPU H200 ({LABEL})"
+
+    def rows(self, name: str, **key) -> list[tuple[dict, ProgramCost]]:
+        fields = ProgramCost.__dataclass_fields__
+        out = []
+        for row in self.costs["programs"].get(name, []):
+            if all(row.get(k) == v for k, v in key.items()):
+                out.append((row, ProgramCost(**{k: row[k] for k in fields})))
+        return out
+
+    def cost(self, name: str, **key) -> ProgramCost:
+        found = self.rows(name, **key)
+        if not found:
+            raise KeyError(f"no projected program {name} {key}")
+        return found[0][1]
+
+    def measured(self, name: str) -> dict | None:
+        return self.get(self.gpu, name) if self.gpu else None
+
+    def cpu_record(self, name: str) -> dict:
+        rec = self.get(self.cpu, name) if self.cpu else None
+        if rec is None:
+            raise KeyError(f"no CPU results for {name}")
+        return rec
+
+    def sources(self) -> list[str]:
+        m = self.model
+        return [
+            "- peaks: " + ", ".join(f"{k} {v / 1e12:g} TFLOP/s" for k, v in m.peaks.items()),
+            f"- memory bandwidth {m.bandwidth / 1e12:g} TB/s; kernel launch {m.launch_s * 1e6:g} µs; "
+            f"dispatch {m.dispatch_s * 1e6:g} µs per call; host-device copies {m.transfer_bandwidth / 1e9:g} GB/s "
+            f"and {m.transfer_latency_s * 1e6:g} µs each",
+            *(f"- {k}: {v}" for k, v in m.sources.items()),
+        ]
+
+
+def vs(text: str, projected: float | None, measured: float | None) -> str:
+    """A projected cell; with a measured GPU figure of the same quantity, the measured one and their ratio."""
+    if measured is None or not projected:
+        return text
+    shown = f"{measured:,.0f}" if abs(measured) >= 1000 else f"{measured:.4g}"
+    return f"{text}; measured {shown}, measured/projected {measured / projected:.2f}x"
+
+
+def _gflops(cost: ProgramCost, p: Projection) -> float:
+    return cost.flops / p.model.queued_s(cost) / 1e9
+
+
+# ------------------------------------------------------------------------------------------------ claim 1
+
+
+def _mm_gpu(p: Projection, dtype: str, n: int) -> float | None:
+    rec = p.measured("exp_matmul")
+    rows = [r for r in (rec or {}).get("rows", []) if r["backend"] != "cpu" and r["dtype"] == dtype and r["n"] == n]
+    return rows[0]["gflops"] if rows else None
+
+
+def _mm_best(p: Projection, dtype: str) -> str:
+    g, n = max((_gflops(c, p), r["n"]) for r, c in p.rows("exp_matmul", dtype=dtype))
+    return vs(f"{g:,.0f} GFLOP/s (n={n})", g, _mm_gpu(p, dtype, n))
+
+
+def _mm_vs_cpu(p: Projection) -> tuple[dict[int, float], int | None]:
+    """CPU time / projected GPU time per fp32 size the reference CPU measured, and the projected overtake size."""
+    cpu = {
+        r["n"]: r["median"] for r in p.cpu_record("exp_matmul")["rows"] if r["backend"] == "cpu" and r["dtype"] == "f32"
+    }
+    ratio = {n: t / p.model.queued_s(p.cost("exp_matmul", dtype="f32", n=n)) for n, t in sorted(cpu.items())}
+    overtake = next((n for n in ratio if all(ratio[m] > 1 for m in ratio if m >= n)), None)
+    return ratio, overtake
+
+
+def matmul_cells(p: Projection) -> dict[str, Callable[[], str]]:
+    peak = p.model.peaks["bf16"] / 1e9
+
+    def speedup() -> str:
+        ratio, _ = _mm_vs_cpu(p)
+        n = max(ratio)
+        return f"{ratio[n]:.2f}x (n={n}, vs `{p.cpu}` measured)"
+
+    return {
+        "best fp32 (exact)": lambda: _mm_best(p, "f32"),
+        "best bf16 -> fp32": lambda: _mm_best(p, "bf16"),
+        "measured bf16 peak": lambda: vs(
+            f"{peak:,.0f} GFLOP/s (the model's peak)",
+            peak,
+            ((p.measured("exp_matmul") or {}).get("peaks", {}).get("gpu") or {}).get("gflops"),
+        ),
+        "accelerator / host CPU, largest fp32": speedup,
+        "accelerator overtakes the CPU from n =": lambda: str(_mm_vs_cpu(p)[1]),
+    }
+
+
+def verdict_matmul(p: Projection) -> tuple[str, str]:
+    ratio, overtake = _mm_vs_cpu(p)
+    n = max(ratio)
+    x = ratio[n]
+    verdict = "confirmed" if x >= 5 else "refuted" if x < 1 else "depends"
+    return verdict, f"an fp32 {n}^3 product projected {x:.1f}x faster than measured on `{p.cpu}`; from n={overtake}"
+
+
+# ------------------------------------------------------------------------------------------------ claim 2
+
+
+def _per_step(p: Projection, case: str) -> tuple[int, float]:
+    hidden = min(r["hidden"] for r, _ in p.rows("exp_sequential", case=case))
+    row, cost = p.rows("exp_sequential", case=case, hidden=hidden)[0]
+    return hidden, p.model.queued_s(cost) / row["steps"] * 1e6
+
+
+def _measured_step(p: Projection, case: str, hidden: int) -> float | None:
+    rec = p.measured("exp_sequential")
+    per = exp_sequential.summary(rec)["per_step_us"] if rec else {}
+    return next((v[case].get(hidden) for b, v in per.items() if b != "cpu" and case in v), None)
+
+
+def latency_cells(p: Projection) -> dict[str, Callable[[], str]]:
+    def step(case: str) -> str:
+        hidden, us = _per_step(p, case)
+        return vs(f"{us:.2f} µs (hidden {hidden})", us, _measured_step(p, case, hidden))
+
+    def penalty() -> str:
+        hidden = min(r["hidden"] for r, _ in p.rows("exp_sequential", case="chain"))
+        chain, par = (p.cost("exp_sequential", case=c, hidden=hidden) for c in ("chain", "chain_parallel"))
+        return f"{p.model.queued_s(chain) / p.model.queued_s(par):.1f}x"
+
+    def smallest() -> str:
+        n = min(r["n"] for r, _ in p.rows("exp_matmul", dtype="f32"))
+        us = p.model.queued_s(p.cost("exp_matmul", dtype="f32", n=n)) * 1e6
+        rec = p.measured("exp_matmul")
+        lat = exp_matmul.summary(rec).get("latency_us", {}).get(n, {}) if rec else {}
+        return vs(f"{us:.1f} µs (n={n})", us, next((v for b, v in lat.items() if b != "cpu"), None))
+
+    return {
+        "GPU: µs per dependent step (chain)": lambda: step("chain"),
+        "GPU: µs per dependent step (RNN)": lambda: step("rnn"),
+        "GPU: chain time / equal-FLOP parallel product": penalty,
+        "smallest fp32 product, GPU": smallest,
+    }
+
+
+def verdict_latency(p: Projection) -> tuple[str, str]:
+    cpu = exp_sequential.summary(p.cpu_record("exp_sequential"))["per_step_us"]["cpu"]
+    wins, parts = [], []
+    for case in ("chain", "rnn"):
+        hidden, us = _per_step(p, case)
+        cpu_us = cpu[case][hidden] if hidden in cpu[case] else cpu[case][str(hidden)]
+        wins.append(cpu_us < us)
+        parts.append(f"{case} {cpu_us:.2f} µs/step measured vs {us:.2f} projected (hidden {hidden})")
+    mm = {
+        r["n"]: r["median"] for r in p.cpu_record("exp_matmul")["rows"] if r["backend"] == "cpu" and r["dtype"] == "f32"
+    }
+    small = [n for n, t in sorted(mm.items()) if t < p.model.queued_s(p.cost("exp_matmul", dtype="f32", n=n))]
+    verdict = "confirmed" if all(wins) and small else "refuted" if not any(wins) and not small else "depends"
+    return verdict, f"`{p.cpu}` against the model: " + "; ".join(
+        parts
+    ) + f"; CPU faster on products of n in {small or 'none'}"
+
+
+# ------------------------------------------------------------------------------------------------ claim 3
+
+
+def _prec(p: Projection) -> dict[str, tuple[float, int]]:
+    return {r["mode"]: (_gflops(c, p), r["n"]) for r, c in p.rows("exp_precision", op="matmul")}
+
+
+def precision_cells(p: Projection) -> dict[str, Callable[[], str]]:
+    def cell(mode: str) -> str:
+        g = _prec(p)
+        rec = p.measured("exp_precision")
+        measured = next(
+            (r["gflops"] for r in (rec or {}).get("rows", []) if (r["op"], r["mode"]) == ("matmul", mode)), None
+        )
+        return vs(f"{g[mode][0]:,.0f}; {g[mode][0] / g['fp32'][0]:.2f}x; - (n={g[mode][1]})", g[mode][0], measured)
+
+    return {f"matmul {mode}: GFLOP/s, speedup, rel. error": (lambda mode=mode: cell(mode)) for mode in _MODES}
+
+
+_MODES = ("fp32", "tf32", "bf16", "fp16", "bf16_out")
+
+
+def verdict_tensor_cores(p: Projection) -> tuple[str, str]:
+    g = _prec(p)
+    x, rate = g["bf16"][0] / g["fp32"][0], g["bf16"][0] / 1e3
+    verdict = "confirmed" if x >= 8 and rate >= TENSOR_CORE_MIN_TFLOPS else "depends" if x >= 2 else "refuted"
+    return verdict, f"bf16 product {x:.1f}x exact fp32 at {rate:,.0f} TFLOP/s (n={g['bf16'][1]}): the model's peaks"
+
+
+# ------------------------------------------------------------------------------------------------ claim 5
+
+
+def _pipeline(p: Projection) -> dict[int, dict[str, float]]:
+    """Per augmentation cost the reference CPU measured: projected step seconds of each arrangement, from the
+    CPU's measured host time per batch and the model's device step."""
+    rec = p.cpu_record("exp_pipeline")
+    plain = p.cost("exp_pipeline", step="plain")
+    batch, threads = next(r["batch"] for r in rec["rows"]), rec.get("threads", 1)
+    out = {}
+    for key, timing in rec["host_batch"].items():
+        c, host = int(key), timing["median"]
+        device = p.model.device_s(plain)
+        out[c] = {
+            "batch": batch,
+            "device": device,
+            "sync": p.model.dispatch_s + host + p.model.transfer_s(plain.h2d_bytes) + device,
+            "overlapped": max(host / threads, p.model.queued_s(plain)),
+            "device_aug": p.model.queued_s(p.cost("exp_pipeline", step="device", cost=c)),
+        }
+    return out
+
+
+def pipeline_cells(p: Projection, costs: list[int]) -> dict[str, Callable[[], str]]:
+    def cell(c: int, arr: str) -> str:
+        v = _pipeline(p)[c]
+        step = v["device_aug" if arr == "device" else arr]
+        idle = 0.0 if arr == "device" else max(0.0, 1 - v["device"] / step)
+        rec = p.measured("exp_pipeline")
+        measured = exp_pipeline.summary(rec).get(c, {}).get(arr, {}).get("samples_per_s") if rec else None
+        return vs(f"{v['batch'] / step:,.0f} ({idle:.0%})", v["batch"] / step, measured)
+
+    return {
+        f"cost {c}, {arr}: samples/s (device idle)": (lambda c=c, arr=arr: cell(c, arr))
+        for c in costs
+        for arr in ("sync", "overlapped", "device")
+    }
+
+
+def verdict_pipeline(p: Projection) -> tuple[str, str]:
+    names = {"sync": "sync", "overlapped": "overlapped", "device_aug": "device"}
+    winners = {c: names[min(names, key=lambda a: v[a])] for c, v in sorted(_pipeline(p).items())}
+    kinds = set(winners.values())
+    verdict = "confirmed" if kinds == {"overlapped"} else "refuted" if kinds == {"device"} else "depends"
+    return verdict, "fastest per augmentation cost: " + ", ".join(f"{c}: {w}" for c, w in winners.items()) + (
+        f" (host time per batch measured on `{p.cpu}`, the device step projected)"
+    )
+
+
+# ------------------------------------------------------------------------------------------------ claim 6
+
+
+def _samples(p: Projection, batch: int) -> float:
+    return batch / p.model.queued_s(p.cost("exp_parallel", global_batch=batch))
+
+
+def batch_cells(p: Projection, batches: list[int]) -> dict[str, Callable[[], str]]:
+    def cell(b: int) -> str:
+        rec = p.measured("exp_parallel")
+        measured = next((r["samples_per_s"] for r in (rec or {}).get("sweep", []) if r["global_batch"] == b), None)
+        return vs(f"{_samples(p, b):,.0f}", _samples(p, b), measured)
+
+    return {f"train samples/s, batch {b} (1 device)": (lambda b=b: cell(b)) for b in batches}
+
+
+def verdict_batches(p: Projection) -> tuple[str, str]:
+    sweep = sorted(r["global_batch"] for r in p.cpu_record("exp_parallel")["sweep"])
+    lo, hi = _samples(p, sweep[0]), _samples(p, sweep[-1])
+    gain = hi / lo
+    verdict = "confirmed" if gain >= 3 else "refuted" if gain < 1.5 else "depends"
+    return verdict, f"samples/s {lo:,.0f} at batch {sweep[0]} -> {hi:,.0f} at batch {sweep[-1]} ({gain:.1f}x)"
+
+
+# ------------------------------------------------------------------------------------------------ claim 7
+
+
+def _inference(p: Projection, model: str) -> dict[str, float]:
+    rows = p.rows("exp_inference", model=model)
+    best = max((r["batch"] / p.model.queued_s(c), r["batch"]) for r, c in rows)
+    one = p.cost("exp_inference", model=model, batch=1)
+    return {"batch1_p50_ms": p.model.request_s(one) * 1e3, "best_samples_per_s": best[0], "best_batch": best[1]}
+
+
+def inference_cells(p: Projection) -> dict[str, Callable[[], str]]:
+    def measured(model: str, field: str) -> float | None:
+        rec = p.measured("exp_inference")
+        per = exp_inference.summary(rec) if rec else {}
+        return next((v[model].get(field) for b, v in per.items() if b != "cpu" and model in v), None)
+
+    cells: dict[str, Callable[[], str]] = {}
+    for model in ("cnn", "gpt"):
+        cells[f"gpu {model}: batch-1 p50 / p99"] = lambda model=model: vs(
+            f"{_inference(p, model)['batch1_p50_ms']:.3f} ms (no tail in the model)",
+            _inference(p, model)["batch1_p50_ms"],
+            measured(model, "batch1_p50_ms"),
+        )
+        cells[f"gpu {model}: best samples/s (batch)"] = lambda model=model: vs(
+            f"{_inference(p, model)['best_samples_per_s']:,.0f} ({_inference(p, model)['best_batch']})",
+            _inference(p, model)["best_samples_per_s"],
+            measured(model, "best_samples_per_s"),
+        )
+    return cells
+
+
+def verdict_inference(p: Projection) -> tuple[str, str]:
+    cpu = exp_inference.summary(p.cpu_record("exp_inference"))["cpu"]
+    halves, parts = [], []
+    for model, c in cpu.items():
+        g = _inference(p, model)
+        halves.append(
+            (g["best_samples_per_s"] >= 2 * c["best_samples_per_s"], g["batch1_p50_ms"] >= 0.5 * c["batch1_p50_ms"])
+        )
+        parts.append(
+            f"{model}: best {g['best_samples_per_s']:,.0f} projected vs {c['best_samples_per_s']:,.0f} measured "
+            f"samples/s, batch-1 {g['batch1_p50_ms']:.3f} projected vs {c['batch1_p50_ms']:.3f} ms measured"
+        )
+    both = all(b and r for b, r in halves)
+    verdict = "confirmed" if both else "refuted" if not any(b or r for b, r in halves) else "depends"
+    return verdict, "; ".join(parts) + f" (`{p.cpu}`)"
+
+
+VERDICTS = {
+    1: verdict_matmul,
+    2: verdict_latency,
+    3: verdict_tensor_cores,
+    5: verdict_pipeline,
+    6: verdict_batches,
+    7: verdict_inference,
+}
+
+
+def verdict(p: Projection, claim: int) -> tuple[str, str]:
+    """The projected verdict of a claim, by the measured rule's thresholds; claim 4 (which library a GPU compiler
+    calls) has none: only a GPU's compiled program can say."""
+    if claim not in VERDICTS:
+        return NOT_PROJECTED, "which library kernels run is known only from a GPU's own compiled program"
+    return VERDICTS[claim](p)
