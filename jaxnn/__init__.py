@@ -47,6 +47,8 @@ SUBMODULES = (
     "profile",
     "pytree",
     "rundir",
+    "shard_report",
+    "shard_rules",
     "sharding",
     "storage",
     "timing",

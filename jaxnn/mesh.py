@@ -1,6 +1,6 @@
 """Devices, meshes, shardings and placement: where arrays live, from one CPU to many processes.
 
-This module imports nothing else from jaxnn but `jaxnn.sharding` (which imports nothing from jaxnn), so every part
+This module imports nothing else from jaxnn but `jaxnn.sharding` and the rule modules below it, so every part
 of the library (the training loop, the data-parallel forms, checkpoints, benchmarks) can place arrays the same way
 without import cycles. A mesh may carry `fsdp` and `tensor` axes besides `data` (`jaxnn.sharding`): the batch is
 then split over data x fsdp and the train state by the sharding rules.
@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxnn import sharding
 from jaxnn.pytree import is_prng_key
+from jaxnn.shard_rules import RulesLike
 
 log = logging.getLogger(__name__)
 
@@ -130,23 +131,24 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda x: _put_leaf(x, sharding), tree)
 
 
-def create_sharded_state(create: Callable[[], Any], mesh: Mesh) -> Any:
+def create_sharded_state(create: Callable[[], Any], mesh: Mesh, rules: RulesLike | None = None) -> Any:
     """Runs `create()` (e.g. `lambda: create_train_state(model, tx, key, in_shape)`) straight into replicated arrays
     (or into the sharding rules' shards, on a mesh with fsdp or tensor axes).
 
     The one way jaxnn creates a train state for a mesh (the loop, experiments and benchmarks alike): compiled
     with `out_shardings`, so every device builds its copy in place, and every process runs the same computation,
-    so no process sends its copy to the others.
+    so no process sends its copy to the others. `rules` (see `jaxnn.shard_rules`; default the built-in table) say
+    where each parameter goes; given rules are applied (and reported on) on any mesh.
     """
-    if sharding.shards_state(mesh):
-        return sharding.create_state(create, mesh)
+    if sharding.shards_state(mesh) or rules is not None:
+        return sharding.create_state(create, mesh, rules)
     return jax.jit(create, out_shardings=replicated(mesh))()
 
 
-def place_state(state: Any, mesh: Mesh) -> Any:
-    """`state` on `mesh`: replicated, or sharded by `jaxnn.sharding`'s rules when the mesh shards the state."""
-    if sharding.shards_state(mesh):
-        return sharding.place_state(state, mesh)
+def place_state(state: Any, mesh: Mesh, rules: RulesLike | None = None) -> Any:
+    """`state` on `mesh`: replicated, or sharded by the rules when the mesh shards the state or rules are given."""
+    if sharding.shards_state(mesh) or rules is not None:
+        return sharding.place_state(state, mesh, rules)
     return replicate(state, mesh)
 
 
