@@ -292,8 +292,9 @@ class TrainConfig:
 
     `dataset` "auto": text for gpt, else the format found in `data_dir`, else digits. `model_overrides` replaces
     fields of the model's config, as ((field, value), ...), e.g. (("d_model", 128),). `mesh` ("data=2,fsdp=4",
-    see jaxnn.sharding) replaces `fit.devices`; `sharding_rules` is a JSON rule table's path (jaxnn.shard_rules). `schedule`: the learning rate's cosine decay to 0 at the run's
-    last step, or "constant" after the warm-up, which lets a finished run be trained on with a larger `steps`.
+    see jaxnn.sharding) replaces `fit.devices`; `sharding_rules` is a JSON rule table's path (jaxnn.shard_rules).
+    `schedule`: the learning rate's cosine decay to 0 at the run's last step, or "constant" after the warm-up,
+    which lets a finished run be trained on with a larger `steps`.
     `init_from`: start from another run's parameters and optimizer state (`jaxnn.fit`'s `init_from`).
     """
 

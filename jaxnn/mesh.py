@@ -157,6 +157,7 @@ def place_state(state: Any, mesh: Mesh, rules: RulesLike | None = None) -> Any:
 ENV_COORDINATOR = "JAXNN_COORDINATOR"  # host:port of process 0's coordinator service
 ENV_NUM_PROCESSES = "JAXNN_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXNN_PROCESS_ID"
+ENV_K8S_INDEX = "JOB_COMPLETION_INDEX"  # the process id's fallback, set by Kubernetes in an indexed Job's pods
 
 
 def initialize_distributed(
@@ -169,14 +170,18 @@ def initialize_distributed(
 ) -> bool:
     """Joins this process to a multi-process run; call before any jax computation. Returns whether it did.
 
-    Arguments left None come from `JAXNN_COORDINATOR`, `JAXNN_NUM_PROCESSES` and `JAXNN_PROCESS_ID`; when none
-    is given anywhere, jax's own cluster detection (SLURM, Open MPI, TPU pods) fills them in. One process is
-    not a distributed run, so `num_processes == 1` does nothing. If a process dies, the others are terminated
-    by jax's coordination service, with an error naming the dead task, within about `heartbeat_timeout_s`.
+    Arguments left None come from `JAXNN_COORDINATOR`, `JAXNN_NUM_PROCESSES` and `JAXNN_PROCESS_ID` (or, given the
+    first two, from Kubernetes' `JOB_COMPLETION_INDEX`, so one pod spec serves every pod of an indexed Job or
+    JobSet); when none is given anywhere, jax's own cluster detection (SLURM, Open MPI, TPU pods) fills them in.
+    One process is not a distributed run, so `num_processes == 1` does nothing. If a process dies, the others are
+    terminated by jax's coordination service, with an error naming the dead task, within about `heartbeat_timeout_s`.
     """
     coordinator = coordinator or os.environ.get(ENV_COORDINATOR) or None
     num_processes = num_processes if num_processes is not None else _env_int(ENV_NUM_PROCESSES)
     process_id = process_id if process_id is not None else _env_int(ENV_PROCESS_ID)
+    if process_id is None and (coordinator or num_processes is not None):
+        # Kubernetes numbers the pods of an indexed Job (and a JobSet's) in this variable: each pod's process id.
+        process_id = _env_int(ENV_K8S_INDEX)
     if num_processes == 1:
         return False
     given = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}

@@ -74,10 +74,10 @@ class ShardingRules:
                 dims[dim] = tuple(a for a in _axes_of(entry) if sizes.get(a, 1) > 1)
                 split = math.prod(sizes[a] for a in dims[dim])
                 if shape[dim] % split:
+                    axes = " x ".join(map(repr, dims[dim]))
                     raise ValueError(
                         f"sharding rule {rule.pattern!r} ({self.name}): parameter {name!r} of shape {shape} cannot "
-                        f"be split over mesh axis {' x '.join(map(repr, dims[dim]))} ({split} devices): dimension {dim} has "
-                        f"size {shape[dim]}"
+                        f"be split over mesh axis {axes} ({split} devices): dimension {dim} has size {shape[dim]}"
                     )
         fsdp = sizes.get(FSDP, 1)
         named = {a for d in dims for a in d}

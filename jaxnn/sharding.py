@@ -24,8 +24,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxnn.pytree import key_name, path_name
-from jaxnn.shard_rules import AXES, BUILT_IN, DATA, FSDP, TENSOR, RulesLike, as_rules
 from jaxnn.shard_report import announce, layout_report, params_of
+from jaxnn.shard_rules import AXES, BUILT_IN, DATA, FSDP, TENSOR, RulesLike, as_rules
 
 BATCH_AXES = (DATA, FSDP)  # the axes the batch is split over
 
