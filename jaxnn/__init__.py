@@ -24,6 +24,7 @@ _NAMES = {
 }
 
 SUBMODULES = (
+    "activation_sharding",
     "callbacks",
     "checkpoint",
     "cli",

@@ -15,11 +15,12 @@ from sharded_mlp import fit_mlp, mlp
 import jaxnn.layers as L
 from jaxnn import sharding
 from jaxnn.config import ConfigError
-from jaxnn.mesh import create_sharded_state, make_mesh
+from jaxnn.mesh import batch_sharding, create_sharded_state, make_mesh, replicated, shard_batch
+from jaxnn.models import GPT, GPTConfig
 from jaxnn.parallel import data_parallel_train_step
 from jaxnn.shard_report import ShardingWarning
-from jaxnn.shard_rules import BUILT_IN, as_rules
-from jaxnn.train import create_train_state, language_model_loss
+from jaxnn.shard_rules import BUILT_IN, TENSOR, as_rules
+from jaxnn.train import create_train_state, language_model_loss, train_step_fn
 
 MLP_RULES = sharded_mlp.RULES
 
@@ -115,3 +116,26 @@ def test_an_idle_axis_and_an_unused_rule_warn_and_a_rule_that_cannot_apply_fails
     ):
         fit_mlp(None, devices=16)
     assert BUILT_IN.match("2_blocks.1_mlp.3_proj.w") is not None and BUILT_IN.match("2_block.seq.w") is None
+
+
+def test_the_sharded_step_pins_the_hidden_width_and_gathers_no_whole_tensor_parallel_weight():
+    model, tx = GPT(GPTConfig(seq_len=8, d_model=32, num_layers=1, num_heads=4)), optax.sgd(0.1)
+    mesh = sharding.make_sharded_mesh("tensor=2,fsdp=4")
+    state = create_sharded_state(lambda: create_train_state(model, tx, jax.random.key(0), (8, 8)), mesh)
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    step = jax.jit(
+        train_step_fn(model, language_model_loss, tx),
+        in_shardings=(shardings, batch_sharding(mesh)),
+        out_shardings=(shardings, replicated(mesh)),
+    )
+    tokens = np.zeros((8, 9), np.int32)
+    with jax.set_mesh(mesh):  # as the sharded step runs (jaxnn.parallel)
+        lowered = step.lower(state, shard_batch({"x": tokens[:, :-1], "y": tokens[:, 1:]}, mesh))
+    # The MLP's hidden width (4 x 32) split over tensor, the batch over fsdp: the constraints reach the program.
+    assert re.search(
+        r'sdy.sharding_constraint .*\[\{"fsdp"\}, \{\?\}, \{"tensor"\}\]> : tensor<8x8x128xf32>', lowered.as_text()
+    )
+    split = {x.shape for x in jax.tree.leaves(state.params) if TENSOR in jax.tree.leaves(tuple(x.sharding.spec))}
+    gathered = re.findall(r"= f32\[([\d,]+)\]\S* all-gather(?:-start)?\(", lowered.compile().as_text())
+    # fsdp gathers each weight's tensor-local shard; a whole (tensor-unsplit) weight would have its full shape.
+    assert gathered and split and not {tuple(map(int, g.split(","))) for g in gathered} & split, (gathered, split)
