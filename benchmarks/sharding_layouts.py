@@ -68,7 +68,8 @@ def measure(layout: str, d_model: int, layers: int, rules_path: str | None = Non
         in_shardings=(shardings, batch_sharding(mesh)),
         out_shardings=(shardings, replicated(mesh)),
     )
-    hlo = step.lower(state, batch).compile().as_text()
+    with jax.set_mesh(mesh):  # as jaxnn.parallel runs a sharded step: the blocks' activation constraints apply
+        hlo = step.lower(state, batch).compile().as_text()
     return {
         "layout": layout,
         "rules": rules.name,
