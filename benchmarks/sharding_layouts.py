@@ -1,11 +1,13 @@
 """What each sharding layout costs the GPT's training step: per-device state bytes and the collectives XLA emits.
 
-    python -m benchmarks.sharding_layouts [--d-model 256] [--layers 4] [--json out.json]
+    python -m benchmarks.sharding_layouts [--d-model 256] [--layers 4] [--rules rules.json] [--json out.json]
 
 On 8 simulated CPU devices, for each layout (replicated data parallelism, fsdp, tensor x fsdp, data x fsdp), the
 train state (Adam) is created in its shards and the jitted step compiled; reported are the bytes of parameters
 plus optimizer state on the fullest device (from the arrays' addressable shards) and, from the compiled HLO, the
-count and result bytes of every all-gather, reduce-scatter, all-reduce and other collective in one step.
+count and result bytes of every all-gather, reduce-scatter, all-reduce and other collective in one step. The rules
+in use (the built-in table, or `--rules`' JSON table) are named, with each layout's parameter bytes per device and
+what each mesh axis alone leaves per device (`jaxnn.shard_report`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import math
 import os
 import re
 
-LAYOUTS = ("data=8", "fsdp=8", "tensor=2,fsdp=4", "data=2,fsdp=4")
+LAYOUTS = ("data=8", "fsdp=8", "tensor=8", "tensor=2,fsdp=4", "data=2,fsdp=4")
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u8": 1, "pred": 1}
 _SHAPE = re.compile(r"\b(f32|bf16|f16|s32|u32|f64|s64|u8|pred)\[([\d,]*)\]")
@@ -41,20 +43,23 @@ def collectives(hlo: str) -> dict[str, dict[str, int]]:
     return found
 
 
-def measure(layout: str, d_model: int, layers: int) -> dict:
+def measure(layout: str, d_model: int, layers: int, rules_path: str | None = None) -> dict:
     import jax
     import optax
 
-    from jaxnn import sharding
+    from jaxnn import shard_report, sharding
     from jaxnn.mesh import batch_sharding, create_sharded_state, make_mesh, replicated, shard_batch
     from jaxnn.models import GPT, GPTConfig
+    from jaxnn.shard_rules import BUILT_IN, load_rules
     from jaxnn.train import create_train_state, language_model_loss, train_step_fn
 
     cfg = GPTConfig(seq_len=128, d_model=d_model, num_layers=layers, num_heads=8)
     model, tx = GPT(cfg), optax.adam(1e-3)
     mesh = make_mesh(8) if layout == "data=8" else sharding.make_sharded_mesh(layout)
-    state = create_sharded_state(lambda: create_train_state(model, tx, jax.random.key(0), (16, 128)), mesh)
+    rules = BUILT_IN if rules_path is None else load_rules(rules_path)
+    state = create_sharded_state(lambda: create_train_state(model, tx, jax.random.key(0), (16, 128)), mesh, rules)
     held = sharding.bytes_per_device((state.params, state.opt_state))
+    report = shard_report.layout_report(state.params, sharding.mesh_sizes(mesh), rules)
     tokens = jax.numpy.zeros((16, 129), jax.numpy.int32)
     batch = shard_batch({"x": tokens[:, :-1], "y": tokens[:, 1:]}, mesh)
     shardings = jax.tree.map(lambda x: x.sharding, state)
@@ -63,26 +68,38 @@ def measure(layout: str, d_model: int, layers: int) -> dict:
         in_shardings=(shardings, batch_sharding(mesh)),
         out_shardings=(shardings, replicated(mesh)),
     )
-    hlo = step.lower(state, batch).compile().as_text()
-    return {"layout": layout, "state_bytes_per_device": max(held.values()), "collectives": collectives(hlo)}
+    with jax.set_mesh(mesh):  # as jaxnn.parallel runs a sharded step: the blocks' activation constraints apply
+        hlo = step.lower(state, batch).compile().as_text()
+    return {
+        "layout": layout,
+        "rules": rules.name,
+        "param_bytes": report.total_bytes,
+        "param_bytes_per_device": max(sharding.bytes_per_device(state.params).values()),
+        "param_bytes_per_device_by_axis": {f"{a.axis}={a.size}": a.bytes_per_device for a in report.axes},
+        "state_bytes_per_device": max(held.values()),
+        "collectives": collectives(hlo),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--rules", default=None, help="a JSON rule table (default: the built-in rules)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
-    rows = [measure(layout, args.d_model, args.layers) for layout in LAYOUTS]
+    rows = [measure(layout, args.d_model, args.layers, args.rules) for layout in LAYOUTS]
     print(f"GPT d_model {args.d_model}, {args.layers} layers, T 128, batch 16, Adam; 8 simulated CPU devices")
-    print(f"{'layout':<16} {'state MiB/device':>17}  collectives per step (count, MiB)")
+    print(f"rules: {rows[0]['rules']}; parameters {rows[0]['param_bytes'] / 2**20:.2f} MiB in all")
+    print(f"{'layout':<16} {'params MiB/device':>17} {'state MiB/device':>17}  collectives per step (count, MiB)")
     for r in rows:
         ops = ", ".join(f"{op} {v['count']} ({v['bytes'] / 2**20:.1f})" for op, v in sorted(r["collectives"].items()))
-        print(f"{r['layout']:<16} {r['state_bytes_per_device'] / 2**20:>17.2f}  {ops}")
+        params, state = r["param_bytes_per_device"] / 2**20, r["state_bytes_per_device"] / 2**20
+        print(f"{r['layout']:<16} {params:>17.2f} {state:>17.2f}  {ops}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -24,6 +24,7 @@ _NAMES = {
 }
 
 SUBMODULES = (
+    "activation_sharding",
     "augment",
     "callbacks",
     "checkpoint",
@@ -48,6 +49,8 @@ SUBMODULES = (
     "profile",
     "pytree",
     "rundir",
+    "shard_report",
+    "shard_rules",
     "sharding",
     "storage",
     "timing",

@@ -276,7 +276,7 @@ def parse_model_config(items: list[str], flag: str = "--model-config") -> dict[s
 
 # TrainConfig's own fields that do not change what a run computes: a checkpoint may be resumed with them changed
 # (the FitConfig's are its RUN_ONLY).
-RUN_ONLY_FIELDS = ("mesh", "backend", "workers", "sample_bytes", "init_from")
+RUN_ONLY_FIELDS = ("mesh", "sharding_rules", "backend", "workers", "sample_bytes", "init_from")
 SCHEDULES = ("cosine", "constant")
 LATER_DEFAULTS = {"schedule": "cosine", "label_smoothing": 0.0, "augment": ""}
 BACKENDS = ("grain", "inline")
@@ -292,8 +292,9 @@ class TrainConfig:
 
     `dataset` "auto": text for gpt, else the format found in `data_dir`, else digits. `model_overrides` replaces
     fields of the model's config, as ((field, value), ...), e.g. (("d_model", 128),). `mesh` ("data=2,fsdp=4",
-    see jaxnn.sharding) replaces `fit.devices`. `schedule`: the learning rate's cosine decay to 0 at the run's
-    last step, or "constant" after the warm-up, which lets a finished run be trained on with a larger `steps`.
+    see jaxnn.sharding) replaces `fit.devices`; `sharding_rules` is a JSON rule table's path (jaxnn.shard_rules).
+    `schedule`: the learning rate's cosine decay to 0 at the run's last step, or "constant" after the warm-up,
+    which lets a finished run be trained on with a larger `steps`.
     `init_from`: start from another run's parameters and optimizer state (`jaxnn.fit`'s `init_from`).
     `augment`: random augmentation in the train step on the device, as `jaxnn.augment.parse_augment` reads it
     ("crop,flip,mixup"); `crop_pad` and `flip` are the host pipeline's.
@@ -311,6 +312,7 @@ class TrainConfig:
     flip: bool = False
     seq_len: int = 128
     mesh: str | None = None
+    sharding_rules: str | None = None
     backend: str = "grain"
     workers: int = 0
     sample_bytes: int = 300

@@ -46,6 +46,7 @@ from jaxnn.parallel import data_parallel_train_step
 from jaxnn.plots import preload as preload_plotting
 from jaxnn.precision import all_finite, get_policy
 from jaxnn.rundir import RunFiles
+from jaxnn.shard_rules import RulesLike
 from jaxnn.sharding import make_sharded_mesh
 from jaxnn.train import (
     LossFn,
@@ -88,6 +89,7 @@ def fit(
     eval_data: TrainData | None = None,
     callbacks: Iterable[Callback] = (),
     mesh: Mesh | str | None = None,
+    sharding_rules: RulesLike | None = None,
     pipeline: PipelineConfig | None = None,
     augment: Augment | str | None = None,
     config: dict | None = None,
@@ -137,6 +139,9 @@ def fit(
     mesh: a `jax.sharding.Mesh` with a `data` axis and optionally `fsdp` and `tensor` axes, or its sizes as text
       ("data=2,fsdp=4", see `jaxnn.sharding`) (default: `devices` local devices on a `data` axis, or all devices
       of all processes in a multi-process run).
+    sharding_rules: where each parameter (and its optimizer moments and checkpointed arrays) goes on the mesh:
+      (pattern, spec) pairs, a {pattern: spec} mapping, a `jaxnn.shard_rules.ShardingRules` or a JSON file's
+      path (see `jaxnn.shard_rules`; default: the built-in models' table).
     pipeline: a `PipelineConfig` for jaxnn data sets (workers, host-side augmentation).
     augment: a `jaxnn.augment.Augment` (or its text, "crop,flip,mixup"): random augmentation inside the step, on
       the device, keyed by (seed, step, example index); evaluation sees the data unaugmented. Mixup and cutmix add
@@ -184,7 +189,9 @@ def fit(
     if init_from is not None and (params is not None or model_state is not None):
         raise ConfigError("fit: init_from and params/model_state exclude each other")
     start_from = _starting_point(model, example["x"].shape, params, model_state)
-    state = create_sharded_state(lambda: _initial_state(model, tx, cfg, example["x"].shape, params, model_state), mesh)
+    state = create_sharded_state(
+        lambda: _initial_state(model, tx, cfg, example["x"].shape, params, model_state), mesh, sharding_rules
+    )
     if init_from is not None:
         state, start_from = _state_from(init_from, state)
     _check_step_runs(model, loss, tx, cfg, state, example, source, aug)
@@ -324,7 +331,12 @@ def fresh_run_dir(root: str | os.PathLike[str] = "runs") -> str:
 
 def _devices(n: int) -> int:
     if n > jax.local_device_count():
-        raise ConfigError(f"devices {n}: only {jax.local_device_count()} {jax.default_backend()} devices here")
+        hint = (
+            f"; call jaxnn.mesh.configure_cpu_devices({n}) before jax starts, or run `jaxnn train --devices {n}`"
+            if jax.default_backend() == "cpu"
+            else ""
+        )
+        raise ConfigError(f"devices {n}: only {jax.local_device_count()} {jax.default_backend()} devices here{hint}")
     return n
 
 

@@ -1,6 +1,6 @@
 """Devices, meshes, shardings and placement: where arrays live, from one CPU to many processes.
 
-This module imports nothing else from jaxnn but `jaxnn.sharding` (which imports nothing from jaxnn), so every part
+This module imports nothing else from jaxnn but `jaxnn.sharding` and the rule modules below it, so every part
 of the library (the training loop, the data-parallel forms, checkpoints, benchmarks) can place arrays the same way
 without import cycles. A mesh may carry `fsdp` and `tensor` axes besides `data` (`jaxnn.sharding`): the batch is
 then split over data x fsdp and the train state by the sharding rules.
@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxnn import sharding
 from jaxnn.pytree import is_prng_key
+from jaxnn.shard_rules import RulesLike
 
 log = logging.getLogger(__name__)
 
@@ -130,23 +131,24 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda x: _put_leaf(x, sharding), tree)
 
 
-def create_sharded_state(create: Callable[[], Any], mesh: Mesh) -> Any:
+def create_sharded_state(create: Callable[[], Any], mesh: Mesh, rules: RulesLike | None = None) -> Any:
     """Runs `create()` (e.g. `lambda: create_train_state(model, tx, key, in_shape)`) straight into replicated arrays
     (or into the sharding rules' shards, on a mesh with fsdp or tensor axes).
 
     The one way jaxnn creates a train state for a mesh (the loop, experiments and benchmarks alike): compiled
     with `out_shardings`, so every device builds its copy in place, and every process runs the same computation,
-    so no process sends its copy to the others.
+    so no process sends its copy to the others. `rules` (see `jaxnn.shard_rules`; default the built-in table) say
+    where each parameter goes; given rules are applied (and reported on) on any mesh.
     """
-    if sharding.shards_state(mesh):
-        return sharding.create_state(create, mesh)
+    if sharding.shards_state(mesh) or rules is not None:
+        return sharding.create_state(create, mesh, rules)
     return jax.jit(create, out_shardings=replicated(mesh))()
 
 
-def place_state(state: Any, mesh: Mesh) -> Any:
-    """`state` on `mesh`: replicated, or sharded by `jaxnn.sharding`'s rules when the mesh shards the state."""
-    if sharding.shards_state(mesh):
-        return sharding.place_state(state, mesh)
+def place_state(state: Any, mesh: Mesh, rules: RulesLike | None = None) -> Any:
+    """`state` on `mesh`: replicated, or sharded by the rules when the mesh shards the state or rules are given."""
+    if sharding.shards_state(mesh) or rules is not None:
+        return sharding.place_state(state, mesh, rules)
     return replicate(state, mesh)
 
 
@@ -155,6 +157,7 @@ def place_state(state: Any, mesh: Mesh) -> Any:
 ENV_COORDINATOR = "JAXNN_COORDINATOR"  # host:port of process 0's coordinator service
 ENV_NUM_PROCESSES = "JAXNN_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXNN_PROCESS_ID"
+ENV_K8S_INDEX = "JOB_COMPLETION_INDEX"  # the process id's fallback, set by Kubernetes in an indexed Job's pods
 
 
 def initialize_distributed(
@@ -167,14 +170,18 @@ def initialize_distributed(
 ) -> bool:
     """Joins this process to a multi-process run; call before any jax computation. Returns whether it did.
 
-    Arguments left None come from `JAXNN_COORDINATOR`, `JAXNN_NUM_PROCESSES` and `JAXNN_PROCESS_ID`; when none
-    is given anywhere, jax's own cluster detection (SLURM, Open MPI, TPU pods) fills them in. One process is
-    not a distributed run, so `num_processes == 1` does nothing. If a process dies, the others are terminated
-    by jax's coordination service, with an error naming the dead task, within about `heartbeat_timeout_s`.
+    Arguments left None come from `JAXNN_COORDINATOR`, `JAXNN_NUM_PROCESSES` and `JAXNN_PROCESS_ID` (or, given the
+    first two, from Kubernetes' `JOB_COMPLETION_INDEX`, so one pod spec serves every pod of an indexed Job or
+    JobSet); when none is given anywhere, jax's own cluster detection (SLURM, Open MPI, TPU pods) fills them in.
+    One process is not a distributed run, so `num_processes == 1` does nothing. If a process dies, the others are
+    terminated by jax's coordination service, with an error naming the dead task, within about `heartbeat_timeout_s`.
     """
     coordinator = coordinator or os.environ.get(ENV_COORDINATOR) or None
     num_processes = num_processes if num_processes is not None else _env_int(ENV_NUM_PROCESSES)
     process_id = process_id if process_id is not None else _env_int(ENV_PROCESS_ID)
+    if process_id is None and (coordinator or num_processes is not None):
+        # Kubernetes numbers the pods of an indexed Job (and a JobSet's) in this variable: each pod's process id.
+        process_id = _env_int(ENV_K8S_INDEX)
     if num_processes == 1:
         return False
     given = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}

@@ -14,6 +14,7 @@ one device, eight devices, or many processes. Meshes, placement and multi-proces
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -275,6 +276,9 @@ def _jit_step(body: StepFn, mesh: Mesh, form: str, donate_argnums: tuple[int, ..
     placed by `place_state` or created by `create_sharded_state`), and the new state keeps them, so parameters and
     optimizer moments stay where they are from step to step."""
     compiled: list[Any] = []
+    # The built-in blocks' activation constraints (`jaxnn.activation_sharding`) read the mesh in context; data
+    # parallelism needs none, and its tiny models' steps keep their dispatch time.
+    context = (lambda: jax.set_mesh(mesh)) if shards_state(mesh) else contextlib.nullcontext
 
     def step(state, batch):
         check_batch_divisible(leading_size(batch), mesh)
@@ -288,7 +292,8 @@ def _jit_step(body: StepFn, mesh: Mesh, form: str, donate_argnums: tuple[int, ..
                     donate_argnums=donate_argnums,
                 )
             )
-        return compiled[0](state, batch)
+        with context():
+            return compiled[0](state, batch)
 
     return DataParallelStep(
         step, lambda s: place_state(s, mesh), lambda b: shard_batch(b, mesh), lambda s: s, mesh, form

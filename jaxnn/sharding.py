@@ -5,19 +5,16 @@ A mesh has up to three named axes, always in this order:
 - `fsdp`: the batch is split over it too, and so is every parameter and optimizer moment large enough, along one
   dimension (fully sharded data parallelism, ZeRO-3): each device stores 1/fsdp of the state, and XLA gathers a
   layer's parameters when the step uses them and reduce-scatters their gradients.
-- `tensor`: Megatron-style tensor parallelism. The projections that fan out (attention's q/k/v, the MLP's first
-  layer) are split by output columns, the ones that fan back in (attention's output, the MLP's second layer) by
-  input rows, so each device computes its share of the heads and of the hidden width, and one all-reduce per
-  sublayer joins them.
+- `tensor`: tensor parallelism, where a rule table (`jaxnn.shard_rules`) says which parameter dimensions it
+  splits; `BUILT_IN` gives Megatron's layout for jaxnn's attention and MLP layers, and any model can have its own.
 
-The rules are expressed as `PartitionSpec`s over parameter paths and shapes; jit's in/out shardings carry them and
-XLA's partitioner derives the collectives. Nothing here writes a collective by hand.
+The rules are `PartitionSpec`s over parameter paths and shapes; jit's in/out shardings carry them and XLA's
+partitioner derives the collectives. Nothing here writes a collective by hand.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -26,29 +23,11 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxnn.pytree import key_name
+from jaxnn.pytree import key_name, path_name
+from jaxnn.shard_report import announce, layout_report, params_of
+from jaxnn.shard_rules import AXES, BUILT_IN, DATA, FSDP, TENSOR, RulesLike, as_rules
 
-DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
-AXES = (DATA, FSDP, TENSOR)
 BATCH_AXES = (DATA, FSDP)  # the axes the batch is split over
-
-# Parameter-path endings (the params tree's last two keys) of the tensor-parallel projections in jaxnn's layers.
-COLUMN_PARALLEL = {
-    ("qkv", "w"),
-    ("q", "w"),
-    ("kv", "w"),
-    ("fc", "w"),
-    ("qkv", "b"),
-    ("q", "b"),
-    ("kv", "b"),
-    ("fc", "b"),
-}
-ROW_PARALLEL = {("out", "w"), ("proj", "w")}
-
-_CHILD_INDEX = re.compile(r"^\d+_")
-
-# FSDP leaves smaller parameters (norm scales, biases) whole: sharding them saves little and costs a collective each.
-MIN_FSDP_SIZE = 1024
 
 
 def parse_mesh(spec: str | Mapping[str, int]) -> dict[str, int]:
@@ -124,38 +103,34 @@ def _path_keys(path: tuple) -> tuple[str, ...]:
     return tuple(key_name(k) for k in path)
 
 
-def param_spec(path: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
-    """The PartitionSpec of one parameter: tensor-parallel by its path, then FSDP on its largest free dimension."""
-    spec: list[Any] = [None] * len(shape)
-    tensor, fsdp = axis_size(mesh, TENSOR), axis_size(mesh, FSDP)
-    ending = tuple(_CHILD_INDEX.sub("", key) for key in path[-2:])  # "1_fc" -> "fc": combinators number children
-    if tensor > 1 and shape:
-        # Dims counted from the end, so the rules hold for Repeat's stacked parameters (a leading layer axis).
-        dim = -1 if ending in COLUMN_PARALLEL else -2 if ending in ROW_PARALLEL and len(shape) >= 2 else None
-        if dim is not None and shape[dim] % tensor == 0:
-            spec[dim] = TENSOR
-    if fsdp > 1 and math.prod(shape) >= MIN_FSDP_SIZE:
-        free = [d for d in range(len(shape)) if spec[d] is None and shape[d] % fsdp == 0]
-        if free:
-            spec[max(free, key=lambda d: (shape[d], d))] = FSDP
-    return P(*spec)
+def mesh_sizes(mesh: Mesh) -> dict[str, int]:
+    """{axis: size} of a mesh."""
+    return dict(zip(mesh.axis_names, mesh.devices.shape))
 
 
-def param_specs(params: Any, mesh: Mesh) -> Any:
+def param_spec(path: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh, rules: RulesLike | None = None) -> P:
+    """The PartitionSpec of one parameter under `rules` (default `BUILT_IN`; see `jaxnn.shard_rules`)."""
+    table = BUILT_IN if rules is None else as_rules(rules)
+    return table.spec(path_name(path), shape, mesh_sizes(mesh))
+
+
+def param_specs(params: Any, mesh: Mesh, rules: RulesLike | None = None) -> Any:
     """`param_spec` for every leaf of a parameter tree (arrays or `jax.ShapeDtypeStruct`s)."""
-    return jax.tree_util.tree_map_with_path(lambda p, x: param_spec(_path_keys(p), tuple(x.shape), mesh), params)
+    table = BUILT_IN if rules is None else as_rules(rules)
+    sizes = mesh_sizes(mesh)
+    return jax.tree_util.tree_map_with_path(lambda p, x: table.spec(path_name(p), tuple(x.shape), sizes), params)
 
 
-def state_shardings(state: Any, mesh: Mesh) -> Any:
+def state_shardings(state: Any, mesh: Mesh, rules: RulesLike | None = None) -> Any:
     """NamedShardings for a whole `TrainState` (or any tree holding the params): the params by the rules, every
     optimizer leaf whose path ends with a parameter's path and has its shape (Adam's moments) like that parameter,
     everything else (step, key, BatchNorm statistics, loss scale) replicated."""
     params = getattr(state, "params", None)
     by_path: dict[tuple[str, ...], tuple[tuple[int, ...], P]] = {}
     if params is not None:
-        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-            keys = _path_keys(path)
-            by_path[keys] = (tuple(leaf.shape), param_spec(keys, tuple(leaf.shape), mesh))
+        specs = param_specs(params, mesh, rules)
+        for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(specs)):
+            by_path[_path_keys(path)] = (tuple(leaf.shape), spec)
 
     def sharding(path: tuple, leaf: Any) -> NamedSharding:
         keys, shape = _path_keys(path), tuple(np.shape(leaf))
@@ -168,15 +143,18 @@ def state_shardings(state: Any, mesh: Mesh) -> Any:
     return jax.tree_util.tree_map_with_path(sharding, state)
 
 
-def create_state(create: Callable[[], Any], mesh: Mesh) -> Any:
-    """Runs `create()` straight into the rules' shardings: each device builds only its shards."""
+def create_state(create: Callable[[], Any], mesh: Mesh, rules: RulesLike | None = None) -> Any:
+    """Runs `create()` straight into the rules' shardings: each device builds only its shards. The layout report
+    (`jaxnn.shard_report`) is logged first, and a rule that cannot apply raises before anything is compiled."""
     abstract = jax.eval_shape(create)
-    return jax.jit(create, out_shardings=state_shardings(abstract, mesh))()
+    table = BUILT_IN if rules is None else as_rules(rules)
+    announce(layout_report(params_of(abstract), mesh_sizes(mesh), table))
+    return jax.jit(create, out_shardings=state_shardings(abstract, mesh, table))()
 
 
-def place_state(state: Any, mesh: Mesh) -> Any:
+def place_state(state: Any, mesh: Mesh, rules: RulesLike | None = None) -> Any:
     """Moves an existing state onto the rules' shardings (e.g. a state built on one device)."""
-    return jax.device_put(state, state_shardings(state, mesh))
+    return jax.device_put(state, state_shardings(state, mesh, rules))
 
 
 def bytes_per_device(tree: Any) -> dict[str, int]:

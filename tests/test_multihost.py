@@ -4,6 +4,7 @@ checkpoints move between process counts; a dying peer stops the others with a cl
 import dataclasses
 import json
 import os
+import pathlib
 import socket
 import subprocess
 import sys
@@ -11,13 +12,16 @@ import time
 
 import jax
 import numpy as np
+import sharded_mlp
 
 from jaxnn.callbacks import Callback
 from jaxnn.checkpoint import Checkpointer
 from jaxnn.cli import multihost
 from jaxnn.cli.recipes import train
 from jaxnn.config import FitConfig, TrainConfig
+from jaxnn.mesh import create_sharded_state, make_mesh
 from jaxnn.models import MLP, MLPConfig
+from jaxnn.sharding import make_sharded_mesh
 from jaxnn.train import create_train_state, make_optimizer
 
 ARGS = [
@@ -202,3 +206,34 @@ def test_a_slurm_job_is_detected_and_fsdp_spans_its_processes(tmp_path):
     assert [r and (r["process"], r["processes"], r["devices"]) for r in reports] == [("0", "2", "2"), ("1", "2", "2")]
     assert reports[0]["params"] == reports[1]["params"]  # one model, gathered from the shards of both
     assert json.loads((run_dir / "summary.json").read_text())["step"] == 12
+
+
+def test_two_processes_of_four_devices_match_one_device_and_their_checkpoints_restore_elsewhere(tmp_path):
+    """Two processes of 4 simulated devices each, started as a Kubernetes indexed Job starts its pods (one
+    environment, the process id from JOB_COMPLETION_INDEX), train the MLP under fsdp=8 and under data=2,tensor=4
+    with user rules; each run's final checkpoint, restored in this one process on another mesh, holds the
+    one-device parameters."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "JAXNN_COORDINATOR": f"127.0.0.1:{port}", "JAXNN_NUM_PROCESSES": "2"}
+    worker = [sys.executable, str(pathlib.Path(__file__).with_name("sharded_mlp.py")), str(tmp_path)]
+    procs = [
+        subprocess.Popen(worker, env={**env, "JOB_COMPLETION_INDEX": str(i)}, stderr=subprocess.PIPE, text=True)
+        for i in range(2)
+    ]
+    errors = [p.communicate(timeout=240)[1] for p in procs]
+    for p, err in zip(procs, errors):
+        assert p.returncode == 0, err[-2000:]
+    one = sharded_mlp.fit_mlp(make_mesh(1)).state.params
+    create = lambda: create_train_state(sharded_mlp.mlp(), sharded_mlp.optimizer(), jax.random.key(0), (16, 16))  # noqa: E731
+    for run, mesh in (("fsdp", make_sharded_mesh("tensor=2,fsdp=4")), ("dxt", make_mesh(1))):
+        like = create_sharded_state(create, mesh, sharded_mlp.RULES)
+        config = json.loads((tmp_path / run / "config.json").read_text())
+        restored, _, step = Checkpointer(tmp_path / run / "ckpt").restore(like, config)
+        assert step == sharded_mlp.STEPS, run
+        for a, b, like_leaf in zip(
+            jax.tree.leaves(restored.params), jax.tree.leaves(one), jax.tree.leaves(like.params)
+        ):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6, err_msg=run)
+            assert a.sharding == like_leaf.sharding

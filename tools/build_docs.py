@@ -56,6 +56,8 @@ MODULES = (
     "jaxnn.generate",
     "jaxnn.mesh",
     "jaxnn.sharding",
+    "jaxnn.shard_rules",
+    "jaxnn.shard_report",
     "jaxnn.parallel",
     "jaxnn.profile",
     "jaxnn.profile.projection",

@@ -128,6 +128,7 @@ def train(
             callbacks=[LearningRateLogger(schedule), *callbacks],
             config={**cfg.trajectory(), **fixed, "model_config": dataclasses.asdict(mcfg)},
             mesh=cfg.mesh,
+            sharding_rules=cfg.sharding_rules,
             init_from=cfg.init_from,
             augment=cfg.augment or None,
             **settings,

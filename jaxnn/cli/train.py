@@ -110,6 +110,13 @@ def add_train_parser(sub: Any) -> None:
         help="shard over a device mesh: data (batch), fsdp (batch and every large parameter and optimizer moment), "
         "tensor (attention heads and MLP width), e.g. data=2,fsdp=4; on a CPU, that many simulated devices",
     )
+    a(
+        "--sharding-rules",
+        default=None,
+        metavar="FILE",
+        help='JSON table of parameter-name patterns -> partition specs, e.g. {"*dense.w": [null, "tensor"]} '
+        "(default: the built-in models' rules; see docs/parallel.md)",
+    )
     add_multiprocess_flags(p)
     add_pipeline_and_output_flags(p)
 
@@ -252,6 +259,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         flip=args.flip,
         seq_len=pick("seq_len", 128),
         mesh=args.mesh,
+        sharding_rules=args.sharding_rules,
         backend=args.backend,
         workers=args.workers,
         schedule=args.schedule,

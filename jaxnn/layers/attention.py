@@ -15,8 +15,10 @@ from jax import lax
 from jax.nn import initializers
 
 from jaxnn import precision
+from jaxnn.activation_sharding import BATCH, HIDDEN, constrain
 from jaxnn.layers.activation import Dropout, Gelu
 from jaxnn.layers.core import (
+    Lambda,
     Layer,
     LayerError,
     check_keywords,
@@ -345,6 +347,11 @@ def _decode(name, q_BTNH, k_BTKH, v_BTKH, cache, positions, rope_base, policy):
 NORMS = ("layer", "rms")
 
 
+# Gelu with the MLP's hidden width pinned to `tensor` where a mesh is set (`jaxnn.activation_sharding`): the Megatron
+# layout between the column- and row-parallel projections, which propagation alone does not always keep.
+HiddenGelu = Lambda(lambda x: constrain(Gelu.apply({}, x), (BATCH, None, HIDDEN)), "gelu")
+
+
 def TransformerBlock(
     num_heads: int,
     *,
@@ -395,7 +402,7 @@ def TransformerBlock(
         mlp = residual(
             Norm(name="ln"),
             Dense(mlp_ratio * width, w_init=w_init, name="fc"),
-            Gelu,
+            HiddenGelu,
             Dense(width, w_init=w_init, name="proj"),
             Dropout(drop_prob),
             name="mlp",
@@ -412,7 +419,7 @@ def TransformerBlock(
     def apply(params, x, **kwargs):
         if x.ndim != 3:
             raise shape_error(name, "of rank 3 (batch, time, features)", x.shape)
-        return build(x.shape[-1]).apply(params, x, **kwargs)
+        return build(x.shape[-1]).apply(params, constrain(x, (BATCH, None, None)), **kwargs)
 
     def init_cache(in_shape, max_len, dtype):
         return init_cache_of(build(in_shape[-1]), in_shape, max_len, dtype)

@@ -1,0 +1,125 @@
+"""The layout report: what each mesh axis splits under a rule table, read from the parameters' shapes alone.
+
+Made before the train state exists (from `jax.eval_shape`), so a rule that cannot apply stops the run before
+anything is compiled or written, and a layout that shards nothing is said before the first step: a `tensor` or
+`fsdp` axis that splits no parameter, and a rule that matches no parameter, are `ShardingWarning`s naming the axis
+or the pattern and the rule set.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from jaxnn.pytree import flatten
+from jaxnn.shard_rules import FSDP, TENSOR, ShardingRules
+
+log = logging.getLogger(__name__)
+
+PARAMETER_AXES = (FSDP, TENSOR)  # the axes whose whole purpose is to split parameters
+LARGEST_SHOWN = 3
+
+
+class ShardingWarning(UserWarning):
+    """A layout that leaves a mesh axis idle, or a rule that matches no parameter."""
+
+
+@dataclass(frozen=True)
+class AxisReport:
+    """What one mesh axis splits: parameter bytes per device counting only this axis, the parameters it splits,
+    and the largest it leaves whole as (name, shape, bytes)."""
+
+    axis: str
+    size: int
+    bytes_per_device: int
+    split: tuple[str, ...]
+    largest_unsplit: tuple[tuple[str, tuple[int, ...], int], ...]
+
+
+@dataclass(frozen=True)
+class LayoutReport:
+    """The parameters' layout on a mesh: total bytes, bytes on each device, one `AxisReport` per axis of size > 1,
+    the rules that matched nothing and the warnings the layout deserves."""
+
+    rules: str
+    total_bytes: int
+    bytes_per_device: int
+    axes: tuple[AxisReport, ...]
+    unused_rules: tuple[str, ...]
+    warnings: tuple[str, ...] = field(default=())
+
+    def lines(self) -> list[str]:
+        """The report as log lines."""
+        out = [f"layout ({self.rules}): parameters {self.total_bytes:,} bytes, {self.bytes_per_device:,} per device"]
+        for a in self.axes:
+            unsplit = ", ".join(f"{n} {list(s)} {b:,} B" for n, s, b in a.largest_unsplit) or "none"
+            out.append(
+                f"  {a.axis}={a.size}: {a.bytes_per_device:,} bytes per device, splits {len(a.split)} parameters; "
+                f"largest left whole: {unsplit}"
+            )
+        return out
+
+
+def layout_report(params: Any, sizes: Mapping[str, int], rules: ShardingRules) -> LayoutReport:
+    """The report for a parameter tree (arrays or `jax.ShapeDtypeStruct`s) on a mesh of axis `sizes`; raises the
+    rules' ValueError when one cannot apply."""
+    shapes = {name: (tuple(x.shape), int(np.dtype(x.dtype).itemsize)) for name, x in flatten(params).items()}
+    specs = {name: rules.spec(name, shape, sizes) for name, (shape, _) in shapes.items()}
+    nbytes = {name: math.prod(shape) * item for name, (shape, item) in shapes.items()}
+    axes_of = {
+        name: {a for d in spec if d for a in ((d,) if isinstance(d, str) else d)} for name, spec in specs.items()
+    }
+
+    def held(axes: set[str], name: str) -> int:
+        return nbytes[name] // math.prod(sizes[a] for a in axes_of[name] & axes)
+
+    reports, notes = [], []
+    for axis, size in sizes.items():
+        if size == 1:
+            continue
+        split = tuple(n for n in specs if axis in axes_of[n])
+        whole = sorted((n for n in specs if axis not in axes_of[n]), key=lambda n: -nbytes[n])[:LARGEST_SHOWN]
+        reports.append(
+            AxisReport(
+                axis,
+                size,
+                sum(held({axis}, n) for n in specs),
+                split,
+                tuple((n, shapes[n][0], nbytes[n]) for n in whole),
+            )
+        )
+        if axis in PARAMETER_AXES and not split:
+            notes.append(
+                f"mesh axis {axis!r} ({size} devices) splits no parameter under {rules.name}: every device holds "
+                f"them whole; give sharding rules that name {axis!r} (docs/parallel.md)"
+            )
+    unused = tuple(r.pattern for r in rules.rules if not any(r.regex.fullmatch(n) for n in specs))
+    if rules.warn_unused:
+        notes += [f"sharding rule {p!r} ({rules.name}) matches no parameter" for p in unused]
+    return LayoutReport(
+        rules.name,
+        sum(nbytes.values()),
+        sum(held(set(sizes), n) for n in specs),
+        tuple(reports),
+        unused,
+        tuple(notes),
+    )
+
+
+def announce(report: LayoutReport) -> None:
+    """Logs the report and issues its warnings as `ShardingWarning`s."""
+    for line in report.lines():
+        log.info("%s", line)
+    for note in report.warnings:
+        warnings.warn(note, ShardingWarning, stacklevel=3)
+
+
+def params_of(state: Any) -> Any:
+    """The parameter tree of a `TrainState` (its `params`), or the tree itself."""
+    return getattr(state, "params", state)
