@@ -173,7 +173,7 @@ def generate_batch(
     """
     rows = _check_rows(prompts)
     limits = _per_row("max_new_tokens", max_new_tokens, len(rows), lambda v: _is_int(v) and v >= 1)
-    stops = _per_row("stop_tokens", stop_tokens, len(rows), lambda v: v is None or _is_int(v), none_ok=True)
+    stops = _per_row("stop_tokens", stop_tokens, len(rows), lambda v: v is None or _is_int(v))
     if not _is_int(pad_id):
         raise ValueError(f"generate_batch: pad_id must be an integer token id, got {pad_id!r}")
     decoder = _Decoder.build(model, params, model_state, policy, use_cache, key, temperature, top_k, top_p)
@@ -253,10 +253,10 @@ def _check_rows(prompts: Any) -> list[np.ndarray]:
     return rows
 
 
-def _per_row(name: str, value: Any, batch: int, ok: Any, none_ok: bool = False) -> list[Any]:
+def _per_row(name: str, value: Any, batch: int, ok: Any) -> list[Any]:
     """One setting per row, from one value for all rows or a sequence of `batch` values, each checked by `ok`."""
-    values = [value] * batch if (value is None and none_ok) or not isinstance(value, (Sequence, np.ndarray)) else value
-    values = list(values)
+    one = value is None or isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray))
+    values = [value] * batch if one else list(value)
     if len(values) != batch:
         raise ValueError(f"generate_batch: {name} has {len(values)} values for {batch} prompts")
     bad = [v for v in values if not ok(v)]
@@ -349,6 +349,12 @@ class _Decoder(NamedTuple):
         first, cache = prefill(m, s, p, width + slots, self.params, self.state, ids_j, mask_j, self.key)
         out, counts, _ = _decode_loop(m, s, p, slots, self.params, self.state, cache, first, *rows, pad_j, self.key)
         return out, counts
+
+
+def compiled_programs() -> int:
+    """How many decoding programs this process has compiled (prefill, decode loop, uncached reference): a new
+    prompt length or maximum in a bucket already seen adds none."""
+    return sum(f._cache_size() for f in (prefill, _decode_loop, _decode_uncached))
 
 
 def positions_of(mask_BT: jax.Array) -> jax.Array:
