@@ -354,7 +354,7 @@ class _Decoder(NamedTuple):
 def compiled_programs() -> int:
     """How many decoding programs this process has compiled (prefill, decode loop, uncached reference): a new
     prompt length or maximum in a bucket already seen adds none."""
-    return sum(f._cache_size() for f in (prefill, _decode_loop, _decode_uncached))
+    return sum(f._cache_size() for f in (prefill, _decode_loop, _decode_uncached))  # type: ignore[attr-defined]
 
 
 def positions_of(mask_BT: jax.Array) -> jax.Array:
