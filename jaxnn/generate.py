@@ -110,9 +110,19 @@ def _check_prompt(prompt: Any, max_new_tokens: int) -> np.ndarray:
 
 
 def _vocabulary(model: Layer, params: Params, state: State, policy: Policy) -> int:
-    """The width of the model's logits, found by tracing one position."""
+    """The width of the model's logits, found by tracing one position; remembered per model and parameter shapes,
+    because tracing a model costs more than decoding a short reply."""
+    leaves, treedef = jax.tree.flatten((params, state))
+    return _traced_vocabulary(model, policy, treedef, tuple((np.shape(a), jnp.result_type(a)) for a in leaves))
+
+
+@functools.lru_cache(maxsize=64)
+def _traced_vocabulary(model: Layer, policy: Policy, treedef: Any, specs: tuple) -> int:
+    params, state = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in specs])
     one = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    logits = jax.eval_shape(lambda p, x: run(model, p, x, state=state, train=False, policy=policy)[0], params, one)
+    logits = jax.eval_shape(
+        lambda p, s, x: run(model, p, x, state=s, train=False, policy=policy)[0], params, state, one
+    )
     return int(logits.shape[-1])
 
 
@@ -271,6 +281,16 @@ def _bucket(n: int) -> int:
     return max(MIN_BUCKET, 1 << (n - 1).bit_length())
 
 
+@functools.lru_cache(maxsize=256)
+def _bucketed_sizes(model: Layer, dtype: Any, batch: int, T: int, n: int) -> tuple[int, int]:
+    """Buckets for the prompt width and the new-token slots, or the exact sizes where a cache that long is refused
+    (a learned position table shorter than the buckets)."""
+    for width, slots in ((_bucket(T), _bucket(n)), (T, _bucket(n)), (_bucket(T), n)):
+        if _cache_fits(model, batch, width, width + slots, dtype):
+            return width, slots
+    return T, n  # init_cache refuses this one too, naming the table it overruns
+
+
 def _cache_fits(model: Layer, batch: int, length: int, cache_len: int, dtype: Any) -> bool:
     """Whether the model builds a cache of `cache_len` positions (a learned position table may be shorter)."""
     try:
@@ -331,11 +351,7 @@ class _Decoder(NamedTuple):
         """The compiled prompt width and number of new-token slots: buckets where the model allows them."""
         if not (self.use_cache and self.pads()):
             return T, n
-        dtype = self.policy.compute_dtype
-        for width, slots in ((_bucket(T), _bucket(n)), (T, _bucket(n)), (_bucket(T), n)):
-            if _cache_fits(self.model, batch, width, width + slots, dtype):
-                return width, slots
-        return T, n  # init_cache refuses this one too, naming the table it overruns
+        return _bucketed_sizes(self.model, self.policy.compute_dtype, batch, T, n)
 
     def __call__(self, ids, mask, lengths, limits, stops, pad_id):
         """The new tokens (B, slots) and their counts (B,), as device arrays."""
