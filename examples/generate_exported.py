@@ -4,6 +4,8 @@ jax and safetensors only: jaxnn is not imported.
     python examples/generate_exported.py EXPORT_DIR "first prompt" "another" [--new-tokens 40] [--stop '\n']
         [--json out.json]
 
+    python examples/generate_exported.py --smoke   # makes a tiny random-weight export with jaxnn first
+
 The prompts are byte strings for a byte-level model (vocabulary 256). They are left-padded to the export's prompt
 length and decoded as one batch: the prefill program fills the cache, then the step program is called once per
 new token, each row at its own position. A row ends at its stop byte or after --new-tokens.
@@ -52,14 +54,29 @@ def generate(export_dir: pathlib.Path, prompts: list[bytes], new_tokens: int, st
     return [bytes(row[:n].astype(np.uint8)) for row, n in zip(out, lengths)]
 
 
+def smoke_export(out: pathlib.Path) -> pathlib.Path:
+    """A tiny GPT's decoding export, random weights: the only place this script uses jaxnn."""
+    from jaxnn.decoding_export import write_decoding_export
+    from jaxnn.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(seq_len=32, d_model=32, num_layers=1, num_heads=2))
+    _, params = model.init(jax.random.key(0), (1, 8))
+    return write_decoding_export(out, model, params, prompt_len=8, cache_len=32)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("export_dir", type=pathlib.Path)
-    parser.add_argument("prompts", nargs="+")
+    parser.add_argument("export_dir", type=pathlib.Path, nargs="?")
+    parser.add_argument("prompts", nargs="*")
+    parser.add_argument("--smoke", action="store_true", help="export a tiny random GPT to ./smoke-export first")
     parser.add_argument("--new-tokens", type=int, default=40)
     parser.add_argument("--stop", default=None, help="one byte that ends a row (included in its output)")
     parser.add_argument("--json", type=pathlib.Path, default=None, help="also write the new tokens per row here")
     args = parser.parse_args()
+    if args.smoke:
+        args.export_dir, args.prompts = smoke_export(pathlib.Path("smoke-export")), ["def ", "x"]
+    if args.export_dir is None or not args.prompts:
+        parser.error("give an export directory and at least one prompt (or --smoke)")
     stop = None if args.stop is None else args.stop.encode().decode("unicode_escape").encode("latin-1")[0]
     texts = generate(args.export_dir, [p.encode() for p in args.prompts], args.new_tokens, stop)
     for prompt, text in zip(args.prompts, texts):

@@ -53,6 +53,7 @@ MODULES = (
     "jaxnn.finetune",
     "jaxnn.export",
     "jaxnn.generate",
+    "jaxnn.decoding_export",
     "jaxnn.mesh",
     "jaxnn.sharding",
     "jaxnn.parallel",

@@ -246,8 +246,9 @@ def MultiHeadAttention(
       positions <= t only. `rope=True` rotates queries and keys by their positions (`positions` side input, default
       0..T-1; `rotary_embedding`).
     - Params: `qkv` (one fused Dense) for self-attention with num_kv_heads == num_heads, else `q` and `kv`; `out`.
-    - Causal self-attention decodes with a cache (`init_cache`): keys and values of every position seen so far.
-      Decoding past the cache's length is refused in eager calls and gives NaN outputs under jit.
+    - Causal self-attention decodes with a cache (`init_cache`): keys, values and padding mask of every position
+      seen so far (a left-padded batch decodes with `mask` and `positions` given per call). Decoding past the
+      cache's length is refused in eager calls and gives NaN outputs under jit.
     `implementation`: "auto" uses cuDNN's fused kernel for bf16/fp16 when the computation is lowered for CUDA and
     jax can trace cuDNN attention here (a CUDA jax with cuDNN, and shapes the kernel takes), the f32-accumulating
     path for half precision and float64 otherwise, and jax's XLA path for float32; "xla", "cudnn" and "f32acc" force
