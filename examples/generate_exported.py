@@ -59,9 +59,9 @@ def smoke_export(out: pathlib.Path) -> pathlib.Path:
     from jaxnn.decoding_export import write_decoding_export
     from jaxnn.models import GPT, GPTConfig
 
-    model = GPT(GPTConfig(seq_len=32, d_model=32, num_layers=1, num_heads=2))
+    model = GPT(GPTConfig(seq_len=48, d_model=32, num_layers=1, num_heads=2))
     _, params = model.init(jax.random.key(0), (1, 8))
-    return write_decoding_export(out, model, params, prompt_len=8, cache_len=32)
+    return write_decoding_export(out, model, params, prompt_len=8, cache_len=48)  # room for 40 new tokens
 
 
 def main() -> None:
