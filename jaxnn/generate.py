@@ -361,6 +361,10 @@ class _Decoder(NamedTuple):
         rows = (jnp.asarray(lengths, jnp.int32), jnp.asarray(limits, jnp.int32), jnp.asarray(stops, jnp.int32))
         ids_j, mask_j, pad_j = jnp.asarray(ids, jnp.int32), jnp.asarray(mask), jnp.int32(pad_id)
         if not self.use_cache:
+            # Traced once without positions, so that a sequence longer than a learned position table is refused
+            # by the table itself: with explicit positions it would read past its end (NaN rows) under jit.
+            whole = jax.ShapeDtypeStruct((1, width + slots), jnp.int32)
+            jax.eval_shape(lambda prm, x: run(m, prm, x, state=self.state, policy=p)[0], self.params, whole)
             return _decode_uncached(m, s, p, slots, self.params, self.state, ids_j, mask_j, *rows[1:], pad_j, self.key)
         first, cache = prefill(m, s, p, width + slots, self.params, self.state, ids_j, mask_j, self.key)
         out, counts, _ = _decode_loop(m, s, p, slots, self.params, self.state, cache, first, *rows, pad_j, self.key)

@@ -101,6 +101,12 @@ def test_bad_batches_are_refused_naming_the_row_or_setting(gpt):
             generate_batch(model, params, args.pop("prompts"), args.pop("max_new_tokens"), **args)
     with pytest.raises(TypeError, match=r"^generate_batch: prompt 1 is bytes, not token ids"):
         generate_batch(model, params, [[1], b"hi"], 3)
+    # Without the cache, a ragged batch past the 16-row position table is refused by the table, not read as NaN.
+    with pytest.raises(
+        ValueError,
+        match=r"^gpt/1_pos_embed: expected input of rank 3 \(batch, time <= 16, features\), got shape \(1, 17, 16\)",
+    ):
+        generate_batch(model, params, ragged, 14, use_cache=False)
     plain = L.serial(L.Embedding(5, 4), L.Dense(5))
     with pytest.raises(ValueError, match=r"^generate_batch: prompts of different lengths need a model taking the mask"):
         generate_batch(plain, plain.init(jax.random.key(0), (1, 2))[1], [[1, 2], [3]], 2, use_cache=False)
