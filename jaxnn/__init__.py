@@ -32,6 +32,7 @@ SUBMODULES = (
     "compile_cache",
     "config",
     "data",
+    "decoding_export",
     "evaluation",
     "export",
     "finetune",

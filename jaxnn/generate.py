@@ -1,14 +1,19 @@
-"""Autoregressive generation for causal models built from jaxnn layers: a KV cache, greedy and sampled decoding.
+"""Autoregressive generation for causal models built from jaxnn layers: a KV cache, greedy and sampled decoding,
+batches of prompts of different lengths, stop tokens.
 
-`generate` runs the prompt through the model once (prefill, filling every attention layer's cache), then one
-position per step inside `lax.scan`, each step attending to the cached keys and values instead of recomputing the
-whole context; the whole loop is one compiled program. `use_cache=False` is the simple reference: one full
-forward pass over the (fixed-size) sequence per new token. Greedy decoding gives the same tokens both ways.
+`generate_batch` left-pads the prompts to a common length, runs them through the model once (prefill, filling
+every attention layer's cache; the padding mask and each row's own positions travel as side inputs), then decodes
+one position per step inside one compiled `lax.while_loop` that ends when every row has met its stop token or
+its own maximum, the cache donated to it. Prompt and output lengths are rounded up to buckets (powers of two, at
+least 8), so a new prompt length reuses the program of its bucket: one compile per (batch, bucket).
+`use_cache=False` is the simple reference: one full forward pass over the sequence per new token. Greedy decoding
+gives the same tokens both ways. `generate` is the rectangular call (prompt plus continuation).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -17,8 +22,10 @@ import numpy as np
 from jax import lax
 
 from jaxnn.config import check_seed
-from jaxnn.layers.core import Layer, Params, PRNGKey, State, run, run_cached
+from jaxnn.layers.core import Layer, LayerError, Params, PRNGKey, State, run, run_cached
 from jaxnn.precision import Policy, get_policy
+
+MIN_BUCKET = 8
 
 
 class Sampler(NamedTuple):
@@ -87,7 +94,9 @@ def _check_prompt(prompt: Any, max_new_tokens: int) -> np.ndarray:
     try:
         ids = np.asarray(prompt)
     except ValueError:  # numpy refuses rows of different lengths
-        raise ValueError("generate: prompt rows must all have the same length") from None
+        raise ValueError(
+            "generate: prompt rows must all have the same length; generate_batch takes prompts of different lengths"
+        ) from None
     if ids.ndim == 1:
         ids = ids[None]
     if ids.ndim != 2 or ids.shape[1] < 1 or not np.issubdtype(ids.dtype, np.integer):
@@ -100,19 +109,33 @@ def _check_prompt(prompt: Any, max_new_tokens: int) -> np.ndarray:
     return ids
 
 
-def _check_vocabulary(model: Layer, params: Params, state: State, ids: np.ndarray, policy: Policy) -> None:
+def _vocabulary(model: Layer, params: Params, state: State, policy: Policy) -> int:
+    """The width of the model's logits, found by tracing one position; remembered per model and parameter shapes,
+    because tracing a model costs more than decoding a short reply."""
+    leaves, treedef = jax.tree.flatten((params, state))
+    return _traced_vocabulary(model, policy, treedef, tuple((np.shape(a), jnp.result_type(a)) for a in leaves))
+
+
+@functools.lru_cache(maxsize=64)
+def _traced_vocabulary(model: Layer, policy: Policy, treedef: Any, specs: tuple) -> int:
+    params, state = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in specs])
+    one = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    logits = jax.eval_shape(
+        lambda p, s, x: run(model, p, x, state=s, train=False, policy=policy)[0], params, state, one
+    )
+    return int(logits.shape[-1])
+
+
+def _check_ids(rows: Sequence[np.ndarray], vocab: int) -> None:
     """Refuses ids outside [0, vocab): under jit an embedding turns them into NaN rows and greedy decoding into
-    token 0, silently. The vocabulary is the width of the model's logits, found by tracing one position."""
-    one = jax.ShapeDtypeStruct((ids.shape[0], 1), jnp.int32)
-    logits = jax.eval_shape(lambda p, x: run(model, p, x, state=state, train=False, policy=policy)[0], params, one)
-    vocab = logits.shape[-1]
-    bad = (ids < 0) | (ids >= vocab)
-    if bad.any():
-        where = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(
-            f"generate: prompt token ids must be in [0, {vocab}) (the model's vocabulary), got {ids[where]} at "
-            f"index {where}"
-        )
+    token 0, silently."""
+    for i, row in enumerate(rows):
+        bad = np.flatnonzero((row < 0) | (row >= vocab))
+        if bad.size:
+            raise ValueError(
+                f"generate: prompt token ids must be in [0, {vocab}) (the model's vocabulary), got {row[bad[0]]} at "
+                f"index {(i, int(bad[0]))}"
+            )
 
 
 def _as_key(key: PRNGKey | int | None) -> PRNGKey:
@@ -123,6 +146,57 @@ def _as_key(key: PRNGKey | int | None) -> PRNGKey:
         check_seed("generate", key)
         return jax.random.key(int(key))
     return key
+
+
+class Generation(NamedTuple):
+    """What `generate_batch` returns, on the host: row i's new tokens are `tokens[i, :lengths[i]]` (its stop token
+    included when it met one), then `pad_id` up to the longest row's maximum."""
+
+    tokens: np.ndarray  # (B, N) int32, N = the largest max_new_tokens
+    lengths: np.ndarray  # (B,) int32
+
+
+def generate_batch(
+    model: Layer,
+    params: Params,
+    prompts: Any,
+    max_new_tokens: int | Sequence[int],
+    *,
+    stop_tokens: int | Sequence[int | None] | None = None,
+    pad_id: int = 0,
+    key: PRNGKey | int | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    model_state: State = None,
+    policy: Policy | str = "fp32",
+    use_cache: bool = True,
+) -> Generation:
+    """Continues each of `prompts` (rows of token ids, of any lengths >= 1; or a (B, T) array) until it produces
+    its stop token or its maximum of new tokens.
+
+    `max_new_tokens`: one maximum for every row, or one per row. `stop_tokens`: None (no stop), one id for every
+    row, or one per row (None: that row has none). Prompts are left-padded with `pad_id` (masked out: it never
+    changes a row's tokens), so the model must take the `mask` and `positions` side inputs (the built-in GPT does)
+    unless the prompts are of one length. Sampling settings, `key`, `policy` and `use_cache` are those of
+    `generate`; the j-th new token of every row uses `fold_in(key, j)`.
+    """
+    rows = _check_rows(prompts)
+    limits = _per_row("max_new_tokens", max_new_tokens, len(rows), lambda v: _is_int(v) and v >= 1)
+    stops = _per_row("stop_tokens", stop_tokens, len(rows), lambda v: v is None or _is_int(v))
+    if not _is_int(pad_id):
+        raise ValueError(f"generate_batch: pad_id must be an integer token id, got {pad_id!r}")
+    decoder = _Decoder.build(model, params, model_state, policy, use_cache, key, temperature, top_k, top_p)
+    vocab = _vocabulary(model, decoder.params, model_state, decoder.policy)
+    for name, value in [("pad_id", pad_id)] + [(f"stop_tokens[{i}]", t) for i, t in enumerate(stops) if t is not None]:
+        if not 0 <= value < vocab:
+            raise ValueError(f"generate_batch: {name} {value} is outside the model's vocabulary [0, {vocab})")
+    _check_ids(rows, vocab)
+    ids, mask, lengths = decoder.pad(rows, pad_id, max(limits))
+    stop_ids = np.array([-1 if t is None else t for t in stops])
+    tokens, counts = decoder(ids, mask, lengths, np.array(limits), stop_ids, pad_id)
+    n = max(limits)
+    return Generation(np.asarray(tokens)[:, :n].astype(np.int32), np.asarray(counts).astype(np.int32))
 
 
 def generate(
@@ -147,55 +221,249 @@ def generate(
     `top_p`; the j-th new token uses `fold_in(key, j)`, so the cached and uncached paths sample the same tokens
     from the same logits. Token ids outside the model's vocabulary (its logits' width) are refused.
     `use_cache=False` recomputes the whole sequence per token (the reference; also for models without a cache).
+    Prompts of different lengths, stop tokens and per-row maxima: `generate_batch`.
     """
     ids = _check_prompt(prompt, max_new_tokens)
-    sampler = Sampler(temperature, top_k, top_p)
-    sampler.check()
-    # Plain floats: the sampler is a static argument of the compiled decoder, so it must hash and compare by value.
-    sampler = sampler._replace(temperature=float(temperature), top_p=None if top_p is None else float(top_p))
-    if sampler.temperature > 0 and key is None:
-        raise ValueError("generate: sampling (temperature > 0) needs key=jax.random.key(...) or an integer seed")
-    if use_cache and model.init_cache is None:
-        raise ValueError(
-            f"generate: model {model.name!r} has no decoding cache (no causal attention layer); pass use_cache=False"
+    decoder = _Decoder.build(model, params, model_state, policy, use_cache, key, temperature, top_k, top_p)
+    _check_ids(list(ids), _vocabulary(model, decoder.params, model_state, decoder.policy))
+    B, T = ids.shape
+    padded, mask, lengths = decoder.pad(list(ids), 0, max_new_tokens)
+    limits = np.full(B, max_new_tokens)
+    tokens, _ = decoder(padded, mask, lengths, limits, np.full(B, -1), 0)
+    return jnp.concatenate([jnp.asarray(ids, jnp.int32), jnp.asarray(tokens)[:, :max_new_tokens]], axis=1)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _check_rows(prompts: Any) -> list[np.ndarray]:
+    """The prompts as a list of 1-D integer arrays of length >= 1, checked on the host."""
+    if isinstance(prompts, (str, bytes, bytearray)):
+        raise TypeError(
+            f"generate_batch: prompts must be rows of integer token ids, got {type(prompts).__name__} "
+            f"{prompts[:20]!r}; use generate_bytes for text"
         )
-    key = _as_key(key)
-    policy = get_policy(policy)
-    params = policy.cast_to_compute(params)
-    _check_vocabulary(model, params, model_state, ids, policy)
-    decode = _decode_cached if use_cache else _decode_uncached
-    return decode(model, sampler, policy, max_new_tokens, params, model_state, jnp.asarray(ids, jnp.int32), key)
+    if isinstance(prompts, (np.ndarray, jax.Array)):
+        prompts = np.asarray(prompts)
+        prompts = list(prompts[None] if prompts.ndim == 1 else prompts) if prompts.ndim in (1, 2) else [prompts]
+    rows = []
+    for i, row in enumerate(prompts):
+        if isinstance(row, (str, bytes, bytearray)):
+            raise TypeError(f"generate_batch: prompt {i} is {type(row).__name__}, not token ids; use list(...) of it")
+        ids = np.asarray(row)
+        if ids.ndim != 1 or ids.size < 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(
+                f"generate_batch: prompt {i} must be integer token ids of length >= 1, got {ids.dtype} "
+                f"{tuple(ids.shape)}"
+            )
+        rows.append(ids)
+    if not rows:
+        raise ValueError("generate_batch: prompts is empty; give at least one row of token ids")
+    return rows
+
+
+def _per_row(name: str, value: Any, batch: int, ok: Any) -> list[Any]:
+    """One setting per row, from one value for all rows or a sequence of `batch` values, each checked by `ok`."""
+    one = value is None or isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray))
+    values = [value] * batch if one else list(value)
+    if len(values) != batch:
+        raise ValueError(f"generate_batch: {name} has {len(values)} values for {batch} prompts")
+    bad = [v for v in values if not ok(v)]
+    if bad:
+        what = "a positive integer" if name == "max_new_tokens" else "an integer token id or None"
+        raise ValueError(f"generate_batch: each of {name} must be {what}, got {bad[0]!r}")
+    return [None if v is None else int(v) for v in values]
+
+
+def _bucket(n: int) -> int:
+    """The padded size of n positions: the next power of two, at least MIN_BUCKET."""
+    return max(MIN_BUCKET, 1 << (n - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=256)
+def _bucketed_sizes(model: Layer, dtype: Any, batch: int, T: int, n: int) -> tuple[int, int]:
+    """Buckets for the prompt width and the new-token slots, or the exact sizes where a cache that long is refused
+    (a learned position table shorter than the buckets)."""
+    for width, slots in ((_bucket(T), _bucket(n)), (T, _bucket(n)), (_bucket(T), n)):
+        if _cache_fits(model, batch, width, width + slots, dtype):
+            return width, slots
+    return T, n  # init_cache refuses this one too, naming the table it overruns
+
+
+def _cache_fits(model: Layer, batch: int, length: int, cache_len: int, dtype: Any) -> bool:
+    """Whether the model builds a cache of `cache_len` positions (a learned position table may be shorter)."""
+    try:
+        jax.eval_shape(lambda: model.init_cache((batch, length), cache_len, dtype))  # type: ignore[misc]
+    except LayerError:
+        return False
+    return True
+
+
+class _Decoder(NamedTuple):
+    """The checked settings of one generation call, and the compiled programs it runs."""
+
+    model: Layer
+    params: Params
+    state: State
+    policy: Policy
+    sampler: Sampler
+    key: PRNGKey
+    use_cache: bool
+
+    @classmethod
+    def build(cls, model, params, state, policy, use_cache, key, temperature, top_k, top_p) -> _Decoder:
+        sampler = Sampler(temperature, top_k, top_p)
+        sampler.check()
+        # Plain floats: the sampler is a static argument of the compiled decoder: it must hash and compare by value.
+        sampler = sampler._replace(temperature=float(temperature), top_p=None if top_p is None else float(top_p))
+        if sampler.temperature > 0 and key is None:
+            raise ValueError("generate: sampling (temperature > 0) needs key=jax.random.key(...) or an integer seed")
+        if use_cache and model.init_cache is None:
+            raise ValueError(
+                f"generate: model {model.name!r} has no decoding cache (no causal attention layer); "
+                "pass use_cache=False"
+            )
+        policy = get_policy(policy)
+        return cls(model, policy.cast_to_compute(params), state, policy, sampler, _as_key(key), use_cache)
+
+    def pads(self) -> bool:
+        """Whether the model can be given left-padded prompts: it takes a padding mask and explicit positions."""
+        return {"mask", "positions"} <= self.model.side_inputs
+
+    def pad(self, rows: list[np.ndarray], pad_id: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The rows left-padded to the prompt bucket: ids (B, T), mask (B, T) and the real lengths (B,)."""
+        lengths = np.array([len(r) for r in rows])
+        T = int(lengths.max())
+        if (lengths != T).any() and not self.pads():
+            raise ValueError(
+                f"generate_batch: prompts of different lengths need a model taking the mask and positions side "
+                f"inputs; {self.model.name!r} takes {sorted(self.model.side_inputs) or 'none'}"
+            )
+        width = self.sizes(len(rows), T, n)[0]
+        ids = np.full((len(rows), width), pad_id, np.int64)
+        mask = np.zeros((len(rows), width), bool)
+        for i, row in enumerate(rows):
+            ids[i, width - len(row) :], mask[i, width - len(row) :] = row, True
+        return ids, mask, lengths
+
+    def sizes(self, batch: int, T: int, n: int) -> tuple[int, int]:
+        """The compiled prompt width and number of new-token slots: buckets where the model allows them."""
+        if not (self.use_cache and self.pads()):
+            return T, n
+        return _bucketed_sizes(self.model, self.policy.compute_dtype, batch, T, n)
+
+    def __call__(self, ids, mask, lengths, limits, stops, pad_id):
+        """The new tokens (B, slots) and their counts (B,), as device arrays."""
+        n = int(limits.max())
+        width, slots = self.sizes(ids.shape[0], int(lengths.max()), n)
+        m, s, p = self.model, self.sampler, self.policy
+        rows = (jnp.asarray(lengths, jnp.int32), jnp.asarray(limits, jnp.int32), jnp.asarray(stops, jnp.int32))
+        ids_j, mask_j, pad_j = jnp.asarray(ids, jnp.int32), jnp.asarray(mask), jnp.int32(pad_id)
+        if not self.use_cache:
+            # Traced once without positions, so that a sequence longer than a learned position table is refused
+            # by the table itself: with explicit positions it would read past its end (NaN rows) under jit.
+            whole = jax.ShapeDtypeStruct((1, width + slots), jnp.int32)
+            jax.eval_shape(lambda prm, x: run(m, prm, x, state=self.state, policy=p)[0], self.params, whole)
+            return _decode_uncached(m, s, p, slots, self.params, self.state, ids_j, mask_j, *rows[1:], pad_j, self.key)
+        first, cache = prefill(m, s, p, width + slots, self.params, self.state, ids_j, mask_j, self.key)
+        out, counts, _ = _decode_loop(m, s, p, slots, self.params, self.state, cache, first, *rows, pad_j, self.key)
+        return out, counts
+
+
+def compiled_programs() -> int:
+    """How many decoding programs this process has compiled (prefill, decode loop, uncached reference): a new
+    prompt length or maximum in a bucket already seen adds none."""
+    return sum(f._cache_size() for f in (prefill, _decode_loop, _decode_uncached))  # type: ignore[attr-defined]
+
+
+def positions_of(mask_BT: jax.Array) -> jax.Array:
+    """Each slot's position in its own row of a left-padded batch: 0 at the first real token (0 on padding)."""
+    return jnp.maximum(jnp.cumsum(mask_BT, axis=1, dtype=jnp.int32) - 1, 0)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _decode_cached(model, sampler, policy, n, params, state, prompt_BT, key):
-    B, T = prompt_BT.shape
-    cache = model.init_cache((B, T), T + n, policy.compute_dtype)
-    logits_BTV, cache = run_cached(model, params, prompt_BT, cache, state=state, policy=policy)
-    first_B = sampler(logits_BTV[:, -1], jax.random.fold_in(key, 0))
+def prefill(model, sampler, policy, cache_len, params, state, ids_BT, mask_BT, key):
+    """The first new token of each left-padded row (sampled with `fold_in(key, 0)`) and the filled cache."""
+    B, T = ids_BT.shape
+    cache = model.init_cache((B, T), cache_len, policy.compute_dtype)
+    side = {"mask": mask_BT, "positions": positions_of(mask_BT)}
+    logits_BTV, cache = run_cached(model, params, ids_BT, cache, state=state, policy=policy, **side)
+    return sampler(logits_BTV[:, -1], jax.random.fold_in(key, 0)), cache
 
-    def step(carry, j):
-        token_B, cache = carry
-        logits_B1V, cache = run_cached(model, params, token_B[:, None], cache, state=state, policy=policy)
-        return (sampler(logits_B1V[:, -1], jax.random.fold_in(key, j)), cache), token_B
 
-    (last_B, _), tokens_NB = lax.scan(step, (first_B, cache), jnp.arange(1, n))
-    return jnp.concatenate([prompt_BT, tokens_NB.T, last_B[:, None]], axis=1)
+def decode_step(model, params, state, policy, token_B, position_B, cache):
+    """One new position per row against the cache: the next-token logits (B, vocab) and the updated cache."""
+    side = {"mask": jnp.ones((token_B.shape[0], 1), bool), "positions": position_B[:, None]}
+    logits_B1V, cache = run_cached(model, params, token_B[:, None], cache, state=state, policy=policy, **side)
+    return logits_B1V[:, -1], cache
+
+
+class _Rows(NamedTuple):
+    """The decode loop's per-row bookkeeping: the new tokens so far, their counts, and which rows are finished."""
+
+    out_BN: jax.Array
+    count_B: jax.Array
+    done_B: jax.Array
+
+    @classmethod
+    def start(cls, batch: int, slots: int, pad: jax.Array) -> _Rows:
+        zeros = jnp.zeros((batch,), jnp.int32)
+        return cls(jnp.full((batch, slots), pad, jnp.int32), zeros, zeros.astype(bool))
+
+    def record(self, token_B, j, limit_B, stop_B, pad) -> _Rows:
+        """Writes new token j of the unfinished rows; a row finishes on its stop token or at its limit."""
+        live_B = ~self.done_B
+        column = jnp.where(live_B, token_B, pad)[:, None]
+        out_BN = lax.dynamic_update_slice_in_dim(self.out_BN, column, j, axis=1)
+        count_B = self.count_B + live_B.astype(jnp.int32)
+        done_B = self.done_B | (live_B & (token_B == stop_B)) | (count_B >= limit_B)
+        return _Rows(out_BN, count_B, done_B)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(6,))
+def _decode_loop(model, sampler, policy, slots, params, state, cache, first_B, length_B, limit_B, stop_B, pad, key):
+    rows = _Rows.start(first_B.shape[0], slots, pad).record(first_B, 0, limit_B, stop_B, pad)
+
+    def unfinished(carry):
+        j, _, _, rows = carry
+        return (j < slots) & ~jnp.all(rows.done_B)
+
+    def step(carry):
+        j, token_B, cache, rows = carry
+        logits_BV, cache = decode_step(model, params, state, policy, token_B, length_B + j - 1, cache)
+        token_B = sampler(logits_BV, jax.random.fold_in(key, j))
+        return j + 1, token_B, cache, rows.record(token_B, j, limit_B, stop_B, pad)
+
+    _, _, cache, rows = lax.while_loop(unfinished, step, (jnp.int32(1), first_B, cache, rows))
+    return rows.out_BN, rows.count_B, cache  # the cache returned, so that its donated buffers can be reused
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _decode_uncached(model, sampler, policy, n, params, state, prompt_BT, key):
-    B, T = prompt_BT.shape
-    tokens = jnp.zeros((B, T + n), jnp.int32).at[:, :T].set(prompt_BT)
+def _decode_uncached(model, sampler, policy, slots, params, state, ids_BT, mask_BT, limit_B, stop_B, pad, key):
+    B, T = ids_BT.shape
+    tokens_BS = jnp.concatenate([ids_BT, jnp.zeros((B, slots), jnp.int32)], axis=1)
+    mask_BS = jnp.concatenate([mask_BT, jnp.ones((B, slots), bool)], axis=1)
+    side = {"mask": mask_BS, "positions": positions_of(mask_BS)}
 
-    def step(tokens, j):
-        logits_BSV, _ = run(model, params, tokens, state=state, train=False, policy=policy)
+    def next_token(tokens_BS, j):
+        logits_BSV, _ = run(model, params, tokens_BS, state=state, train=False, policy=policy, **side)
         logits_BV = lax.dynamic_index_in_dim(logits_BSV, T + j - 1, axis=1, keepdims=False)
         token_B = sampler(logits_BV, jax.random.fold_in(key, j))
-        return lax.dynamic_update_slice(tokens, token_B[:, None], (0, T + j)), None
+        return token_B, lax.dynamic_update_slice_in_dim(tokens_BS, token_B[:, None], T + j, axis=1)
 
-    tokens, _ = lax.scan(step, tokens, jnp.arange(n))
-    return tokens
+    def unfinished(carry):
+        j, _, rows = carry
+        return (j < slots) & ~jnp.all(rows.done_B)
+
+    def step(carry):
+        j, tokens_BS, rows = carry
+        token_B, tokens_BS = next_token(tokens_BS, j)
+        return j + 1, tokens_BS, rows.record(token_B, j, limit_B, stop_B, pad)
+
+    rows = _Rows.start(B, slots, pad)
+    _, _, rows = lax.while_loop(unfinished, step, (jnp.int32(0), tokens_BS, rows))
+    return rows.out_BN, rows.count_B
 
 
 def generate_bytes(
@@ -205,6 +473,7 @@ def generate_bytes(
     num_bytes: int,
     *,
     context_len: int | None = None,
+    stop: int | None = None,
     key: PRNGKey | int | None = None,
     temperature: float = 0.8,
     top_k: int | None = None,
@@ -212,7 +481,8 @@ def generate_bytes(
     model_state: State = None,
     policy: Policy | str = "fp32",
 ) -> bytes:
-    """Continues a byte string with a byte-level model (vocabulary 256), e.g. the built-in GPT.
+    """Continues a byte string with a byte-level model (vocabulary 256), e.g. the built-in GPT, by `num_bytes`
+    bytes or up to and including the byte `stop`; returns the continuation only (`generate_batch`'s tokens).
 
     `context_len`: the longest sequence the model takes (a learned position table's length; None: unlimited). A
     longer text is generated in windows: when the window is full, generation restarts from its last half.
@@ -226,15 +496,15 @@ def generate_bytes(
     key = _as_key(key)
     tokens = list(prompt) or [0]
     out: list[int] = []
-    while len(out) < num_bytes:
+    while len(out) < num_bytes and not (out and out[-1] == stop):
         context = tokens[-(context_len // 2) :] if context_len and len(tokens) >= context_len else tokens
         room = num_bytes - len(out) if context_len is None else context_len - len(context)
-        n = min(num_bytes - len(out), room)
-        new = generate(
+        new = generate_batch(
             model,
             params,
-            jnp.asarray([context], jnp.int32),
-            n,
+            [context],
+            min(num_bytes - len(out), room),
+            stop_tokens=stop,
             key=jax.random.fold_in(key, len(out)),
             temperature=temperature,
             top_k=top_k,
@@ -242,7 +512,7 @@ def generate_bytes(
             model_state=model_state,
             policy=policy,
         )
-        chunk = [int(t) for t in jax.device_get(new[0, len(context) :])]
+        chunk = [int(t) for t in new.tokens[0, : new.lengths[0]]]
         out += chunk
         tokens += chunk
     return bytes(out)

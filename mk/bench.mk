@@ -1,6 +1,6 @@
 # Benchmarks against the peer libraries, and the GPU MFU check (benchmarks/). The peers live in the `bench` extra,
 # never in the runtime deps.
-.PHONY: bench-peers bench-gpu bench-gpu-dry install-bench bench-augment
+.PHONY: bench-peers bench-generation bench-gpu bench-gpu-dry install-bench bench-augment
 
 BENCH_STAMP := $(VENV)/.installed-bench
 
@@ -13,6 +13,9 @@ install-bench: $(BENCH_STAMP) ## install the peer libraries (Flax, Equinox, Haik
 
 bench-peers: $(STAMP) $(BENCH_STAMP) ## jaxnn vs Flax Linen/NNX, Equinox, Haiku, PyTorch: one table + JSON (ARGS='--rounds 3')
 	$(PY) -m benchmarks.peers $(ARGS)
+
+bench-generation: $(STAMP) $(BENCH_STAMP) ## greedy decoding, GPT-2-small shape: jaxnn cache / no cache vs transformers (ARGS='--batch 1 8')
+	$(PY) -m benchmarks.generation --json results/bench/generation.json $(ARGS)
 
 bench-gpu: $(STAMP) ## GPT ~300M params, T=1024, bf16, fused attention: MFU vs the measured bf16 GEMM peak (GPU)
 	$(PY) -m benchmarks.train_steps --gpu --out-dir results/bench $(ARGS)

@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxnn import layers as L
 from jaxnn.config import ConfigError
-from jaxnn.generate import generate, generate_bytes
+from jaxnn.generate import generate, generate_batch, generate_bytes
 from jaxnn.layers import LayerError, init_cache, run_cached
 from jaxnn.layers.core import init_model
 from jaxnn.models import GPT, GPTConfig
@@ -74,3 +75,38 @@ def test_sampling_settings_that_are_not_numbers_are_refused(gpt):
         generate(model, params, [[1, 2]], 2, temperature=1.0, top_p="0.9", key=0)
     with pytest.raises(ValueError, match=r"^generate: max_new_tokens must be a positive integer, got True"):
         generate(model, params, [[1, 2]], True)
+
+
+def test_bad_batches_are_refused_naming_the_row_or_setting(gpt):
+    model, params = gpt
+    ragged = [[1, 2, 3], [4]]
+    cases = [
+        (
+            {"prompts": [[1, 2], [3, 256]]},
+            r"^generate: prompt token ids must be in \[0, 256\) .*got 256 at index \(1, 1\)",
+        ),
+        (
+            {"prompts": [[1], []]},
+            r"^generate_batch: prompt 1 must be integer token ids of length >= 1, got float64 \(0,\)",
+        ),
+        ({"max_new_tokens": [3]}, r"^generate_batch: max_new_tokens has 1 values for 2 prompts"),
+        ({"max_new_tokens": [3, 0]}, r"^generate_batch: each of max_new_tokens must be a positive integer, got 0"),
+        ({"stop_tokens": [None, 300]}, r"^generate_batch: stop_tokens\[1\] 300 is outside the model's vocabulary"),
+        ({"stop_tokens": "\n"}, r"^generate_batch: each of stop_tokens must be an integer token id or None, got '\\n'"),
+        ({"pad_id": -1}, r"^generate_batch: pad_id -1 is outside the model's vocabulary \[0, 256\)"),
+    ]
+    for kwargs, message in cases:
+        args = {"prompts": ragged, "max_new_tokens": 3, **kwargs}
+        with pytest.raises(ValueError, match=message):
+            generate_batch(model, params, args.pop("prompts"), args.pop("max_new_tokens"), **args)
+    with pytest.raises(TypeError, match=r"^generate_batch: prompt 1 is bytes, not token ids"):
+        generate_batch(model, params, [[1], b"hi"], 3)
+    # Without the cache, a ragged batch past the 16-row position table is refused by the table, not read as NaN.
+    with pytest.raises(
+        ValueError,
+        match=r"^gpt/1_pos_embed: expected input of rank 3 \(batch, time <= 16, features\), got shape \(1, 17, 16\)",
+    ):
+        generate_batch(model, params, ragged, 14, use_cache=False)
+    plain = L.serial(L.Embedding(5, 4), L.Dense(5))
+    with pytest.raises(ValueError, match=r"^generate_batch: prompts of different lengths need a model taking the mask"):
+        generate_batch(plain, plain.init(jax.random.key(0), (1, 2))[1], [[1, 2], [3]], 2, use_cache=False)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxnn import layers as L
-from jaxnn.generate import generate
+from jaxnn.generate import compiled_programs, generate, generate_batch
 from jaxnn.models import GPT, GPTConfig
 
 
@@ -168,21 +168,47 @@ GPTS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(GPTS))
-def test_greedy_generation_is_the_argmax_of_full_forward_passes(name, key):
-    model = GPT(GPTS[name])
-    _, params = model.init(key, (1, 8))
-    params = random_like(params, jax.random.key(1), scale=0.3)  # peaked logits: argmax ties are unlikely
-    prompt = jax.random.randint(jax.random.key(2), (3, 5), 0, 256)
-    tokens = generate(model, params, prompt, 16)  # beyond seq_len for the rope model: no table limits it
-    assert tokens.shape == (3, 21) and tokens.dtype == jnp.int32
-    # The reference: a full forward pass per new token over a fixed-size buffer (causal: later slots do not matter).
+@pytest.fixture(scope="module", params=sorted(GPTS))
+def peaked_gpt(request):
+    model = GPT(GPTS[request.param])
+    _, params = model.init(jax.random.key(0), (1, 8))
+    return model, random_like(params, jax.random.key(1), scale=0.3)  # peaked logits: argmax ties are unlikely
+
+
+def test_ragged_greedy_generation_is_the_argmax_of_each_prompt_alone(peaked_gpt):
+    """Left padding is invisible: each row of a ragged batch gets the tokens of full forward passes over its own
+    unpadded prompt; stop tokens and per-row maxima end rows early, in the same compiled program."""
+    model, params = peaked_gpt
+    prompts = [[5, 200, 7, 1, 9], [42, 3], [17, 17, 250]]
+    limits = [13, 13, 6]  # beyond seq_len for the rope model: no table limits it
+    got = generate_batch(model, params, prompts, limits)
+    # The reference: one row at a time, a full forward pass per new token over a fixed-size buffer (causal: later
+    # slots do not matter), no padding, no cache.
     forward = jax.jit(model.apply)
-    expected = np.zeros((3, 21), np.int32)
-    expected[:, :5] = prompt
-    for t in range(5, 21):
-        expected[:, t] = np.argmax(forward(params, jnp.asarray(expected))[:, t - 1], axis=-1)
-    np.testing.assert_array_equal(tokens, expected)
+    for row, (prompt, limit) in enumerate(zip(prompts, limits)):
+        buffer = np.zeros((1, 18), np.int32)
+        buffer[0, : len(prompt)] = prompt
+        for t in range(len(prompt), len(prompt) + limit):
+            buffer[0, t] = np.argmax(forward(params, jnp.asarray(buffer))[0, t - 1])
+        np.testing.assert_array_equal(got.tokens[row, :limit], buffer[0, len(prompt) : len(prompt) + limit])
+    assert got.tokens.shape == (3, 13) and got.tokens.dtype == np.int32 and list(got.lengths) == limits
+    assert (got.tokens[2, 6:] == 0).all()  # pad_id after a row's end
+    np.testing.assert_array_equal(generate_batch(model, params, prompts, limits, use_cache=False).tokens, got.tokens)
+
+    # Row 0 stops at its third new token (first occurrence), row 1 at a token it never makes, row 2 has none.
+    stop0 = int(got.tokens[0, 2])
+    first0 = int(np.flatnonzero(got.tokens[0] == stop0)[0])
+    unseen1 = min(set(range(256)) - set(got.tokens[1].tolist()))
+    stopped = generate_batch(model, params, prompts, limits, stop_tokens=[stop0, unseen1, None])
+    assert stopped.lengths[0] == first0 + 1 and stopped.tokens[0, first0] == stop0
+    np.testing.assert_array_equal(stopped.tokens[0, : first0 + 1], got.tokens[0, : first0 + 1])
+    assert (stopped.tokens[0, first0 + 1 :] == 0).all()
+    np.testing.assert_array_equal(stopped.tokens[1:], got.tokens[1:])
+    assert list(stopped.lengths[1:]) == limits[1:]
+    # The rectangular call is the same program: prompt plus new tokens.
+    same = generate(model, params, np.array([prompts[0]] * 2), 4)
+    np.testing.assert_array_equal(same[:, 5:], np.stack([got.tokens[0, :4]] * 2))
+    np.testing.assert_array_equal(same[:, :5], [prompts[0]] * 2)
 
 
 def test_sampling_cached_equals_uncached_and_respects_top_k_and_top_p(key):
@@ -190,9 +216,10 @@ def test_sampling_cached_equals_uncached_and_respects_top_k_and_top_p(key):
     _, params = model.init(key, (1, 8))
     prompt = jnp.zeros((4, 3), jnp.int32)
     kwargs = {"key": jax.random.key(9), "temperature": 1.3, "top_k": 50, "top_p": 0.95}
-    sampled = generate(model, params, prompt, 8, **kwargs)
-    np.testing.assert_array_equal(sampled, generate(model, params, prompt, 8, use_cache=False, **kwargs))
-    assert len(np.unique(np.asarray(sampled[:, 3:]))) > 4  # sampling, not greedy
+    ragged = [[0, 0, 0], [0], [0, 0], [0, 0, 0]]
+    sampled = generate_batch(model, params, ragged, 8, **kwargs).tokens
+    np.testing.assert_array_equal(sampled, generate_batch(model, params, ragged, 8, use_cache=False, **kwargs).tokens)
+    assert len(np.unique(sampled)) > 4  # sampling, not greedy
     greedy = generate(model, params, prompt, 8)
     np.testing.assert_array_equal(
         generate(model, params, prompt, 8, key=jax.random.key(1), temperature=2, top_k=1), greedy
@@ -221,3 +248,19 @@ def test_generate_refuses_bad_arguments(kwargs, message, key):
         generate(model, params, args.pop("prompt"), args.pop("max_new_tokens"), **args)
     with pytest.raises(ValueError, match=r"has no decoding cache .* pass use_cache=False"):
         generate(L.serial(L.Embedding(5, 4), L.Dense(5)), {}, jnp.zeros((1, 2), jnp.int32), 3)
+
+
+def test_one_compile_per_bucket_and_decoding_under_x64(peaked_gpt):
+    """Prompt lengths and maxima in the same buckets reuse one program; with jax_enable_x64 every dtype policy
+    decodes (int64 literals once met the cache's int32 index), fp32 to the same tokens as without it."""
+    model, params = peaked_gpt
+    want = generate_batch(model, params, [[3, 1, 4], [1, 5, 9, 2, 6]], [9, 5])
+    programs = compiled_programs()
+    again = generate_batch(model, params, [[3, 1, 4, 1, 5, 9, 2], [6]], [11, 16], stop_tokens=7)
+    assert compiled_programs() == programs and again.tokens.shape == (2, 16)
+    with jax.enable_x64(True):
+        for policy in ("fp32", "tf32", "bf16", "fp16"):
+            out = generate_batch(model, params, [[3, 1, 4], [1, 5, 9, 2, 6]], [9, 5], policy=policy)
+            assert list(out.lengths) == [9, 5] and ((out.tokens >= 0) & (out.tokens < 256)).all(), policy
+            if policy == "fp32":
+                np.testing.assert_array_equal(out.tokens, want.tokens)

@@ -54,6 +54,7 @@ MODULES = (
     "jaxnn.finetune",
     "jaxnn.export",
     "jaxnn.generate",
+    "jaxnn.decoding_export",
     "jaxnn.mesh",
     "jaxnn.sharding",
     "jaxnn.shard_rules",

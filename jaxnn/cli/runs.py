@@ -34,7 +34,8 @@ def add_generate_parser(sub: Any) -> None:
         help="print text sampled from a trained GPT run",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Continue a prompt with the newest (or --step's) checkpoint of a `jaxnn train --model gpt` run, "
-        "decoding with a KV cache.",
+        "decoding with a KV cache. Prompt and output lengths are rounded up to powers of two, so a new prompt length "
+        "reuses a compiled program, which the persistent compile cache keeps for the next run.",
     )
     p.add_argument("--run-dir", required=True, help="run directory of `jaxnn train` (or its ckpt/ or a step folder)")
     p.add_argument("--prompt", default="def ", help="text to continue")
@@ -44,6 +45,14 @@ def add_generate_parser(sub: Any) -> None:
     p.add_argument("--top-p", type=float, default=None, help="sample among the most likely bytes of this total mass")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest readable one)")
+    p.add_argument("--stop", default=None, metavar="CHAR", help="end after this one-byte character (e.g. a newline)")
+    p.add_argument(
+        "--compile-cache",
+        default="auto",
+        metavar="DIR",
+        help="jax's persistent compilation cache: 'auto' ($JAXNN_COMPILE_CACHE, else ~/.cache/jaxnn/xla), 'off' or "
+        "a directory",
+    )
 
 
 def export_main(args: argparse.Namespace) -> int:
@@ -62,7 +71,11 @@ def generate_main(args: argparse.Namespace) -> int:
     """Runs `jaxnn generate`; errors go to `jaxnn.cli.main`'s exit-status table."""
     if args.length < 1:
         raise ValueError(f"--length must be positive, got {args.length}")
+    stop = None if args.stop is None else args.stop.encode()
+    if stop is not None and len(stop) != 1:
+        raise ValueError(f"--stop must be one byte (a character such as a newline), got {args.stop!r}")
 
+    from jaxnn import compile_cache
     from jaxnn.checkpoint import load_params
     from jaxnn.generate import generate_bytes
     from jaxnn.models.factory import model_from_record
@@ -72,12 +85,14 @@ def generate_main(args: argparse.Namespace) -> int:
         what = f"a {loaded.config['model']!r} run" if loaded.config.get("model") else "not a run of `jaxnn train`"
         raise ValueError(f"{args.run_dir}: {what}; generate needs a GPT run of `jaxnn train`")
     model, mcfg = model_from_record(loaded.config)
+    compile_cache.enable(args.compile_cache)  # most of a short generation is compiling its programs
     text = generate_bytes(
         model,
         loaded.params,
         args.prompt.encode(),
         args.length,
         context_len=mcfg.seq_len if mcfg.position == "learned" else None,
+        stop=None if stop is None else stop[0],
         key=args.seed,  # checked by generate: an integer in [0, 2**32)
         temperature=args.temperature,
         top_k=args.top_k,

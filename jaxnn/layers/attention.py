@@ -248,8 +248,9 @@ def MultiHeadAttention(
       positions <= t only. `rope=True` rotates queries and keys by their positions (`positions` side input, default
       0..T-1; `rotary_embedding`).
     - Params: `qkv` (one fused Dense) for self-attention with num_kv_heads == num_heads, else `q` and `kv`; `out`.
-    - Causal self-attention decodes with a cache (`init_cache`): keys and values of every position seen so far.
-      Decoding past the cache's length is refused in eager calls and gives NaN outputs under jit.
+    - Causal self-attention decodes with a cache (`init_cache`): keys, values and padding mask of every position
+      seen so far (a left-padded batch decodes with `mask` and `positions` given per call). Decoding past the
+      cache's length is refused in eager calls and gives NaN outputs under jit.
     `implementation`: "auto" uses cuDNN's fused kernel for bf16/fp16 when the computation is lowered for CUDA and
     jax can trace cuDNN attention here (a CUDA jax with cuDNN, and shapes the kernel takes), the f32-accumulating
     path for half precision and float64 otherwise, and jax's XLA path for float32; "xla", "cudnn" and "f32acc" force
@@ -275,7 +276,7 @@ def MultiHeadAttention(
             check_positions(name, positions, x_BTD.shape)
         q, k, v = heads.project(params, x_BTD, source, policy)
         if cache is not None:
-            o, cache = _decode(name, q, k, v, cache, positions, rope_base if rope else None, policy)
+            o, cache = _decode(name, q, k, v, cache, positions, key_mask, rope_base if rope else None, policy)
         else:
             if rope:
                 positions = jnp.broadcast_to(jnp.arange(T), (B, T)) if positions is None else positions
@@ -288,7 +289,8 @@ def MultiHeadAttention(
         if len(in_shape) != 3:
             raise shape_error(name, "of rank 3 (batch, time, features)", in_shape)
         zeros = jnp.zeros((in_shape[0], max_len, kv_heads, heads.head_width(in_shape[-1])), dtype)
-        return {"k": zeros, "v": zeros, "index": jnp.zeros((), jnp.int32)}
+        real = jnp.zeros((in_shape[0], max_len), bool)
+        return {"k": zeros, "v": zeros, "mask": real, "index": jnp.zeros((), jnp.int32)}
 
     decodes = causal and not cross
     return Layer(
@@ -321,12 +323,14 @@ def _check_cache_room(name: str, index: jax.Array, T: int, L: int) -> None:
     )
 
 
-def _decode(name, q_BTNH, k_BTKH, v_BTKH, cache, positions, rope_base, policy):
-    """The next T positions against the cache: their keys and values are written at the cache's index, and each
-    query attends to every cached position up to its own.
+def _decode(name, q_BTNH, k_BTKH, v_BTKH, cache, positions, key_mask_B11T, rope_base, policy):
+    """The next T positions against the cache: their keys, values and padding mask are written at the cache's
+    index, and each query attends to every real cached position up to its own.
 
-    Past the cache's end, `dynamic_update_slice` would clamp the index and overwrite the last entries, giving
-    plausible but wrong outputs; an eager call is refused, a traced one returns NaN instead."""
+    The cache keeps which of its slots are real (the `mask` side input of the call that wrote them), so that a
+    left-padded batch of prompts of different lengths decodes in one program. Past the cache's end,
+    `dynamic_update_slice` would clamp the index and overwrite the last entries, giving plausible but wrong
+    outputs; an eager call is refused, a traced one returns NaN instead."""
     B, T = q_BTNH.shape[:2]
     index = cache["index"]
     _check_cache_room(name, index, T, cache["k"].shape[1])
@@ -335,13 +339,17 @@ def _decode(name, q_BTNH, k_BTKH, v_BTKH, cache, positions, rope_base, policy):
     if rope_base is not None:
         q_BTNH, k_BTKH = rotary_embedding(q_BTNH, positions, rope_base), rotary_embedding(k_BTKH, positions, rope_base)
     dtype = cache["k"].dtype
-    k_BLKH = lax.dynamic_update_slice(cache["k"], k_BTKH.astype(dtype), (0, index, 0, 0))
-    v_BLKH = lax.dynamic_update_slice(cache["v"], v_BTKH.astype(dtype), (0, index, 0, 0))
+    # The _in_dim forms make the other start indices zeros of the index's own dtype: literal zeros would be int64
+    # under jax_enable_x64 and dynamic_update_slice refuses mixed index types.
+    k_BLKH = lax.dynamic_update_slice_in_dim(cache["k"], k_BTKH.astype(dtype), index, axis=1)
+    v_BLKH = lax.dynamic_update_slice_in_dim(cache["v"], v_BTKH.astype(dtype), index, axis=1)
+    real_BT = jnp.ones((B, T), bool) if key_mask_B11T is None else key_mask_B11T[:, 0, 0, :]
+    real_BL = lax.dynamic_update_slice_in_dim(cache["mask"], real_BT, index, axis=1)
     L = k_BLKH.shape[1]
-    valid_11TL = (jnp.arange(L)[None, :] <= (index + jnp.arange(T))[:, None])[None, None]
-    o = _attention_f32acc(q_BTNH.astype(dtype), k_BLKH, v_BLKH, valid_11TL, policy)
+    causal_11TL = (jnp.arange(L)[None, :] <= (index + jnp.arange(T))[:, None])[None, None]
+    o = _attention_f32acc(q_BTNH.astype(dtype), k_BLKH, v_BLKH, causal_11TL & real_BL[:, None, None, :], policy)
     o = jnp.where(index + T <= L, o, jnp.nan)
-    return o, {"k": k_BLKH, "v": v_BLKH, "index": index + T}
+    return o, {"k": k_BLKH, "v": v_BLKH, "mask": real_BL, "index": index + T}
 
 
 NORMS = ("layer", "rms")
