@@ -392,7 +392,15 @@ def prefill(model, sampler, policy, cache_len, params, state, ids_BT, mask_BT, k
     return sampler(logits_BTV[:, -1], jax.random.fold_in(key, 0)), cache
 
 
-def decode_step(model, params, state, policy, token_B, position_B, cache):
+def decode_step(
+    model: Layer,
+    params: Params,
+    state: State,
+    policy: Policy,
+    token_B: jax.Array,
+    position_B: jax.Array,
+    cache: Any,
+) -> tuple[jax.Array, Any]:
     """One new position per row against the cache: the next-token logits (B, vocab) and the updated cache."""
     side = {"mask": jnp.ones((token_B.shape[0], 1), bool), "positions": position_B[:, None]}
     logits_B1V, cache = run_cached(model, params, token_B[:, None], cache, state=state, policy=policy, **side)
