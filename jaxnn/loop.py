@@ -158,6 +158,8 @@ def fit(
     Ctrl-C (SIGINT) saves a checkpoint and summary.json, then raises `FitInterrupted` (a KeyboardInterrupt);
     SIGTERM does the same and returns normally.
     """
+    # Long only in its signature and docstring: every FitConfig field is a keyword so that help() and editors list
+    # them; the body hands each stage to a function of its own.
     values = dict(locals())
     cfg = _fit_config(values, unknown)
     xla_cache.enable(cfg.compile_cache)

@@ -49,19 +49,8 @@ def add_train_parser(sub: Any) -> None:
     a("--epochs", type=int, default=None, help="passes over the training set, instead of --steps")
     a("--accumulate", type=int, default=1, help="micro-batches per optimizer step (gradient accumulation)")
     a("--batch-size", type=int, default=None, help="global batch size, split over --devices (default per model)")
-    a("--precision", default="fp32", help="precision policy: fp32, tf32, bf16 or fp16")
-    a("--lr", type=float, default=None, help="peak learning rate of AdamW (default per model)")
-    a("--warmup", type=int, default=None, help="linear warm-up steps before the cosine decay")
-    a(
-        "--schedule",
-        default="cosine",
-        choices=("cosine", "constant"),
-        help="learning rate after the warm-up: cosine decay to 0 at the last step, or constant (a finished run "
-        "can then be trained on with --resume and a larger --steps)",
-    )
-    a("--label-smoothing", type=float, default=0.0, help="classification: smooth the one-hot targets by this much")
-    a("--weight-decay", type=float, default=0.0, help="AdamW weight decay on kernels")
     a("--seed", type=int, default=0, help="seed for initialisation, shuffling and augmentation")
+    add_optimizer_flags(p)
     a("--seq-len", type=int, default=None, help="gpt: context length in bytes")
     a("--d-model", type=int, default=None, help="gpt: model width (default 128)")
     a("--layers", type=int, default=None, help="gpt: number of transformer blocks")
@@ -119,6 +108,23 @@ def add_train_parser(sub: Any) -> None:
     )
     add_multiprocess_flags(p)
     add_pipeline_and_output_flags(p)
+
+
+def add_optimizer_flags(p: argparse.ArgumentParser) -> None:
+    """`jaxnn train`'s flags for the precision, the optimizer, its schedule and the loss."""
+    a = p.add_argument
+    a("--precision", default="fp32", help="precision policy: fp32, tf32, bf16 or fp16")
+    a("--lr", type=float, default=None, help="peak learning rate of AdamW (default per model)")
+    a("--warmup", type=int, default=None, help="linear warm-up steps before the cosine decay")
+    a(
+        "--schedule",
+        default="cosine",
+        choices=("cosine", "constant"),
+        help="learning rate after the warm-up: cosine decay to 0 at the last step, or constant (a finished run "
+        "can then be trained on with --resume and a larger --steps)",
+    )
+    a("--label-smoothing", type=float, default=0.0, help="classification: smooth the one-hot targets by this much")
+    a("--weight-decay", type=float, default=0.0, help="AdamW weight decay on kernels")
 
 
 def add_pipeline_and_output_flags(p: argparse.ArgumentParser) -> None:
