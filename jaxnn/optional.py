@@ -24,6 +24,9 @@ EXTRAS = {
     "sklearn": "data",
     "pdoc": "docs",
     "dm_pix": "augment",
+    "torch": "interop",
+    "torchvision": "interop",
+    "transformers": "interop",
 }
 _warned: set[str] = set()
 
