@@ -37,6 +37,7 @@ SUBMODULES = (
     "export",
     "finetune",
     "generate",
+    "interop",
     "layers",
     "loop",
     "mesh",
