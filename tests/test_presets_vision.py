@@ -1,0 +1,56 @@
+"""The vision families' presets have the parameter counts torchvision publishes for them (counted from the param
+tree's shapes with jax.eval_shape: nothing is allocated), and their small configs build and run."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxnn import layers as L
+from jaxnn.models import get_model, imagenet_resnet, vit
+
+PRESETS = [
+    pytest.param(family, cfg, count, id=name)
+    for family, module in (("imagenet_resnet", imagenet_resnet), ("vit", vit))
+    for name, (cfg, count, _) in module.PRESETS.items()
+]
+
+
+def param_count(model, in_shape) -> int:
+    shapes = jax.eval_shape(lambda key: model.init(key, in_shape)[1], jax.random.key(0))
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(shapes))
+
+
+@pytest.mark.parametrize("family, cfg, published", PRESETS)
+def test_preset_has_the_published_parameter_count(family, cfg, published):
+    assert param_count(get_model(family, cfg), (1, 224, 224, 3)) == published
+
+
+def test_presets_are_the_published_models():
+    assert sorted(imagenet_resnet.PRESETS) == ["resnet18", "resnet34", "resnet50"]
+    assert sorted(vit.PRESETS) == ["vit-b16", "vit-l16"]
+
+
+@pytest.mark.parametrize("family", ["imagenet_resnet", "vit"])
+def test_small_vision_models_train_and_evaluate(family, key):
+    cfg = {"imagenet_resnet": imagenet_resnet.ImageNetResNetConfig, "vit": vit.ViTConfig}[family]().small()
+    model = get_model(family, cfg)
+    shape = (2, 32, 32, 3)
+    out_shape, params, state = L.init_model(model, key, shape)
+    x = jax.random.normal(key, shape)
+    step = jax.jit(lambda p, s, x, train: L.run(model, p, x, state=s, train=train), static_argnums=3)
+    for train in (True, False):
+        y, new_state = step(params, state, x, train)
+        assert y.shape == tuple(out_shape) == (2, 10) and bool(jnp.all(jnp.isfinite(y)))
+        assert jax.tree.structure(new_state) == jax.tree.structure(state)
+
+
+def test_vision_configs_refuse_what_they_cannot_build():
+    with pytest.raises(ValueError, match=r"ImageNetResNetConfig: unknown block 'wide'"):
+        imagenet_resnet.ImageNetResNetConfig(block="wide")
+    with pytest.raises(ValueError, match=r"ViTConfig: image_size 30 is not a multiple of patch_size 8"):
+        vit.ViTConfig(image_size=30, patch_size=8)
+    model = vit.ViT(vit.ViTConfig().small())
+    with pytest.raises(L.LayerError, match=r"embed: expected input \(batch, 16 patches, features\), got shape"):
+        model.init(jax.random.key(0), (1, 64, 64, 3))
