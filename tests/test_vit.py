@@ -64,19 +64,20 @@ def test_vit_gives_torchvisions_logits():
         num_classes=CFG.num_classes,
     )
     with torch.no_grad():
-        for p in reference.parameters():  # torchvision zeros the head and the class token: make every tensor count
-            p.copy_(torch.randn(p.shape) * 0.2)
+        for name, p in reference.named_parameters():  # torchvision zeros the head and the class token
+            # Small embeddings and images: the first LayerNorm sees a variance of ~1e-4, where its eps shows.
+            p.copy_(torch.randn(p.shape) * (0.01 if name in ("class_token", "encoder.pos_embedding") else 0.5))
     tensors = {k: v.numpy() for k, v in reference.state_dict().items()}
     model = ViT(CFG)
     shape = (2, CFG.image_size, CFG.image_size, 3)
     expected = jax.eval_shape(lambda k: model.init(k, shape)[1], jax.random.key(0))
     params = to_jaxnn(tensors, vit_rules(CFG), expected, source="torchvision ViT")
-    x = np.random.default_rng(0).normal(size=(2, 3, CFG.image_size, CFG.image_size)).astype(np.float32)
+    x = 0.01 * np.random.default_rng(0).normal(size=(2, 3, CFG.image_size, CFG.image_size)).astype(np.float32)
     with torch.no_grad():
         want = reference.eval()(torch.from_numpy(x)).numpy()
     got = jax.jit(model.apply)(params, jnp.asarray(x.transpose(0, 2, 3, 1)))
     err = float(np.max(np.abs(np.asarray(got) - want)))
     assert got.shape == want.shape == (2, CFG.num_classes)
-    assert err < 1e-4 * max(1.0, float(np.abs(want).max())), (
-        f"max abs error {err:.3g} (logits up to {np.abs(want).max():.3g})"
-    )
+    # float32 rounding stays near 1e-7 of the largest logit; the tanh GELU, or LayerNorm eps 1e-5 instead of 1e-6,
+    # moves the logits by 1e-4 of it and more.
+    assert err < 1e-5 * float(np.abs(want).max()), f"max abs error {err:.3g} (logits up to {np.abs(want).max():.3g})"
