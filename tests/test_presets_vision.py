@@ -9,11 +9,12 @@ import pytest
 
 from jaxnn import layers as L
 from jaxnn.models import get_model, imagenet_resnet, vit
+from jaxnn.models.factory import build_model
+from jaxnn.models.presets import PRESETS as TABLE
 
+VISION = ("imagenet_resnet", "vit")
 PRESETS = [
-    pytest.param(family, cfg, count, id=name)
-    for family, module in (("imagenet_resnet", imagenet_resnet), ("vit", vit))
-    for name, (cfg, count, _) in module.PRESETS.items()
+    pytest.param(p.family, p.config, p.published_params, id=name) for name, p in TABLE.items() if p.family in VISION
 ]
 
 
@@ -27,9 +28,16 @@ def test_preset_has_the_published_parameter_count(family, cfg, published):
     assert param_count(get_model(family, cfg), (1, 224, 224, 3)) == published
 
 
-def test_presets_are_the_published_models():
-    assert sorted(imagenet_resnet.PRESETS) == ["resnet18", "resnet34", "resnet50"]
-    assert sorted(vit.PRESETS) == ["vit-b16", "vit-l16"]
+def test_presets_are_in_the_table_and_build_with_fields_replaced():
+    assert sorted(name for name, p in TABLE.items() if p.family in VISION) == [
+        "resnet18",
+        "resnet34",
+        "resnet50",
+        "vit-b16",
+        "vit-l16",
+    ]
+    _, cfg = build_model("resnet50", {"num_classes": 7})
+    assert cfg == imagenet_resnet.ImageNetResNetConfig(stage_sizes=(3, 4, 6, 3), block="bottleneck", num_classes=7)
 
 
 @pytest.mark.parametrize("family", ["imagenet_resnet", "vit"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from jaxnn.models import gpt
+from jaxnn.models import gpt, imagenet_resnet, vit
 
 
 class Preset(NamedTuple):
@@ -27,7 +27,7 @@ class Preset(NamedTuple):
 # Each family module lists its presets (name -> Preset); one table here, so a name means one model everywhere.
 PRESETS: dict[str, Preset] = {
     name: Preset(family, cfg, count, text)
-    for family, module in (("gpt", gpt),)
+    for family, module in (("gpt", gpt), ("imagenet_resnet", imagenet_resnet), ("vit", vit))
     for name, (cfg, count, text) in module.PRESETS.items()
 }
 
