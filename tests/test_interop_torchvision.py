@@ -94,6 +94,17 @@ def test_state_dict_round_trips_into_torchvision(checkpoint, images, torch_logit
     assert set(exported) == set(original)
 
 
+def test_safetensors_file_loads_the_same(checkpoint, torch_model, tmp_path):
+    from safetensors.numpy import save_file
+
+    path = tmp_path / "resnet18.safetensors"
+    save_file({k: v.numpy() for k, v in torch_model.state_dict().items()}, str(path))
+    from_pth, from_safetensors = load_torchvision_resnet(checkpoint), load_torchvision_resnet(path)
+    assert jax.tree.structure(from_pth) == jax.tree.structure(from_safetensors)
+    for a, b in zip(jax.tree.leaves(from_pth), jax.tree.leaves(from_safetensors)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_config_is_read_off_the_tensor_names():
     resnet50 = torchvision.models.resnet50(num_classes=7).state_dict()
     assert resnet_config_from_state_dict(resnet50) == ImageNetResNetConfig(
