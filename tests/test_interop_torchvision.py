@@ -105,6 +105,21 @@ def test_safetensors_file_loads_the_same(checkpoint, torch_model, tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+def test_bottleneck_resnet_gives_torchvisions_eval_logits():
+    """ResNet-50's blocks (v1.5 strides, a projection in the first stage too), one per stage to stay small."""
+    from torchvision.models.resnet import Bottleneck, ResNet
+
+    reference = randomised(ResNet(Bottleneck, [1, 1, 1, 1], num_classes=10))
+    x = np.random.default_rng(1).normal(size=(2, 3, 32, 32)).astype(np.float32)
+    with torch.no_grad():
+        want = reference(torch.from_numpy(x)).numpy()
+    params, state = load_torchvision_resnet(reference.state_dict())
+    cfg = ImageNetResNetConfig(stage_sizes=(1, 1, 1, 1), block="bottleneck", num_classes=10)
+    got = jax.jit(ImageNetResNet(cfg).apply)(params, jnp.asarray(x.transpose(0, 2, 3, 1)), state=state)[0]
+    err = max_error(got, want)
+    assert err < ATOL, f"max abs error {err:.3g} (logits up to {np.abs(want).max():.3g})"
+
+
 def test_config_is_read_off_the_tensor_names():
     resnet50 = torchvision.models.resnet50(num_classes=7).state_dict()
     assert resnet_config_from_state_dict(resnet50) == ImageNetResNetConfig(
