@@ -22,9 +22,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxnn.interop.tensors import Path, Rule, TensorMismatchError, read_tensors, same, to_jaxnn, torch_to_numpy
-from jaxnn.interop.tensors import from_jaxnn as tensors_from_jaxnn
-from jaxnn.interop.tensors import transposed as dense_rule
+from jaxnn.interop.tensors import (
+    Path,
+    Rule,
+    TensorMismatchError,
+    from_jaxnn,
+    read_tensors,
+    same,
+    to_jaxnn,
+    torch_to_numpy,
+    transposed,
+)
 from jaxnn.layers import init_model
 from jaxnn.layers.core import child_keys
 from jaxnn.models.imagenet_resnet import ImageNetResNet, ImageNetResNetConfig, has_projection
@@ -72,9 +80,10 @@ def _block_rules(cfg: ImageNetResNetConfig, prefix: str, target: Path, projects:
     if projects:
         parts.update({name: (*target, "1_shortcut", key) for name, key in _DOWNSAMPLE_KEYS.items()})
     for name, path in parts.items():
-        is_conv = name.startswith("conv") or name == "downsample.0"
-        rules += [conv_rule(f"{prefix}.{name}.weight", ("params", *path, "w"))] if is_conv else []
-        rules += [] if is_conv else batch_norm_rules(f"{prefix}.{name}", path)
+        if name.startswith("conv") or name == "downsample.0":
+            rules.append(conv_rule(f"{prefix}.{name}.weight", ("params", *path, "w")))
+        else:
+            rules += batch_norm_rules(f"{prefix}.{name}", path)
     return rules
 
 
@@ -88,7 +97,7 @@ def resnet_rules(cfg: ImageNetResNetConfig) -> list[Rule]:
         for j in range(blocks):
             target = (keys[f"layer{i + 1}"], f"{j}_block")
             rules += _block_rules(cfg, f"layer{i + 1}.{j}", target, has_projection(cfg, i, j))
-    return rules + [dense_rule("fc.weight", ("params", keys["fc"], "w")), same("fc.bias", ("params", keys["fc"], "b"))]
+    return rules + [transposed("fc.weight", ("params", keys["fc"], "w")), same("fc.bias", ("params", keys["fc"], "b"))]
 
 
 def resnet_config_from_state_dict(tensors: Mapping[str, Any]) -> ImageNetResNetConfig:
@@ -151,10 +160,7 @@ def to_torchvision_state_dict(params: Any, state: Any, cfg: ImageNetResNetConfig
     dtype (bfloat16 ones need a cast before `torch.from_numpy`), with the `num_batches_tracked` counters
     torchvision's BatchNorms hold (0: jaxnn does not count), so that `load_state_dict` takes it as it is."""
     # Copies: arrays of jax buffers are read-only, and torch.from_numpy warns about (and may write to) such arrays.
-    out = {
-        name: np.array(a)
-        for name, a in tensors_from_jaxnn({"params": params, "state": state}, resnet_rules(cfg)).items()
-    }
+    out = {name: np.array(a) for name, a in from_jaxnn({"params": params, "state": state}, resnet_rules(cfg)).items()}
     for name in [n for n in out if n.endswith(".running_mean")]:
         out[name.removesuffix("running_mean") + "num_batches_tracked"] = np.array(0, np.int64)
     return out

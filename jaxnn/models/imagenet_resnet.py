@@ -70,7 +70,8 @@ def _body(block: str, width: int, strides: int, bn: Callable[[str], Layer]) -> L
 
 def residual_block(body: Layer, shortcut: Layer | None, name: str = "block") -> Layer:
     """relu(body(x) + shortcut(x)), the shortcut the identity when None. Params and state are `{"0_body": ...}`
-    and, with a shortcut, `"1_shortcut"`; both branches are stateful (they hold BatchNorms).
+    and, with a shortcut, `"1_shortcut"`; the block is stateful, its state that of its stateful branches (here
+    both: they hold BatchNorms).
 
     Why not `residual`: that needs the branch to keep the input's shape, and a projection block changes it."""
     branches = [("0_body", body)] + ([("1_shortcut", shortcut)] if shortcut is not None else [])
@@ -92,17 +93,19 @@ def residual_block(body: Layer, shortcut: Layer | None, name: str = "block") -> 
         check_keywords(name, kwargs)
         outs, new_state, state = [], {}, state or {}
         for i, (child_key, layer) in enumerate(branches):
-            child_key_rng = None if key is None else jax.random.fold_in(key, i)
+            child_rng = None if key is None else jax.random.fold_in(key, i)
             with as_child(child_key, layer):
-                y, new_state[child_key] = run(
+                y, child_state = run(
                     layer,
-                    params[child_key],
+                    params.get(child_key, {}),
                     x,
                     state=state.get(child_key),
-                    key=child_key_rng,
+                    key=child_rng,
                     train=train,
                     policy=policy,
                 )
+            if layer.stateful:
+                new_state[child_key] = child_state
             outs.append(y)
         shortcut_out = outs[1] if shortcut is not None else x
         return jax.nn.relu(outs[0] + shortcut_out.astype(outs[0].dtype)), new_state
@@ -123,7 +126,6 @@ def _stage(cfg: ImageNetResNetConfig, index: int, bn: Callable[[str], Layer]) ->
     blocks = []
     for j in range(cfg.stage_sizes[index]):
         strides = 2 if index > 0 and j == 0 else 1
-        # A 1x1 projection (torchvision's downsample) wherever the block changes the resolution or the width.
         shortcut = None
         if has_projection(cfg, index, j):
             shortcut = serial(_conv(out_width, 1, strides, "conv"), bn("bn"), name="downsample")
@@ -134,7 +136,7 @@ def _stage(cfg: ImageNetResNetConfig, index: int, bn: Callable[[str], Layer]) ->
 def ImageNetResNet(cfg: ImageNetResNetConfig = ImageNetResNetConfig()) -> Layer:
     """7x7/2 stem convolution, BatchNorm, ReLU, 3x3/2 max pooling (padded 1), the stages, global average pooling
     and a Dense classifier; (N, H, W, 3) -> (N, num_classes) logits. Params and state are keyed like torchvision's
-    names: "0_conv1", "1_bn1", "4_layer1" ... , "9_fc" (see `jaxnn.interop.torchvision`)."""
+    names: "0_conv1", "1_bn1", "4_layer1" ... , "9_fc" for four stages (see `jaxnn.interop.torchvision`)."""
 
     def bn(name: str) -> Layer:
         # momentum 0.9 here is torch's momentum=0.1 (the weight of the old running value; see BatchNorm).
