@@ -72,6 +72,7 @@ PAGES = (
     "precision",
     "data",
     "checkpoints",
+    "bring-a-checkpoint-vision",
     "run-directories",
     "parallel",
     "experiments",
