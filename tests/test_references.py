@@ -172,7 +172,9 @@ def test_max_pool_matches_numpy(case, lowering):
         (((1, 1),), r"padding needs 2 \(low, high\) pairs"),
         (((1, 1), (3, 0)), r"padding \(3, 0\) of axis 1 must be >= 0 and < the window 3"),
         (((-1, 0), (0, 0)), r"padding \(-1, 0\) of axis 0 must be >= 0"),
-        (1, r"padding must be 'SAME', 'VALID' or \(low, high\) pairs, got 1"),
+        (1, r"padding must be 'SAME', 'VALID' or \(low, high\) pairs of ints, got 1"),
+        (((1.5, 1), (1, 1)), r"padding must be 'SAME', 'VALID' or \(low, high\) pairs of ints"),
+        (((1, 1, 1), (1, 1)), r"padding must be 'SAME', 'VALID' or \(low, high\) pairs of ints"),
         ("REFLECT", r"unknown padding mode 'REFLECT'"),
     ],
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
@@ -24,16 +25,25 @@ def _pool_padding(kind: str, padding: PoolPadding, window: tuple[int, ...]) -> s
         if padding not in ("SAME", "VALID"):
             raise ValueError(f"{kind}: unknown padding mode {padding!r}; choose 'SAME', 'VALID' or (low, high) pairs")
         return padding
-    try:
-        pairs = tuple((int(low), int(high)) for low, high in padding)
-    except (TypeError, ValueError):
-        raise ValueError(f"{kind}: padding must be 'SAME', 'VALID' or (low, high) pairs, got {padding!r}") from None
+    pairs = tuple(_int_pair(p) for p in padding) if isinstance(padding, Sequence) else ()
+    if not pairs or None in pairs:
+        raise ValueError(f"{kind}: padding must be 'SAME', 'VALID' or (low, high) pairs of ints, got {padding!r}")
     if len(pairs) != len(window):
         raise ValueError(f"{kind}: padding needs {len(window)} (low, high) pairs, one per axis, got {padding!r}")
-    for axis, ((low, high), w) in enumerate(zip(pairs, window)):
+    checked = tuple(p for p in pairs if p is not None)
+    for axis, ((low, high), w) in enumerate(zip(checked, window)):
         if not (0 <= low < w and 0 <= high < w):
             raise ValueError(f"{kind}: padding {(low, high)} of axis {axis} must be >= 0 and < the window {w}")
-    return pairs
+    return checked
+
+
+def _int_pair(pair: Any) -> tuple[int, int] | None:
+    """`pair` as a (low, high) tuple when it is two ints (bools and floats are not), else None."""
+    if not isinstance(pair, Sequence) or len(pair) != 2:
+        return None
+    if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in pair):
+        return None
+    return int(pair[0]), int(pair[1])
 
 
 def _pool(
