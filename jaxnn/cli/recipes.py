@@ -129,19 +129,31 @@ def train(
             config={**cfg.trajectory(), **fixed, "model_config": dataclasses.asdict(mcfg)},
             mesh=cfg.mesh,
             sharding_rules=cfg.sharding_rules,
-            init_from=cfg.init_from,
             augment=cfg.augment or None,
+            **_starting_point(cfg),
             **settings,
         )
     except FitInterrupted as stopped:  # Ctrl-C: the checkpoint is written; `jaxnn train` exits 130 after the summary
         result = stopped.result
     summary = {"model": cfg.model, "dataset": data.name, **result.summary}
     finished_now = not (summary.get("interrupted_by") or summary.get("already_finished"))
-    if is_text and cfg.sample_bytes and finished_now:
+    # A sample is bytes: only a byte-level vocabulary reads as text (an imported one needs its tokenizer).
+    if is_text and cfg.sample_bytes and finished_now and getattr(mcfg, "vocab_size", 0) == 256:
         summary["sample"] = _sample(model, result.state, cfg)
         if jax.process_index() == 0 and run.run_dir:
             write_json_atomic(pathlib.Path(run.run_dir) / "summary.json", summary)
     return summary
+
+
+def _starting_point(cfg: TrainConfig) -> dict[str, Any]:
+    """fit's keywords for where training starts: another jaxnn run's state (`init_from`), or the parameters of a
+    transformers folder (fine-tuning an imported checkpoint), or nothing (a fresh initialisation)."""
+    from jaxnn.interop.hf import is_hf_folder, load_hf
+
+    if cfg.init_from is None or not is_hf_folder(cfg.init_from):
+        return {"init_from": cfg.init_from}
+    _, params = load_hf(cfg.init_from)
+    return {"params": params}
 
 
 def _loss(cfg: TrainConfig, is_text: bool) -> Any:
