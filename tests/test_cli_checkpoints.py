@@ -48,10 +48,16 @@ def test_summary_of_a_large_preset_prints_its_published_count_without_allocating
     assert "unknown model 'gpt3'" in capsys.readouterr().err
 
 
-def test_fine_tune_a_transformers_folder_and_export_it_back(capsys, tmp_path, gpt2_folder):
+def test_fine_tune_a_transformers_folder_on_its_tokens_and_export_it_back(capsys, tmp_path, gpt2_folder):
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "a.py").write_text("import numpy as np\n\ndef main():\n    return np.zeros(3)\n" * 40)
     run = tmp_path / "run"
-    argv = ["--init-from", str(gpt2_folder), "--steps", "2", "--batch-size", "4", "--seq-len", "16", "--lr", "1e-9"]
-    assert cli.main(["train", *argv, "--run-dir", str(run), "--no-progress", "--no-plots"]) == 0
+    argv = ["--init-from", str(gpt2_folder), "--data", str(text), "--steps", "2", "--batch-size", "4"]
+    argv += ["--seq-len", "16", "--lr", "1e-9", "--run-dir", str(run), "--no-progress", "--no-plots"]
+    assert cli.main(["train", *argv]) == 0
+    out = capsys.readouterr().out
+    assert "gpt on text-tokens" in out and "bits/token" in out  # trained on the folder's tokenizer, not on bytes
     assert cli.main(["export", "--run-dir", str(run), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
     ids = np.random.default_rng(0).integers(0, VOCAB, (2, 10))
     # Two steps at a learning rate of 1e-9 leave the weights where the folder had them: the import is the start.

@@ -76,6 +76,7 @@ PAGES = (
     "precision",
     "data",
     "checkpoints",
+    "bring-a-checkpoint",
     "run-directories",
     "parallel",
     "experiments",

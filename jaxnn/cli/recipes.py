@@ -48,14 +48,30 @@ def resolve_dataset(cfg: TrainConfig) -> str:
 
 def load_data(cfg: TrainConfig) -> ImageDataset | TextCorpus:
     """The data set the config names, checked against the format (a DataError names the file otherwise)."""
-    from jaxnn.data import DataError, detect_format, load_dataset
+    from jaxnn.data import DataError, TextCorpus, detect_format, load_dataset, tokenize_corpus
 
     name = resolve_dataset(cfg)
     if cfg.data_dir and name in ("mnist", "fashion_mnist", "cifar10"):
         found = detect_format(cfg.data_dir)
         if found != ("cifar10" if name == "cifar10" else "mnist"):
             raise DataError(f"{cfg.data_dir}: holds {found} files, not the {name} format")
-    return load_dataset(name, cfg.data_dir)
+    data = load_dataset(name, cfg.data_dir)
+    tokenizer = _checkpoint_tokenizer(cfg)
+    if tokenizer is not None and isinstance(data, TextCorpus):
+        log.info("train: text tokenised with %s", tokenizer)
+        return tokenize_corpus(data, tokenizer)
+    return data
+
+
+def _checkpoint_tokenizer(cfg: TrainConfig) -> pathlib.Path | None:
+    """The tokenizer.json of the transformers folder the run starts from, if it has one: a checkpoint is
+    fine-tuned on its own vocabulary, not on bytes."""
+    from jaxnn.interop.hf import is_hf_folder
+
+    if cfg.init_from is None or not is_hf_folder(cfg.init_from):
+        return None
+    path = pathlib.Path(cfg.init_from) / "tokenizer.json"
+    return path if path.is_file() else None
 
 
 def model_config(cfg: TrainConfig, data: ImageDataset | TextCorpus) -> Any:
@@ -91,6 +107,10 @@ def train(
     data = load_data(cfg)
     is_text = isinstance(data, TextCorpus)
     mcfg = model_config(cfg, data)
+    if is_text and data.vocab_size > mcfg.vocab_size:
+        raise ConfigError(
+            f"the data's {data.vocab_size} token ids do not fit the model's vocabulary of {mcfg.vocab_size}"
+        )
     model = get_model(cfg.model, mcfg)
     run = dataclasses.replace(cfg.fit, name=f"{cfg.model}/{data.name}")
     batch_size = int(run.batch_size or 0)  # TrainConfig refuses None

@@ -305,7 +305,8 @@ def format_summary(s: dict) -> str:
     if "eval_accuracy" in s:
         quality = f"test accuracy {100 * s['eval_accuracy']:.2f}% (loss {s['eval_loss']:.4f})"
     elif "eval_bits_per_token" in s:
-        quality = f"test {s['eval_bits_per_token']:.3f} bits/byte (loss {s['eval_loss']:.4f})"
+        unit = "token" if str(s.get("dataset", "")).endswith("-tokens") else "byte"  # tokenize_corpus names it
+        quality = f"test {s['eval_bits_per_token']:.3f} bits/{unit} (loss {s['eval_loss']:.4f})"
     else:
         quality = "no evaluation"
     stopped = f", stopped by signal {s['interrupted_by']}" if s.get("interrupted_by") else ""
