@@ -107,7 +107,7 @@ def train(
     data = load_data(cfg)
     is_text = isinstance(data, TextCorpus)
     mcfg = model_config(cfg, data)
-    if is_text and data.vocab_size > mcfg.vocab_size:
+    if isinstance(data, TextCorpus) and data.vocab_size > mcfg.vocab_size:
         raise ConfigError(
             f"the data's {data.vocab_size} token ids do not fit the model's vocabulary of {mcfg.vocab_size}"
         )
