@@ -295,7 +295,8 @@ class TrainConfig:
     see jaxnn.sharding) replaces `fit.devices`; `sharding_rules` is a JSON rule table's path (jaxnn.shard_rules).
     `schedule`: the learning rate's cosine decay to 0 at the run's last step, or "constant" after the warm-up,
     which lets a finished run be trained on with a larger `steps`.
-    `init_from`: start from another run's parameters and optimizer state (`jaxnn.fit`'s `init_from`).
+    `init_from`: start from another run's parameters and optimizer state (`jaxnn.fit`'s `init_from`), or from
+    the weights of a transformers GPT-2/Llama folder (its tokenizer.json, where it has one, tokenises the text).
     `augment`: random augmentation in the train step on the device, as `jaxnn.augment.parse_augment` reads it
     ("crop,flip,mixup"); `crop_pad` and `flip` are the host pipeline's.
     """

@@ -27,6 +27,7 @@ EXTRAS = {
     "torch": "interop",
     "torchvision": "interop",
     "transformers": "interop",
+    "tokenizers": "interop",
 }
 _warned: set[str] = set()
 

@@ -23,12 +23,24 @@ VOCAB = 96
 CONFIGS = {
     "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4),
     "llama-gqa": lambda: transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, rope_theta=500000.0,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        rope_theta=500000.0,
     ),  # fmt: skip
     "llama-tied-mha": lambda: transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
     ),  # fmt: skip
 }
 

@@ -48,14 +48,30 @@ def resolve_dataset(cfg: TrainConfig) -> str:
 
 def load_data(cfg: TrainConfig) -> ImageDataset | TextCorpus:
     """The data set the config names, checked against the format (a DataError names the file otherwise)."""
-    from jaxnn.data import DataError, detect_format, load_dataset
+    from jaxnn.data import DataError, TextCorpus, detect_format, load_dataset, tokenize_corpus
 
     name = resolve_dataset(cfg)
     if cfg.data_dir and name in ("mnist", "fashion_mnist", "cifar10"):
         found = detect_format(cfg.data_dir)
         if found != ("cifar10" if name == "cifar10" else "mnist"):
             raise DataError(f"{cfg.data_dir}: holds {found} files, not the {name} format")
-    return load_dataset(name, cfg.data_dir)
+    data = load_dataset(name, cfg.data_dir)
+    tokenizer = _checkpoint_tokenizer(cfg)
+    if tokenizer is not None and isinstance(data, TextCorpus):
+        log.info("train: text tokenised with %s", tokenizer)
+        return tokenize_corpus(data, tokenizer)
+    return data
+
+
+def _checkpoint_tokenizer(cfg: TrainConfig) -> pathlib.Path | None:
+    """The tokenizer.json of the transformers folder the run starts from, if it has one: a checkpoint is
+    fine-tuned on its own vocabulary, not on bytes."""
+    from jaxnn.interop.hf import is_hf_folder
+
+    if cfg.init_from is None or not is_hf_folder(cfg.init_from):
+        return None
+    path = pathlib.Path(cfg.init_from) / "tokenizer.json"
+    return path if path.is_file() else None
 
 
 def model_config(cfg: TrainConfig, data: ImageDataset | TextCorpus) -> Any:
@@ -91,6 +107,10 @@ def train(
     data = load_data(cfg)
     is_text = isinstance(data, TextCorpus)
     mcfg = model_config(cfg, data)
+    if isinstance(data, TextCorpus) and data.vocab_size > mcfg.vocab_size:
+        raise ConfigError(
+            f"the data's {data.vocab_size} token ids do not fit the model's vocabulary of {mcfg.vocab_size}"
+        )
     model = get_model(cfg.model, mcfg)
     run = dataclasses.replace(cfg.fit, name=f"{cfg.model}/{data.name}")
     batch_size = int(run.batch_size or 0)  # TrainConfig refuses None
@@ -129,19 +149,31 @@ def train(
             config={**cfg.trajectory(), **fixed, "model_config": dataclasses.asdict(mcfg)},
             mesh=cfg.mesh,
             sharding_rules=cfg.sharding_rules,
-            init_from=cfg.init_from,
             augment=cfg.augment or None,
+            **_starting_point(cfg),
             **settings,
         )
     except FitInterrupted as stopped:  # Ctrl-C: the checkpoint is written; `jaxnn train` exits 130 after the summary
         result = stopped.result
     summary = {"model": cfg.model, "dataset": data.name, **result.summary}
     finished_now = not (summary.get("interrupted_by") or summary.get("already_finished"))
-    if is_text and cfg.sample_bytes and finished_now:
+    # A sample is bytes: only a byte-level vocabulary reads as text (an imported one needs its tokenizer).
+    if is_text and cfg.sample_bytes and finished_now and getattr(mcfg, "vocab_size", 0) == 256:
         summary["sample"] = _sample(model, result.state, cfg)
         if jax.process_index() == 0 and run.run_dir:
             write_json_atomic(pathlib.Path(run.run_dir) / "summary.json", summary)
     return summary
+
+
+def _starting_point(cfg: TrainConfig) -> dict[str, Any]:
+    """fit's keywords for where training starts: another jaxnn run's state (`init_from`), or the parameters of a
+    transformers folder (fine-tuning an imported checkpoint), or nothing (a fresh initialisation)."""
+    from jaxnn.interop.hf import is_hf_folder, load_hf
+
+    if cfg.init_from is None or not is_hf_folder(cfg.init_from):
+        return {"init_from": cfg.init_from}
+    _, params = load_hf(cfg.init_from)
+    return {"params": params}
 
 
 def _loss(cfg: TrainConfig, is_text: bool) -> Any:

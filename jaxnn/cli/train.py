@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import math
 import os
@@ -35,7 +36,12 @@ def add_train_parser(sub: Any) -> None:
         description="Train a model; checkpoints, metrics.jsonl and plots go to the run directory.",
     )
     a = p.add_argument
-    a("--model", default="cnn", help="model: mlp, cnn, resnet or gpt")
+    a(
+        "--model",
+        default=None,
+        help="model: mlp, cnn, resnet, gpt, or a preset such as gpt2 or llama-3.2-1b (`jaxnn summary --list`); "
+        "default cnn, or what --init-from's transformers folder holds",
+    )
     a(
         "--data",
         default=None,
@@ -211,10 +217,27 @@ def default_run_dir(model: str, data: str | None, resume: bool) -> str:
     return str(base / datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
 
 
+def model_and_base_fields(name: str | None, init_from: str | None) -> tuple[str, dict[str, Any] | None]:
+    """The model family `jaxnn train` builds, and the config fields it starts from: a preset's, or those of the
+    transformers folder `init_from` names (None: the family's `jaxnn train` defaults). jax is imported, not
+    started: the device count is set after this."""
+    from jaxnn.interop.hf import config_from_hf, is_hf_folder, read_hf_config
+    from jaxnn.models.presets import PRESETS
+
+    if init_from is not None and is_hf_folder(init_from):
+        if name is not None and (PRESETS[name].family if name in PRESETS else name) != "gpt":
+            raise ConfigError(f"--init-from {init_from} is a transformers decoder: it trains as gpt, not {name!r}")
+        return "gpt", dataclasses.asdict(config_from_hf(read_hf_config(init_from)))
+    if name in PRESETS:
+        return PRESETS[name].family, dataclasses.asdict(PRESETS[name].config)
+    return name or "cnn", None
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The run the flags ask for; each value is checked by the config that holds it (a ConfigError names it)."""
-    defaults = MODEL_DEFAULTS.get(args.model, {})
-    overrides = default_model_overrides(args.model, args.size)
+    model, base = model_and_base_fields(args.model, args.init_from)
+    defaults = MODEL_DEFAULTS.get(model, {})
+    overrides = default_model_overrides(model, args.size) if base is None else base
     for flag, field in (("d_model", "d_model"), ("layers", "num_layers")):
         if getattr(args, flag) is not None:
             overrides[field] = getattr(args, flag)
@@ -240,7 +263,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         keep_best=args.keep_best,
         keep_best_mode=args.keep_best_mode,
         check_data=args.check_data,
-        run_dir=args.run_dir or default_run_dir(args.model, args.data, args.resume),
+        run_dir=args.run_dir or default_run_dir(args.model or model, args.data, args.resume),
         ckpt_dir=args.ckpt_dir,
         resume=args.resume,
         overwrite=args.overwrite,
@@ -253,7 +276,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         compile_cache="off" if args.no_compile_cache else args.compile_cache,
     )
     return TrainConfig(
-        model=args.model,
+        model=model,
         dataset=args.dataset,
         data_dir=args.data,
         size=args.size,
@@ -282,7 +305,8 @@ def format_summary(s: dict) -> str:
     if "eval_accuracy" in s:
         quality = f"test accuracy {100 * s['eval_accuracy']:.2f}% (loss {s['eval_loss']:.4f})"
     elif "eval_bits_per_token" in s:
-        quality = f"test {s['eval_bits_per_token']:.3f} bits/byte (loss {s['eval_loss']:.4f})"
+        unit = "token" if str(s.get("dataset", "")).endswith("-tokens") else "byte"  # tokenize_corpus names it
+        quality = f"test {s['eval_bits_per_token']:.3f} bits/{unit} (loss {s['eval_loss']:.4f})"
     else:
         quality = "no evaluation"
     stopped = f", stopped by signal {s['interrupted_by']}" if s.get("interrupted_by") else ""

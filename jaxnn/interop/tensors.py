@@ -28,6 +28,10 @@ class TensorMismatchError(ValueError):
     """A checkpoint that does not fit the jaxnn model: a missing or unexpected tensor, or a wrong shape."""
 
 
+def _alone(array: np.ndarray) -> tuple[np.ndarray, ...]:
+    return (array,)
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """`sources` (tensor names in the other library) -> the jaxnn array at `target`.
@@ -37,8 +41,12 @@ class Rule:
 
     sources: tuple[str, ...]
     target: Path
-    to_jaxnn: Callable[..., np.ndarray] = lambda a: a
-    from_jaxnn: Callable[[np.ndarray], tuple[np.ndarray, ...]] = lambda a: (a,)
+    to_jaxnn: Callable[..., np.ndarray] = np.asarray
+    from_jaxnn: Callable[[np.ndarray], tuple[np.ndarray, ...]] = _alone
+
+    def __post_init__(self) -> None:
+        if not self.sources:
+            raise ValueError(f"Rule for {'/'.join(self.target)}: needs at least one source tensor")
 
 
 def transposed(sources: tuple[str, ...] | str, target: Path) -> Rule:
