@@ -38,7 +38,6 @@ SUBMODULES = (
     "finetune",
     "interop",
     "generate",
-    "interop",
     "layers",
     "loop",
     "mesh",
