@@ -78,7 +78,6 @@ PAGES = (
     "data",
     "checkpoints",
     "bring-a-checkpoint",
-    "bring-a-checkpoint-vision",
     "run-directories",
     "parallel",
     "experiments",
