@@ -77,3 +77,23 @@ def test_an_imported_decoder_cannot_train_as_an_image_model(capsys, tmp_path, gp
     assert cli.main(argv) == 2
     assert "trains as gpt, not 'cnn'" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_fine_tune_a_torchvision_resnet_on_grayscale_digits(capsys, tmp_path):
+    pytest.importorskip("torchvision")
+    from torchvision.models.resnet import BasicBlock, ResNet
+
+    torch.manual_seed(0)
+    torch.save(ResNet(BasicBlock, [1, 1, 1, 1], num_classes=7).state_dict(), tmp_path / "tiny.pth")
+    argv = ["train", "--init-from", str(tmp_path / "tiny.pth"), "--steps", "2", "--batch-size", "8"]
+    assert cli.main([*argv, "--run-dir", str(tmp_path / "run"), "--no-progress", "--no-plots"]) == 0
+    assert "imagenet_resnet on digits: step 2/2" in capsys.readouterr().out
+    assert cli.main(["train", "--model", "gpt2", "--init-from", str(tmp_path / "tiny.pth")]) == 2
+    assert "is a torchvision ResNet: it trains as imagenet_resnet, not 'gpt2'" in capsys.readouterr().err
+
+
+def test_vision_presets_train_on_the_data_at_hand(capsys, tmp_path):
+    argv = ["train", "--model", "vit-b16", "--model-config", "patch_size=4", "num_layers=1", "hidden_dim=32"]
+    argv += ["num_heads=2", "mlp_dim=64", "--steps", "2", "--batch-size", "8", "--no-progress", "--no-plots"]
+    assert cli.main([*argv, "--run-dir", str(tmp_path / "vit")]) == 0
+    assert "vit on digits: step 2/2" in capsys.readouterr().out  # 10 classes and 8x8 images, from the data

@@ -218,19 +218,35 @@ def default_run_dir(model: str, data: str | None, resume: bool) -> str:
 
 
 def model_and_base_fields(name: str | None, init_from: str | None) -> tuple[str, dict[str, Any] | None]:
-    """The model family `jaxnn train` builds, and the config fields it starts from: a preset's, or those of the
-    transformers folder `init_from` names (None: the family's `jaxnn train` defaults). jax is imported, not
-    started: the device count is set after this."""
+    """The model family `jaxnn train` builds, and the config fields it starts from: those of the checkpoint
+    `init_from` names (a transformers folder, a torchvision ResNet file), or a preset's, or None (the family's
+    `jaxnn train` defaults). jax is imported, not started: the device count is set after this."""
     from jaxnn.interop.hf import config_from_hf, is_hf_folder, read_hf_config
+    from jaxnn.interop.tensors import is_tensor_file, read_tensors
+    from jaxnn.interop.torchvision import resnet_config_from_state_dict
     from jaxnn.models.presets import PRESETS
 
-    if init_from is not None and is_hf_folder(init_from):
-        if name is not None and (PRESETS[name].family if name in PRESETS else name) != "gpt":
-            raise ConfigError(f"--init-from {init_from} is a transformers decoder: it trains as gpt, not {name!r}")
-        return "gpt", dataclasses.asdict(config_from_hf(read_hf_config(init_from)))
-    if name in PRESETS:
-        return PRESETS[name].family, dataclasses.asdict(PRESETS[name].config)
-    return name or "cnn", None
+    family = PRESETS[name].family if name in PRESETS else name
+    if init_from is not None and (is_hf_folder(init_from) or is_tensor_file(init_from)):
+        kind, wanted = (
+            ("a transformers decoder", "gpt")
+            if is_hf_folder(init_from)
+            else ("a torchvision ResNet", "imagenet_resnet")
+        )
+        if family is not None and family != wanted:
+            raise ConfigError(f"--init-from {init_from} is {kind}: it trains as {wanted}, not {name!r}")
+        if wanted == "gpt":
+            return "gpt", dataclasses.asdict(config_from_hf(read_hf_config(init_from)))
+        family, fields = wanted, dataclasses.asdict(resnet_config_from_state_dict(read_tensors(init_from)))
+    elif name in PRESETS:
+        fields = dataclasses.asdict(PRESETS[name].config)
+    else:
+        return name or "cnn", None
+    # What the data decide (recipes.model_config sets them): an ImageNet head and image size are not the bundled
+    # digits'; recipes replaces a checkpoint's head when the counts differ. A --model-config still sets them.
+    for data_field in ("num_classes", "image_size"):
+        fields.pop(data_field, None)
+    return str(family), fields
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

@@ -82,6 +82,14 @@ def _split_sizes(total: int, parts: int) -> list[int]:
     return [total // parts] * parts
 
 
+TENSOR_FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
+
+
+def is_tensor_file(path: str | os.PathLike) -> bool:
+    """Whether `path` is one file of tensors `read_tensors` reads (not a folder or a run directory)."""
+    return os.path.isfile(path) and os.fspath(path).endswith(TENSOR_FILE_SUFFIXES)
+
+
 def read_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Every tensor of a checkpoint: a `.safetensors` file, a sharded Hugging Face folder
     (`model.safetensors.index.json`), a folder holding `model.safetensors`, or a PyTorch `.pt`/`.pth`/`.bin`
@@ -208,6 +216,7 @@ __all__ = [
     "TensorMismatchError",
     "concatenated",
     "from_jaxnn",
+    "is_tensor_file",
     "read_tensors",
     "same",
     "to_jaxnn",
