@@ -91,7 +91,13 @@ def add_train_parser(sub: Any) -> None:
     a("--keep", type=int, default=3, help="checkpoints to keep")
     a("--keep-best", default=None, metavar="METRIC", help="keep the checkpoints best by this eval metric")
     a("--keep-best-mode", default="min", choices=("min", "max"), help="whether --keep-best's metric is best low")
-    a("--init-from", default=None, metavar="RUN_DIR", help="start from another run's parameters and optimizer state")
+    a(
+        "--init-from",
+        default=None,
+        metavar="PATH",
+        help="start from another run's parameters and optimizer state, a transformers GPT-2/Llama folder (its "
+        "tokenizer.json tokenises the text) or a torchvision ResNet .pth/.safetensors file",
+    )
     a(
         "--devices",
         type=int,
