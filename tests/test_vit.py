@@ -6,50 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxnn.interop.tensors import Rule, same, to_jaxnn, transposed
+from jaxnn.interop.torchvision import load_torchvision_vit, vit_config_from_state_dict, vit_to_torchvision_state_dict
 from jaxnn.models.vit import ViT, ViTConfig
 
 torch = pytest.importorskip("torch")
 torchvision = pytest.importorskip("torchvision")
 
 CFG = ViTConfig().small()
-
-
-def conv(source, target):
-    return Rule((source,), target, lambda a: a.transpose(2, 3, 1, 0))
-
-
-def block_rules(i):
-    src, dst = f"encoder.layers.encoder_layer_{i}", ("3_encoder", f"{i + 1}_block")
-    attn, mlp = (*dst, "0_attn"), (*dst, "1_mlp")
-    return [
-        same(f"{src}.ln_1.weight", (*attn, "0_ln_1", "scale")),
-        same(f"{src}.ln_1.bias", (*attn, "0_ln_1", "bias")),
-        transposed(f"{src}.self_attention.in_proj_weight", (*attn, "1_self_attention", "qkv", "w")),
-        same(f"{src}.self_attention.in_proj_bias", (*attn, "1_self_attention", "qkv", "b")),
-        transposed(f"{src}.self_attention.out_proj.weight", (*attn, "1_self_attention", "out", "w")),
-        same(f"{src}.self_attention.out_proj.bias", (*attn, "1_self_attention", "out", "b")),
-        same(f"{src}.ln_2.weight", (*mlp, "0_ln_2", "scale")),
-        same(f"{src}.ln_2.bias", (*mlp, "0_ln_2", "bias")),
-        transposed(f"{src}.mlp.0.weight", (*mlp, "1_fc1", "w")),
-        same(f"{src}.mlp.0.bias", (*mlp, "1_fc1", "b")),
-        transposed(f"{src}.mlp.3.weight", (*mlp, "4_fc2", "w")),
-        same(f"{src}.mlp.3.bias", (*mlp, "4_fc2", "b")),
-    ]
-
-
-def vit_rules(cfg):
-    return [
-        conv("conv_proj.weight", ("0_conv_proj", "w")),
-        same("conv_proj.bias", ("0_conv_proj", "b")),
-        same("class_token", ("2_embed", "class_token")),
-        same("encoder.pos_embedding", ("2_embed", "pos_embedding")),
-        *(rule for i in range(cfg.num_layers) for rule in block_rules(i)),
-        same("encoder.ln.weight", ("3_encoder", f"{cfg.num_layers + 1}_ln", "scale")),
-        same("encoder.ln.bias", ("3_encoder", f"{cfg.num_layers + 1}_ln", "bias")),
-        transposed("heads.head.weight", ("5_head", "w")),
-        same("heads.head.bias", ("5_head", "b")),
-    ]
 
 
 def test_vit_gives_torchvisions_logits():
@@ -68,10 +31,10 @@ def test_vit_gives_torchvisions_logits():
             # Small embeddings and images: the first LayerNorm sees a variance of ~1e-4, where its eps shows.
             p.copy_(torch.randn(p.shape) * (0.01 if name in ("class_token", "encoder.pos_embedding") else 0.5))
     tensors = {k: v.numpy() for k, v in reference.state_dict().items()}
+    head_dim = CFG.hidden_dim // CFG.num_heads
+    assert vit_config_from_state_dict(tensors, head_dim=head_dim) == CFG  # every size read off the weights
     model = ViT(CFG)
-    shape = (2, CFG.image_size, CFG.image_size, 3)
-    expected = jax.eval_shape(lambda k: model.init(k, shape)[1], jax.random.key(0))
-    params = to_jaxnn(tensors, vit_rules(CFG), expected, source="torchvision ViT")
+    params = load_torchvision_vit(reference.state_dict(), CFG)
     x = 0.01 * np.random.default_rng(0).normal(size=(2, 3, CFG.image_size, CFG.image_size)).astype(np.float32)
     with torch.no_grad():
         want = reference.eval()(torch.from_numpy(x)).numpy()
@@ -81,3 +44,11 @@ def test_vit_gives_torchvisions_logits():
     # float32 rounding stays near 1e-7 of the largest logit; the tanh GELU, or LayerNorm eps 1e-5 instead of 1e-6,
     # moves the logits by 1e-4 of it and more.
     assert err < 1e-5 * float(np.abs(want).max()), f"max abs error {err:.3g} (logits up to {np.abs(want).max():.3g})"
+
+    back = torchvision.models.VisionTransformer(
+        CFG.image_size, CFG.patch_size, CFG.num_layers, CFG.num_heads, CFG.hidden_dim, CFG.mlp_dim,
+        num_classes=CFG.num_classes,
+    )  # fmt: skip
+    back.load_state_dict({k: torch.from_numpy(v) for k, v in vit_to_torchvision_state_dict(params, CFG).items()})
+    with torch.no_grad():
+        np.testing.assert_array_equal(back.eval()(torch.from_numpy(x)).numpy(), want)

@@ -1,5 +1,6 @@
 """torchvision ResNet state dicts (resnet18/34/50 and any other stage sizes) in and out of
-`jaxnn.models.imagenet_resnet`, whose layers are torchvision's one for one.
+`jaxnn.models.imagenet_resnet`, and VisionTransformer ones (vit_b_16, vit_l_16, ...) in and out of
+`jaxnn.models.vit`: both have torchvision's layers one for one.
 
     params, state = load_torchvision_resnet("resnet50.pth")          # the config read off the tensor names
     logits = ImageNetResNet(cfg).apply(params, images_NHWC, state=state)[0]
@@ -36,6 +37,7 @@ from jaxnn.interop.tensors import (
 from jaxnn.layers import init_model
 from jaxnn.layers.core import child_keys
 from jaxnn.models.imagenet_resnet import ImageNetResNet, ImageNetResNetConfig, has_projection
+from jaxnn.models.vit import ViT, ViTConfig
 
 _BLOCK_KEY = re.compile(r"^layer(\d+)\.(\d+)\.")
 # The params keys of a block's branch layers, as jaxnn.models.imagenet_resnet's serials number them (the ReLUs take
@@ -166,11 +168,95 @@ def to_torchvision_state_dict(params: Any, state: Any, cfg: ImageNetResNetConfig
     return out
 
 
+# --- ViT ----------------------------------------------------------------------------------------------------------
+
+
+def _vit_block_rules(i: int) -> list[Rule]:
+    src, dst = f"encoder.layers.encoder_layer_{i}", ("3_encoder", f"{i + 1}_block")
+    attn, mlp = (*dst, "0_attn"), (*dst, "1_mlp")
+    return [
+        same(f"{src}.ln_1.weight", (*attn, "0_ln_1", "scale")),
+        same(f"{src}.ln_1.bias", (*attn, "0_ln_1", "bias")),
+        # nn.MultiheadAttention's in_proj is q, k and v stacked (3D, D): jaxnn's fused qkv, transposed.
+        transposed(f"{src}.self_attention.in_proj_weight", (*attn, "1_self_attention", "qkv", "w")),
+        same(f"{src}.self_attention.in_proj_bias", (*attn, "1_self_attention", "qkv", "b")),
+        transposed(f"{src}.self_attention.out_proj.weight", (*attn, "1_self_attention", "out", "w")),
+        same(f"{src}.self_attention.out_proj.bias", (*attn, "1_self_attention", "out", "b")),
+        same(f"{src}.ln_2.weight", (*mlp, "0_ln_2", "scale")),
+        same(f"{src}.ln_2.bias", (*mlp, "0_ln_2", "bias")),
+        transposed(f"{src}.mlp.0.weight", (*mlp, "1_fc1", "w")),
+        same(f"{src}.mlp.0.bias", (*mlp, "1_fc1", "b")),
+        transposed(f"{src}.mlp.3.weight", (*mlp, "4_fc2", "w")),
+        same(f"{src}.mlp.3.bias", (*mlp, "4_fc2", "b")),
+    ]
+
+
+def vit_rules(cfg: ViTConfig) -> list[Rule]:
+    """Every tensor of torchvision's VisionTransformer state dict -> its jaxnn `ViT(cfg)` param."""
+    final = ("3_encoder", f"{cfg.num_layers + 1}_ln")
+    return [
+        conv_rule("conv_proj.weight", ("0_conv_proj", "w")),
+        same("conv_proj.bias", ("0_conv_proj", "b")),
+        same("class_token", ("2_embed", "class_token")),
+        same("encoder.pos_embedding", ("2_embed", "pos_embedding")),
+        *(rule for i in range(cfg.num_layers) for rule in _vit_block_rules(i)),
+        same("encoder.ln.weight", (*final, "scale")),
+        same("encoder.ln.bias", (*final, "bias")),
+        transposed("heads.head.weight", ("5_head", "w")),
+        same("heads.head.bias", ("5_head", "b")),
+    ]
+
+
+def vit_config_from_state_dict(tensors: Mapping[str, Any], *, head_dim: int = 64) -> ViTConfig:
+    """The config of the ViT a torchvision state dict holds. The weights fix every size but the number of heads,
+    which is the width over `head_dim` (64 in every published ViT: B/16 has 12 heads, L/16 16, H/14 20)."""
+    for needed in ("conv_proj.weight", "encoder.pos_embedding", "heads.head.weight"):
+        if needed not in tensors:
+            raise TensorMismatchError(f"not a torchvision ViT state dict: no {needed!r} (found {len(tensors)} tensors)")
+    hidden, _, patch, _ = np.shape(tensors["conv_proj.weight"])
+    patches = np.shape(tensors["encoder.pos_embedding"])[1] - 1
+    layers = len({name.split(".")[2] for name in tensors if name.startswith("encoder.layers.")})
+    if hidden % head_dim:
+        raise TensorMismatchError(f"ViT width {hidden} is not a multiple of head_dim {head_dim}; pass the config")
+    return ViTConfig(
+        image_size=int(round(patches**0.5)) * int(patch),
+        patch_size=int(patch),
+        num_layers=layers,
+        num_heads=int(hidden) // head_dim,
+        hidden_dim=int(hidden),
+        mlp_dim=int(np.shape(tensors["encoder.layers.encoder_layer_0.mlp.0.weight"])[0]),
+        num_classes=int(np.shape(tensors["heads.head.weight"])[0]),
+    )
+
+
+def load_torchvision_vit(
+    checkpoint: str | os.PathLike | Mapping[str, Any], cfg: ViTConfig | None = None, *, dtype: Any = None
+) -> Any:
+    """The params of `ViT(cfg)` from a torchvision VisionTransformer checkpoint (a file or an in-memory state
+    dict; `cfg` None reads it off the tensors, `vit_config_from_state_dict`), cast to `dtype` (None: float32)."""
+    tensors, source = _as_arrays(checkpoint)
+    cfg = cfg if cfg is not None else vit_config_from_state_dict(tensors)
+    model = ViT(cfg)
+    shape = (1, cfg.image_size, cfg.image_size, 3)
+    expected = jax.eval_shape(lambda k: model.init(k, shape)[1], jax.random.key(0))
+    params = to_jaxnn(tensors, vit_rules(cfg), expected, source=source)
+    return jax.tree.map(lambda a: jnp.asarray(a, dtype or jnp.float32), params)
+
+
+def vit_to_torchvision_state_dict(params: Any, cfg: ViTConfig) -> dict[str, np.ndarray]:
+    """The torchvision VisionTransformer state dict of `ViT(cfg)`'s params (numpy arrays in their dtype)."""
+    return {name: np.array(a) for name, a in from_jaxnn(params, vit_rules(cfg)).items()}
+
+
 __all__ = [
     "batch_norm_rules",
     "conv_rule",
     "load_torchvision_resnet",
+    "load_torchvision_vit",
     "resnet_config_from_state_dict",
     "resnet_rules",
     "to_torchvision_state_dict",
+    "vit_config_from_state_dict",
+    "vit_rules",
+    "vit_to_torchvision_state_dict",
 ]
