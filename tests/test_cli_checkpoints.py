@@ -54,7 +54,7 @@ def test_fine_tune_a_transformers_folder_on_its_tokens_and_export_it_back(capsys
     (text / "a.py").write_text("import numpy as np\n\ndef main():\n    return np.zeros(3)\n" * 40)
     run = tmp_path / "run"
     argv = ["--init-from", str(gpt2_folder), "--data", str(text), "--steps", "2", "--batch-size", "4"]
-    argv += ["--seq-len", "16", "--lr", "1e-9", "--run-dir", str(run), "--no-progress", "--no-plots"]
+    argv += ["--seq-len", "16", "--lr", "1e-9", "--run-dir", str(run), "--no-progress", "--no-plots", "--no-summary"]
     assert cli.main(["train", *argv]) == 0
     out = capsys.readouterr().out
     assert "gpt on text-tokens" in out and "bits/token" in out  # trained on the folder's tokenizer, not on bytes
@@ -86,7 +86,7 @@ def test_fine_tune_a_torchvision_resnet_on_grayscale_digits(capsys, tmp_path):
     torch.manual_seed(0)
     torch.save(ResNet(BasicBlock, [1, 1, 1, 1], num_classes=7).state_dict(), tmp_path / "tiny.pth")
     argv = ["train", "--init-from", str(tmp_path / "tiny.pth"), "--steps", "2", "--batch-size", "8"]
-    assert cli.main([*argv, "--run-dir", str(tmp_path / "run"), "--no-progress", "--no-plots"]) == 0
+    assert cli.main([*argv, "--run-dir", str(tmp_path / "run"), "--no-progress", "--no-plots", "--no-summary"]) == 0
     assert "imagenet_resnet on digits: step 2/2" in capsys.readouterr().out
     assert cli.main(["train", "--model", "gpt2", "--init-from", str(tmp_path / "tiny.pth")]) == 2
     assert "is a torchvision ResNet: it trains as imagenet_resnet, not 'gpt2'" in capsys.readouterr().err
@@ -94,6 +94,16 @@ def test_fine_tune_a_torchvision_resnet_on_grayscale_digits(capsys, tmp_path):
 
 def test_vision_presets_train_on_the_data_at_hand(capsys, tmp_path):
     argv = ["train", "--model", "vit-b16", "--model-config", "patch_size=4", "num_layers=1", "hidden_dim=32"]
-    argv += ["num_heads=2", "mlp_dim=64", "--steps", "2", "--batch-size", "8", "--no-progress", "--no-plots"]
+    argv += [
+        "num_heads=2",
+        "mlp_dim=64",
+        "--steps",
+        "2",
+        "--batch-size",
+        "8",
+        "--no-progress",
+        "--no-plots",
+        "--no-summary",
+    ]
     assert cli.main([*argv, "--run-dir", str(tmp_path / "vit")]) == 0
     assert "vit on digits: step 2/2" in capsys.readouterr().out  # 10 classes and 8x8 images, from the data
