@@ -57,47 +57,8 @@ def add_train_parser(sub: Any) -> None:
     a("--batch-size", type=int, default=None, help="global batch size, split over --devices (default per model)")
     a("--seed", type=int, default=0, help="seed for initialisation, shuffling and augmentation")
     add_optimizer_flags(p)
-    a("--seq-len", type=int, default=None, help="gpt: context length in bytes")
-    a("--d-model", type=int, default=None, help="gpt: model width (default 128)")
-    a("--layers", type=int, default=None, help="gpt: number of transformer blocks")
-    a(
-        "--model-config",
-        nargs="+",
-        default=[],
-        metavar="FIELD=VALUE",
-        help="set fields of the model's config (values as JSON, else text), e.g. gpt's "
-        "position=rope norm=rms num_kv_heads=2 scan_layers=true",
-    )
-    a("--crop-pad", type=int, default=0, help="images: random crop after zero-padding by this many pixels")
-    a("--flip", action="store_true", help="images: random horizontal flips")
-    a(
-        "--augment",
-        default="",
-        metavar="OPS",
-        help="images: random augmentation inside the train step, on the device, e.g. crop,flip,brightness=0.2,"
-        "mixup (ops: crop[=pad] flip vflip brightness contrast saturation mixup cutmix; needs dm-pix)",
-    )
-    a(
-        "--run-dir",
-        default=None,
-        help="run directory (default runs/<model>-<data>/<time>; with --resume, the newest of those)",
-    )
-    a("--ckpt-dir", default=None, help="checkpoint directory (default <run-dir>/ckpt)")
-    a("--resume", action="store_true", help="continue from the newest good checkpoint in the run directory")
-    a("--overwrite", action="store_true", help="replace the run in --run-dir instead of refusing")
-    a("--eval-every", type=int, default=0, help="evaluate every N steps (0: five times per run)")
-    a("--log-every", type=int, default=50, help="log metrics and input wait every N steps")
-    a("--ckpt-every", type=int, default=0, help="checkpoint every N steps (0: only at the end and on a signal)")
-    a("--keep", type=int, default=3, help="checkpoints to keep")
-    a("--keep-best", default=None, metavar="METRIC", help="keep the checkpoints best by this eval metric")
-    a("--keep-best-mode", default="min", choices=("min", "max"), help="whether --keep-best's metric is best low")
-    a(
-        "--init-from",
-        default=None,
-        metavar="PATH",
-        help="start from another run's parameters and optimizer state, a transformers GPT-2/Llama folder (its "
-        "tokenizer.json tokenises the text) or a torchvision ResNet .pth/.safetensors file",
-    )
+    add_model_flags(p)
+    add_run_dir_flags(p)
     a(
         "--devices",
         type=int,
@@ -120,6 +81,57 @@ def add_train_parser(sub: Any) -> None:
     )
     add_multiprocess_flags(p)
     add_pipeline_and_output_flags(p)
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """`jaxnn train`'s flags for the model's shape and the images' augmentation."""
+    a = p.add_argument
+    a("--seq-len", type=int, default=None, help="gpt: context length in bytes")
+    a("--d-model", type=int, default=None, help="gpt: model width (default 128)")
+    a("--layers", type=int, default=None, help="gpt: number of transformer blocks")
+    a(
+        "--model-config",
+        nargs="+",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="set fields of the model's config (values as JSON, else text), e.g. gpt's "
+        "position=rope norm=rms num_kv_heads=2 scan_layers=true",
+    )
+    a("--crop-pad", type=int, default=0, help="images: random crop after zero-padding by this many pixels")
+    a("--flip", action="store_true", help="images: random horizontal flips")
+    a(
+        "--augment",
+        default="",
+        metavar="OPS",
+        help="images: random augmentation inside the train step, on the device, e.g. crop,flip,brightness=0.2,"
+        "mixup (ops: crop[=pad] flip vflip brightness contrast saturation mixup cutmix; needs dm-pix)",
+    )
+
+
+def add_run_dir_flags(p: argparse.ArgumentParser) -> None:
+    """`jaxnn train`'s flags for where the run lives, how often it checkpoints, and where it starts from."""
+    a = p.add_argument
+    a(
+        "--run-dir",
+        default=None,
+        help="run directory (default runs/<model>-<data>/<time>; with --resume, the newest of those)",
+    )
+    a("--ckpt-dir", default=None, help="checkpoint directory (default <run-dir>/ckpt)")
+    a("--resume", action="store_true", help="continue from the newest good checkpoint in the run directory")
+    a("--overwrite", action="store_true", help="replace the run in --run-dir instead of refusing")
+    a("--eval-every", type=int, default=0, help="evaluate every N steps (0: five times per run)")
+    a("--log-every", type=int, default=50, help="log metrics and input wait every N steps")
+    a("--ckpt-every", type=int, default=0, help="checkpoint every N steps (0: only at the end and on a signal)")
+    a("--keep", type=int, default=3, help="checkpoints to keep")
+    a("--keep-best", default=None, metavar="METRIC", help="keep the checkpoints best by this eval metric")
+    a("--keep-best-mode", default="min", choices=("min", "max"), help="whether --keep-best's metric is best low")
+    a(
+        "--init-from",
+        default=None,
+        metavar="PATH",
+        help="start from another run's parameters and optimizer state, a transformers GPT-2/Llama folder (its "
+        "tokenizer.json tokenises the text) or a torchvision ResNet .pth/.safetensors file",
+    )
 
 
 def add_optimizer_flags(p: argparse.ArgumentParser) -> None:

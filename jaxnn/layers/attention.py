@@ -416,6 +416,19 @@ def _mlp(kind: str, hidden: int, bias: bool, w_init: initializers.Initializer, w
     ]
 
 
+def _check_block(mlp_ratio, mlp_hidden, mlp, norm, norm_eps, drop_prob) -> None:
+    """Refuses a bad TransformerBlock construction in one line, before any init."""
+    check_positive("TransformerBlock", mlp_ratio=mlp_ratio)
+    if mlp_hidden is not None:
+        check_positive("TransformerBlock", mlp_hidden=mlp_hidden)
+    if norm not in NORMS:
+        raise ValueError(f"TransformerBlock: unknown norm {norm!r}; choose one of {NORMS}")
+    if mlp not in MLPS:
+        raise ValueError(f"TransformerBlock: unknown mlp {mlp!r}; choose one of {MLPS}")
+    Dropout(drop_prob)  # each layer's own check of its argument
+    (LayerNorm if norm == "layer" else RMSNorm)(norm_eps)
+
+
 def TransformerBlock(
     num_heads: int,
     *,
@@ -448,16 +461,8 @@ def TransformerBlock(
     block). Side inputs (mask, positions, context, context_mask) reach the sublayers that read them; a causal block
     decodes with a cache.
     """
-    check_positive("TransformerBlock", mlp_ratio=mlp_ratio)
-    if mlp_hidden is not None:
-        check_positive("TransformerBlock", mlp_hidden=mlp_hidden)
-    if norm not in NORMS:
-        raise ValueError(f"TransformerBlock: unknown norm {norm!r}; choose one of {NORMS}")
-    if mlp not in MLPS:
-        raise ValueError(f"TransformerBlock: unknown mlp {mlp!r}; choose one of {MLPS}")
-    Dropout(drop_prob)  # refuse a bad drop_prob at construction, not at init
+    _check_block(mlp_ratio, mlp_hidden, mlp, norm, norm_eps, drop_prob)
     Norm = LayerNorm if norm == "layer" else RMSNorm
-    Norm(norm_eps)  # refuse a bad epsilon at construction too
 
     def attention(cross: bool) -> Layer:
         return MultiHeadAttention(
