@@ -79,16 +79,25 @@ def test_an_imported_decoder_cannot_train_as_an_image_model(capsys, tmp_path, gp
     assert not (tmp_path / "r").exists()
 
 
-def test_fine_tune_a_torchvision_resnet_on_grayscale_digits(capsys, tmp_path):
-    pytest.importorskip("torchvision")
-    from torchvision.models.resnet import BasicBlock, ResNet
+def test_fine_tune_a_torchvision_resnet_on_grayscale_digits(capsys, caplog, tmp_path):
+    # A narrow ResNet in torchvision's layout (tests/test_interop_torchvision.py proves that layout against
+    # torchvision itself): an RGB stem and a 7-class head, fine-tuned on 1-channel, 10-class digits.
+    import jax
+    from safetensors.numpy import save_file
 
-    torch.manual_seed(0)
-    torch.save(ResNet(BasicBlock, [1, 1, 1, 1], num_classes=7).state_dict(), tmp_path / "tiny.pth")
-    argv = ["train", "--init-from", str(tmp_path / "tiny.pth"), "--steps", "2", "--batch-size", "8"]
+    from jaxnn.interop.torchvision import to_torchvision_state_dict
+    from jaxnn.layers import init_model
+    from jaxnn.models.imagenet_resnet import ImageNetResNet, ImageNetResNetConfig
+
+    cfg = ImageNetResNetConfig(stage_sizes=(1, 1), width=8, num_classes=7)
+    _, params, state = init_model(ImageNetResNet(cfg), jax.random.key(0), (1, 32, 32, 3))
+    save_file(to_torchvision_state_dict(params, state, cfg), tmp_path / "narrow.safetensors")
+    argv = ["train", "--init-from", str(tmp_path / "narrow.safetensors"), "--steps", "2", "--batch-size", "8"]
     assert cli.main([*argv, "--run-dir", str(tmp_path / "run"), "--no-progress", "--no-plots", "--no-summary"]) == 0
     assert "imagenet_resnet on digits: step 2/2" in capsys.readouterr().out
-    assert cli.main(["train", "--model", "gpt2", "--init-from", str(tmp_path / "tiny.pth")]) == 2
+    assert "grayscale images enter it in all three channels" in caplog.text
+    assert "7-class head, the data 10 classes: it starts afresh" in caplog.text
+    assert cli.main(["train", "--model", "gpt2", "--init-from", str(tmp_path / "narrow.safetensors")]) == 2
     assert "is a torchvision ResNet: it trains as imagenet_resnet, not 'gpt2'" in capsys.readouterr().err
 
 
