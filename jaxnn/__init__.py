@@ -37,6 +37,7 @@ SUBMODULES = (
     "export",
     "finetune",
     "generate",
+    "kernels",
     "layers",
     "loop",
     "mesh",

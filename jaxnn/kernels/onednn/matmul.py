@@ -23,7 +23,9 @@ def matmul(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool =
     if reason is not None:
         raise RuntimeError(reason)
     if a.dtype != jnp.bfloat16 or b.dtype != jnp.bfloat16 or a.ndim != b.ndim or a.shape[:-2] != b.shape[:-2]:
-        raise TypeError(f"onednn matmul: bfloat16 operands with equal batch axes, got {a.dtype}{a.shape} and {b.dtype}{b.shape}")
+        raise TypeError(
+            f"onednn matmul: bfloat16 operands with equal batch axes, got {a.dtype}{a.shape} and {b.dtype}{b.shape}"
+        )
     m = a.shape[-1] if trans_a else a.shape[-2]
     n = b.shape[-2] if trans_b else b.shape[-1]
     out = jax.ShapeDtypeStruct((*a.shape[:-2], m, n), dtype)
