@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxnn.kernels.onednn.library import TARGETS, unavailable_reason
+from jaxnn.kernels.onednn.library import call, like_primal, unavailable_reason
 
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -37,8 +37,7 @@ def _attrs(strides, pads, dilation) -> dict:
 
 def _call(target: str, shape, dtype, *operands, geometry):
     # vmap runs the kernel once per batch element (a loop); batching into N would need the axes moved.
-    out = jax.ShapeDtypeStruct(tuple(shape), dtype)
-    return jax.ffi.ffi_call(TARGETS[target], out, vmap_method="sequential")(*operands, **_attrs(*geometry))
+    return call(target, shape, dtype, *operands, vmap_method="sequential", **_attrs(*geometry))
 
 
 def _out_spatial(in_spatial, kernel, geometry) -> list[int]:
@@ -68,7 +67,7 @@ def _conv_bwd(geometry, residuals, g):
     g = g.astype(x.dtype)
     dx = _call("conv_bwd_data", x.shape, x.dtype, g, w, geometry=geometry)
     dw = _call("conv_bwd_weights", w.shape, _accumulated(w.dtype), x, g, geometry=geometry)
-    return dx, dw.astype(w.dtype)
+    return like_primal(dx, x), like_primal(dw.astype(w.dtype), w)
 
 
 _conv.defvjp(_conv_fwd, _conv_bwd)

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Iterator
 
 import jax
+from jax import lax
 
 LIBRARY_NAME = "libjaxnn_onednn.so"
 # JAXNN_ONEDNN_LIBRARY: another build of the library; JAXNN_ONEDNN: "1" uses the kernels in layers, "0" never.
@@ -90,6 +91,34 @@ def enabled() -> bool:
         env = os.environ.get(ENV_SWITCH, "").strip()
         flag = DEFAULT_ENABLED if env == "" else env not in ("0", "false", "no", "off")
     return flag and available()
+
+
+def call(target: str, shape, dtype, *operands: jax.Array, vmap_method: str, **attrs) -> jax.Array:
+    """One kernel call (`TARGETS[target]`) returning a `shape`, `dtype` array.
+
+    Under `jax.shard_map` the result varies over the mesh axes any operand varies over, and every operand is cast
+    to vary over all of them (a weight replicated across the data axis meets a per-shard cotangent): XLA's FFI
+    call needs operands of one such type and does not infer the result's."""
+    varying = frozenset().union(*(jax.typeof(x).mat.varying for x in operands))
+    operands = tuple(
+        x
+        if jax.typeof(x).mat.varying == varying
+        else lax.pcast(x, tuple(varying - jax.typeof(x).mat.varying), to="varying")
+        for x in operands
+    )
+    out = jax.ShapeDtypeStruct(tuple(shape), dtype)
+    if varying:  # the type names the manual mesh it varies over
+        aval = jax.typeof(operands[0])
+        sharding = jax.sharding.NamedSharding(aval.sharding.mesh, jax.sharding.PartitionSpec())
+        out = jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding, manual_axis_type=aval.mat)
+    return jax.ffi.ffi_call(TARGETS[target], out, vmap_method=vmap_method)(*operands, **attrs)
+
+
+def like_primal(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
+    """`cotangent` summed over the mesh axes it varies over and `primal` does not (inside `jax.shard_map`): what
+    autodiff does for the implicit cast `call` makes, and what a custom_vjp's backward rule must return."""
+    extra = jax.typeof(cotangent).mat.varying - jax.typeof(primal).mat.varying
+    return lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxnn.kernels.onednn.library import TARGETS, unavailable_reason
+from jaxnn.kernels.onednn.library import call, unavailable_reason
 
 
 def matmul(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False, dtype=jnp.float32) -> jax.Array:
@@ -28,10 +28,19 @@ def matmul(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool =
         )
     m = a.shape[-1] if trans_a else a.shape[-2]
     n = b.shape[-2] if trans_b else b.shape[-1]
-    out = jax.ShapeDtypeStruct((*a.shape[:-2], m, n), dtype)
+    if (a.shape[-2] if trans_a else a.shape[-1]) != (b.shape[-1] if trans_b else b.shape[-2]):
+        raise ValueError(f"onednn matmul: contracted sizes differ, {a.shape} (trans {trans_a}) and {b.shape}")
     # Under vmap every operand gets the mapped axis first, which the kernel folds into the batch.
-    call = jax.ffi.ffi_call(TARGETS["matmul"], out, vmap_method="broadcast_all")
-    return call(a, b, trans_a=int(trans_a), trans_b=int(trans_b))
+    return call(
+        "matmul",
+        (*a.shape[:-2], m, n),
+        dtype,
+        a,
+        b,
+        vmap_method="broadcast_all",
+        trans_a=int(trans_a),
+        trans_b=int(trans_b),
+    )
 
 
 def _as_matrices(x: jax.Array, spec: str, lead: list[str], first: list[str], second: list[str]):
