@@ -152,6 +152,12 @@ dnnl::convolution_forward::primitive_desc ForwardDesc(const memory::desc& src, c
 // (backward weights) jaxnn's layout at `user_weights` where the primitive chose another layout.
 void Run(const Cached& cached, std::unordered_map<int, memory> args, int weights_arg, void* user_weights,
          bool weights_are_output) {
+  // One kernel at a time: XLA runs independent ops (two gradients of one layer, the programs of several simulated
+  // devices) on different threads at once, and each calling thread would start its own OpenMP team on the same
+  // cores; oversubscribed, their spinning threads slowed a 0.4 ms weight gradient to 470 ms. Every kernel already
+  // uses all the cores, so waiting here costs nothing.
+  static std::mutex running;
+  std::lock_guard<std::mutex> lock(running);
   auto& stream = ThreadStream();
   memory user(cached.user_weights, Engine(), user_weights);
   memory inner = cached.reorder ? memory(cached.weights, Engine()) : user;
