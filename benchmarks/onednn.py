@@ -160,6 +160,29 @@ def worker(framework: str, repeats: int) -> list[dict]:
     return rows
 
 
+def ab_steps(models=("cnn", "gpt"), repeats: int = 5) -> list[dict]:
+    """jaxnn's training steps with and without the kernels, compiled in this process and timed side by side
+    (interleaved windows): the A/B that load from other processes cannot tilt, unlike process-per-library rounds."""
+    from benchmarks.peers.peer_jaxnn import build
+    from jaxnn.kernels import onednn
+    from jaxnn.timing import time_interleaved
+
+    rows = []
+    for name in models:
+        for precision in PRECISIONS:
+            steps = {}
+            for label, flag in (("xla", False), ("onednn", True)):
+                with onednn.use(flag):  # compiled here, under the switch, so that no later retrace can change it
+                    step = build(name, precision)
+                    step.step_fn = step.step_fn.lower(step.state, step.batch).compile()
+                steps[label] = step
+            timings = time_interleaved(steps, repeats=repeats)
+            row = {"model": name, "precision": precision} | {k: t.median * 1e3 for k, t in timings.items()}
+            rows.append(row)
+            print(f"A/B {name} {precision}: xla {row['xla']:.4g} ms, onednn {row['onednn']:.4g} ms", file=sys.stderr)
+    return rows
+
+
 def run_primitives(rounds: int, repeats: int) -> list[dict]:
     """Alternates the JAX and the PyTorch worker processes `rounds` times; every row of every round."""
     rows = []
@@ -226,6 +249,14 @@ def main(argv=None) -> int:
         json.dump(result, f, indent=2)
     if not args.no_steps:
         from benchmarks.peers.__main__ import main as peers
+
+        result["ab_steps"] = ab_steps(repeats=args.repeats)
+        print("jaxnn steps in one process, interleaved windows, median ms (xla: no kernels; onednn: JAXNN_ONEDNN=1)")
+        for row in result["ab_steps"]:
+            cells = f"xla {row['xla']:8.4g}  onednn {row['onednn']:8.4g}  {row['onednn'] / row['xla']:.2f}x"
+            print(f"{row['model']:4} {row['precision']:5} {cells}")
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
 
         steps = ["--peers", "jaxnn", "jaxnn_onednn", "pytorch", "--models", "cnn", "gpt", "--rounds", str(args.rounds)]
         peers([*steps, "--repeats", str(args.repeats), "--json", path.replace(".json", "-steps.json")])
