@@ -20,7 +20,7 @@ $(ONEDNN_SO): $(ONEDNN_STAMP) $(ONEDNN_SRC)
 		echo "onednn: no oneDNN headers in $(VENV)/include; the oneDNN kernels are not built"; \
 	else \
 		echo "onednn: compiling $@"; \
-		$(CXX) -O2 -std=c++17 -shared -fPIC -Wno-return-type \
+		$(CXX) -O2 -std=c++17 -fopenmp -shared -fPIC -Wno-return-type \
 			-isystem "$$($(PY) -c 'import jax.ffi; print(jax.ffi.include_dir())')" -I$(VENV)/include \
 			$(ONEDNN_SRC) -L$(VENV)/lib -ldnnl -Wl,-rpath,$(abspath $(VENV))/lib -o $@; \
 	fi

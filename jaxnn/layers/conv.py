@@ -36,9 +36,10 @@ _DIMENSION_NUMBERS = {
 }
 PADDING_MODES = ("SAME", "VALID", "CAUSAL")
 LOWERINGS = ("auto", "xla", "im2col", "onednn")
-# "auto" with the oneDNN kernels switched on keeps im2col for float32 inputs narrower than this: oneDNN's direct
-# fp32 kernels vectorise over channels, and the CNN's 3-channel stem ran at 26 GFLOP/s there against im2col's 40-60
-# (the whole fp32 step 7% faster; in bf16 oneDNN's stem was as fast as im2col; docs/performance.md, "oneDNN kernels").
+# "auto" with the oneDNN kernels switched on keeps im2col for inputs narrower than this (an image stem): oneDNN's
+# direct kernels vectorise over channels, and the CNN's 3-channel stem ran at 26 GFLOP/s in fp32 against im2col's
+# 40-60; its bf16 weight gradient (0.4 ms) took 114 ms while another process held one of the two cores, where
+# im2col's dots slow down in proportion (docs/performance.md, "oneDNN kernels").
 ONEDNN_AUTO_MIN_CHANNELS = 8
 
 
@@ -166,8 +167,7 @@ def _conv_fn(
         # The choice follows the platform the computation is lowered for, not this process's default backend, so
         # that a program traced here and exported for a GPU (jax.export) gets the GPU's lowering; both branches
         # are traced, only the lowering platform's is lowered (docs/performance.md, "Lowering per platform").
-        narrow = x.dtype == jnp.float32 and x.shape[-1] < ONEDNN_AUTO_MIN_CHANNELS
-        use_onednn = lowering == "onednn" or (onednn.enabled() and not narrow)
+        use_onednn = lowering == "onednn" or (onednn.enabled() and x.shape[-1] >= ONEDNN_AUTO_MIN_CHANNELS)
         if use_onednn and onednn.supports(x.dtype, w.dtype):
             cpu = onednn_conv
         else:

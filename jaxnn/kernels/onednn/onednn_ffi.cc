@@ -17,6 +17,9 @@
 #include <unordered_map>
 #include <vector>
 
+#include <omp.h>
+#include <xmmintrin.h>
+
 #include "oneapi/dnnl/dnnl.hpp"
 #include "xla/ffi/api/ffi.h"
 
@@ -148,6 +151,15 @@ dnnl::convolution_forward::primitive_desc ForwardDesc(const memory::desc& src, c
                                                    g.pad_hi, UserScratchpad());
 }
 
+// Flush denormals to zero (FTZ, DAZ) on every thread oneDNN runs on, as XLA does on the threads that run its own
+// kernels, so that both paths treat denormals alike: the OpenMP workers start with the default MXCSR. The calling
+// thread has XLA's setting, and the workers get a copy of it (one parallel region per call, microseconds).
+void FlushDenormals() {
+  unsigned int csr = _mm_getcsr() | 0x8040;  // FTZ (bit 15) and DAZ (bit 6)
+#pragma omp parallel
+  _mm_setcsr(csr);
+}
+
 // Runs `cached` with `args`; the weights argument `weights_arg` is reordered from (forward, backward data) or to
 // (backward weights) jaxnn's layout at `user_weights` where the primitive chose another layout.
 void Run(const Cached& cached, std::unordered_map<int, memory> args, int weights_arg, void* user_weights,
@@ -158,6 +170,7 @@ void Run(const Cached& cached, std::unordered_map<int, memory> args, int weights
   // uses all the cores, so waiting here costs nothing.
   static std::mutex running;
   std::lock_guard<std::mutex> lock(running);
+  FlushDenormals();
   auto& stream = ThreadStream();
   memory user(cached.user_weights, Engine(), user_weights);
   memory inner = cached.reorder ? memory(cached.weights, Engine()) : user;
