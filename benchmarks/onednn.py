@@ -162,25 +162,41 @@ def worker(framework: str, repeats: int) -> list[dict]:
 
 def ab_steps(models=("cnn", "gpt"), repeats: int = 5) -> list[dict]:
     """jaxnn's training steps with and without the kernels, compiled in this process and timed side by side
-    (interleaved windows): the A/B that load from other processes cannot tilt, unlike process-per-library rounds."""
+    (interleaved windows): the A/B that load from other processes cannot tilt, unlike process-per-library rounds.
+    For the CNN also "onednn_stem": the kernels on the 3-channel stem too (what `ONEDNN_AUTO_MIN_CHANNELS` keeps
+    on im2col)."""
     from benchmarks.peers.peer_jaxnn import build
     from jaxnn.kernels import onednn
+    from jaxnn.layers import conv
     from jaxnn.timing import time_interleaved
 
-    rows = []
+    rows, min_channels = [], conv.ONEDNN_AUTO_MIN_CHANNELS
     for name in models:
+        variants = [("xla", False, min_channels), ("onednn", True, min_channels)]
+        variants += [("onednn_stem", True, 1)] if name == "cnn" else []
         for precision in PRECISIONS:
             steps = {}
-            for label, flag in (("xla", False), ("onednn", True)):
+            for label, flag, channels in variants:
+                conv.ONEDNN_AUTO_MIN_CHANNELS = channels  # read when tracing, like the switch
                 with onednn.use(flag):  # compiled here, under the switch, so that no later retrace can change it
                     step = build(name, precision)
                     step.step_fn = step.step_fn.lower(step.state, step.batch).compile()
                 steps[label] = step
+            conv.ONEDNN_AUTO_MIN_CHANNELS = min_channels
             timings = time_interleaved(steps, repeats=repeats)
             row = {"model": name, "precision": precision} | {k: t.median * 1e3 for k, t in timings.items()}
             rows.append(row)
-            print(f"A/B {name} {precision}: xla {row['xla']:.4g} ms, onednn {row['onednn']:.4g} ms", file=sys.stderr)
+            print(f"A/B {name} {precision}: " + ", ".join(f"{k} {row[k]:.4g} ms" for k in steps), file=sys.stderr)
     return rows
+
+
+def format_ab(rows: list[dict]) -> str:
+    """The in-process A/B as text: median ms per step of each variant, and its ratio to the XLA path."""
+    lines = ["jaxnn steps in one process, interleaved windows, median ms (xla: no kernels; onednn: JAXNN_ONEDNN=1)"]
+    for row in rows:
+        cells = [f"{k} {v:8.4g} ({v / row['xla']:.2f}x)" for k, v in row.items() if k not in ("model", "precision")]
+        lines.append(f"{row['model']:4} {row['precision']:5} " + "  ".join(cells))
+    return "\n".join(lines)
 
 
 def run_primitives(rounds: int, repeats: int) -> list[dict]:
@@ -227,8 +243,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.onednn", description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5, help="timing windows per case and process")
-    parser.add_argument("--no-steps", action="store_true", help="the primitives only")
-    parser.add_argument("--no-primitives", action="store_true", help="the training steps only")
+    parser.add_argument("--no-steps", action="store_true", help="skip the steps against PyTorch (benchmarks.peers)")
+    parser.add_argument("--no-primitives", action="store_true", help="skip the primitives")
+    parser.add_argument("--no-ab", action="store_true", help="skip the in-process A/B of the jaxnn steps")
     parser.add_argument("--json", default=None, help="default: results/bench/onednn-<UTC time>.json")
     parser.add_argument("--worker", choices=("jax", "torch"), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -247,16 +264,13 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
-    if not args.no_steps:
-        from benchmarks.peers.__main__ import main as peers
-
+    if not args.no_ab:
         result["ab_steps"] = ab_steps(repeats=args.repeats)
-        print("jaxnn steps in one process, interleaved windows, median ms (xla: no kernels; onednn: JAXNN_ONEDNN=1)")
-        for row in result["ab_steps"]:
-            cells = f"xla {row['xla']:8.4g}  onednn {row['onednn']:8.4g}  {row['onednn'] / row['xla']:.2f}x"
-            print(f"{row['model']:4} {row['precision']:5} {cells}")
+        print(format_ab(result["ab_steps"]))
         with open(path, "w") as f:
             json.dump(result, f, indent=2)
+    if not args.no_steps:
+        from benchmarks.peers.__main__ import main as peers
 
         steps = ["--peers", "jaxnn", "jaxnn_onednn", "pytorch", "--models", "cnn", "gpt", "--rounds", str(args.rounds)]
         peers([*steps, "--repeats", str(args.repeats), "--json", path.replace(".json", "-steps.json")])
