@@ -3,7 +3,9 @@ XLA's FFI give what XLA's kernels give, forward and backward, under jit, vmap an
 precision.einsum take them only where asked or switched on, and only where the computation is lowered for the CPU.
 Skipped where the kernels are not built (`make install` builds them with a C++ compiler and the onednn extra)."""
 
+import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -22,6 +24,7 @@ from jaxnn.layers.core import init_model, run
 from jaxnn.mesh import make_mesh
 
 pytestmark = pytest.mark.skipif(not onednn.available(), reason=onednn.unavailable_reason() or "")
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 NUMBERS = {3: ("NWC", "WIO", "NWC"), 4: ("NHWC", "HWIO", "NHWC"), 5: ("NDHWC", "DHWIO", "NDHWC")}
 # (x shape, w shape, strides, (low, high) pads, dilation): stride, dilation, uneven padding, 1-D and 3-D.
@@ -215,3 +218,17 @@ def test_without_the_library_everything_runs_on_xla_and_onednn_lowering_says_why
     assert "(1, 4, 4, 2) False" in done.stdout, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("RuntimeError: Conv: lowering='onednn' is not available") and "make install" in last
+
+
+def test_bench_peers_runs_jaxnn_with_the_kernels(tmp_path):
+    # `make bench-onednn` times jaxnn with and without the kernels through benchmarks.peers; the smallest run of it.
+    out = tmp_path / "peers.json"
+    cmd = ["-m", "benchmarks.peers", "--peers", "jaxnn", "jaxnn_onednn", "--models", "tiny", "--precisions", "bf16"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, *cmd, "--repeats", "2", "--json", str(out)], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    medians = {row["library"]: row["step_ms"] for row in json.loads(out.read_text())["median_ms"]}
+    assert set(medians) == {"jaxnn", "jaxnn_onednn"} and all(ms and ms > 0 for ms in medians.values())
