@@ -280,8 +280,9 @@ def Conv(
     `jaxnn.kernels.onednn`; float32 and bfloat16, no feature groups; XLA's convolution on accelerators); "auto"
     takes im2col when the computation is lowered for the CPU (no feature groups), where it measures as fast or
     faster and avoids a slow path of XLA's convolution gradients inside `lax.scan`, or oneDNN's kernels where they
-    are built and switched on (`jaxnn.kernels.onednn.enabled()`), and XLA's convolution when it is lowered for an
-    accelerator, whose convolution kernels are the fast path there.
+    are built and switched on (`jaxnn.kernels.onednn.enabled()`; inputs of at least ONEDNN_AUTO_MIN_CHANNELS
+    channels, so an image stem keeps im2col), and XLA's convolution when it is lowered for an accelerator, whose
+    convolution kernels are the fast path there.
     The platform is the one jax lowers for (`lax.platform_dependent`), so `jax.export(..., platforms=["cuda"])` on
     a CPU machine gets XLA's convolution.
     """
