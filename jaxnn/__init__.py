@@ -36,6 +36,7 @@ SUBMODULES = (
     "evaluation",
     "export",
     "finetune",
+    "interop",
     "generate",
     "kernels",
     "layers",

@@ -17,7 +17,7 @@ from typing import Any
 
 from jaxnn.metrics import check_writer_names
 
-MODELS = ("mlp", "cnn", "resnet", "gpt")
+MODELS = ("mlp", "cnn", "resnet", "gpt", "imagenet_resnet", "vit")
 SIZES = ("small", "base")
 # The data-parallel forms of `jaxnn.parallel` that `fit` runs: their state has the model's own shapes, where pmap's
 # carries a device axis in front (kept in jaxnn.parallel for comparison, not for checkpointed runs).
@@ -239,6 +239,9 @@ MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
     "cnn": {"steps": 600, "batch_size": 64, "lr": 3e-3},
     "mlp": {"steps": 1000, "batch_size": 64, "lr": 1e-3},
     "resnet": {"steps": 600, "batch_size": 64, "lr": 3e-3},
+    # The zoo's image families (presets resnet18..50, vit-b16/l16) train at their published shapes: fewer steps.
+    "imagenet_resnet": {"steps": 200, "batch_size": 32, "lr": 1e-3},
+    "vit": {"steps": 200, "batch_size": 32, "lr": 1e-3, "warmup": 20},
     "gpt": {
         "steps": 500,
         "batch_size": 32,
@@ -295,7 +298,8 @@ class TrainConfig:
     see jaxnn.sharding) replaces `fit.devices`; `sharding_rules` is a JSON rule table's path (jaxnn.shard_rules).
     `schedule`: the learning rate's cosine decay to 0 at the run's last step, or "constant" after the warm-up,
     which lets a finished run be trained on with a larger `steps`.
-    `init_from`: start from another run's parameters and optimizer state (`jaxnn.fit`'s `init_from`).
+    `init_from`: start from another run's parameters and optimizer state (`jaxnn.fit`'s `init_from`), or from
+    the weights of a transformers GPT-2/Llama folder (its tokenizer.json, where it has one, tokenises the text).
     `augment`: random augmentation in the train step on the device, as `jaxnn.augment.parse_augment` reads it
     ("crop,flip,mixup"); `crop_pad` and `flip` are the host pipeline's.
     """

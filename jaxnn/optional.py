@@ -24,6 +24,10 @@ EXTRAS = {
     "sklearn": "data",
     "pdoc": "docs",
     "dm_pix": "augment",
+    "torch": "interop",
+    "torchvision": "interop",
+    "transformers": "interop",
+    "tokenizers": "interop",
 }
 _warned: set[str] = set()
 

@@ -159,9 +159,10 @@ _END = r"re:(.*\.)?(\d+_)?"
 
 BUILT_IN = ShardingRules(
     (
-        rule(_END + r"(qkv|q|kv|fc)\.w", (None, TENSOR)),  # column-parallel: heads and hidden width split
-        rule(_END + r"(qkv|q|kv|fc)\.b", (TENSOR,)),
-        rule(_END + r"(out|proj)\.w", (TENSOR, None)),  # row-parallel: one all-reduce joins the shares
+        # column-parallel: heads and hidden width split (fc of a GELU MLP, gate and up of a SwiGLU)
+        rule(_END + r"(qkv|q|kv|fc|swiglu\.gate|swiglu\.up)\.w", (None, TENSOR)),
+        rule(_END + r"(qkv|q|kv|fc|swiglu\.gate|swiglu\.up)\.b", (TENSOR,)),
+        rule(_END + r"(out|proj|swiglu\.down)\.w", (TENSOR, None)),  # row-parallel: one all-reduce joins the shares
     ),
     name="jaxnn built-in rules",
     warn_unused=False,

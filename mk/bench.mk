@@ -4,12 +4,12 @@
 
 BENCH_STAMP := $(VENV)/.installed-bench
 
-# torch==2.13.0 is pinned to the CPU wheel on disk: an unpinned torch would pull a multi-GB CUDA build.
+# torch is pinned (the interop extra, installed by `make install`): an unpinned torch would pull a newer CUDA build.
 $(BENCH_STAMP): $(STAMP) pyproject.toml
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,all,bench]'
 	touch $(BENCH_STAMP)
 
-install-bench: $(BENCH_STAMP) ## install the peer libraries (Flax, Equinox, Haiku, PyTorch CPU) for bench-peers
+install-bench: $(BENCH_STAMP) ## install the peer libraries (Flax, Equinox, Haiku, PyTorch) for bench-peers
 
 bench-peers: $(STAMP) $(BENCH_STAMP) ## jaxnn vs Flax Linen/NNX, Equinox, Haiku, PyTorch: one table + JSON (ARGS='--rounds 3')
 	$(PY) -m benchmarks.peers $(ARGS)

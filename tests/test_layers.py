@@ -43,6 +43,22 @@ CASES = {
     "attention_xla": (lambda: L.MultiHeadAttention(2, causal=True, implementation="xla"), (2, 5, 8), "float"),
     "transformer_block": (lambda: L.TransformerBlock(2, drop_prob=0.1), (2, 5, 8), "float"),
     "attention_gqa_rope": (lambda: L.MultiHeadAttention(4, num_kv_heads=2, causal=True, rope=True), (2, 5, 8), "float"),
+    "swiglu": (lambda: L.SwiGLU(12), (2, 5, 8), "float"),
+    "llama_block": (
+        lambda: L.TransformerBlock(
+            4,
+            num_kv_heads=2,
+            rope=True,
+            rope_base=5e5,
+            norm="rms",
+            norm_eps=1e-5,
+            mlp="swiglu",
+            mlp_hidden=12,
+            bias=False,
+        ),
+        (2, 5, 8),
+        "float",
+    ),  # fmt: skip
     # The stack's machinery (stacked params, scan, per-layer dropout keys, remat); tests/test_transformer.py checks
     # it on transformer blocks against the flat model.
     "repeat_remat": (
@@ -133,6 +149,8 @@ BF16_ROUNDINGS = {
     "transformer_block": 8,  # two layer norms, attention (4), gelu MLP, two residual sums
     "attention_gqa_rope": 6,  # attention (4) and the rotated queries and keys
     "repeat_remat": 6,  # two layers of norm, dense and the residual sum
+    "swiglu": 6,  # gate and up, silu's two ops, their product, down
+    "llama_block": 10,  # two RMS norms, rotary attention, the SwiGLU, two residual sums (cf. transformer_block)
     **cases_conv_norm.BF16_ROUNDINGS,
     **cases_recurrent.BF16_ROUNDINGS,
 }

@@ -30,7 +30,10 @@ def value_and_vjp(fn, g, *args):
 
 def window_starts(size, window, stride, padding):
     """Where each window starts along one axis (negative inside the leading padding), as XLA places them: SAME
-    pads (out - 1) * stride + window - size in all, the smaller half before."""
+    pads (out - 1) * stride + window - size in all, the smaller half before; a (low, high) pair pads as given."""
+    if not isinstance(padding, str):
+        low, high = padding
+        return [i * stride - low for i in range((size + low + high - window) // stride + 1)]
     if padding == "VALID":
         return [i * stride for i in range((size - window) // stride + 1)]
     out = -(-size // stride)
@@ -38,9 +41,14 @@ def window_starts(size, window, stride, padding):
     return [i * stride - before for i in range(out)]
 
 
+def per_axis(padding, spatial):
+    """The padding of each spatial axis: a mode applies to every axis, pairs are one per axis."""
+    return [padding] * len(spatial) if isinstance(padding, str) else list(padding)
+
+
 def pool_windows(spatial, window, strides, padding):
     """(output index, slices of the real input elements in that window) for every output position."""
-    starts = [window_starts(n, w, s, padding) for n, w, s in zip(spatial, window, strides)]
+    starts = [window_starts(n, w, s, p) for n, w, s, p in zip(spatial, window, strides, per_axis(padding, spatial))]
     for index in itertools.product(*(range(len(s)) for s in starts)):
         yield (
             index,
@@ -51,7 +59,8 @@ def pool_windows(spatial, window, strides, padding):
 def pool_reference(x, window, strides, padding, reduce):
     """`reduce` over the real (unpadded) elements of each window of x (N, *spatial, C), in float64."""
     spatial = x.shape[1:-1]
-    out_sizes = [len(window_starts(n, w, s, padding)) for n, w, s in zip(spatial, window, strides)]
+    pads = per_axis(padding, spatial)
+    out_sizes = [len(window_starts(n, w, s, p)) for n, w, s, p in zip(spatial, window, strides, pads)]
     out = np.empty((x.shape[0], *out_sizes, x.shape[-1]))
     for index, box in pool_windows(spatial, window, strides, padding):
         block = x[(slice(None), *box, slice(None))].reshape(x.shape[0], -1, x.shape[-1])
@@ -98,12 +107,18 @@ POOL_CASES = [
     ((3, 3), (2, 2), "VALID", (2, 9, 7, 2)),
     ((2, 3), (2, 3), "SAME", (2, 5, 7, 3)),
     ((2, 2), (2, 2), "VALID", (2, 7, 9, 1)),
+    # Explicit (low, high) pairs: torch's MaxPool2d(3, 2, padding=1) (the ImageNet ResNet stem), asymmetric ones,
+    # and tiling windows whose padding leaves rows no window covers.
+    ((3, 3), (2, 2), ((1, 1), (1, 1)), (2, 8, 7, 3)),
+    ((3, 2), (1, 2), ((0, 2), (1, 0)), (1, 5, 6, 2)),
+    ((2, 2), (2, 2), ((1, 0), (1, 1)), (2, 6, 7, 2)),
 ]
 
 
 def pool_id(case):
     window, strides, padding, shape = case
-    return f"w{'x'.join(map(str, window))}-s{'x'.join(map(str, strides))}-{padding}-{'x'.join(map(str, shape[1:-1]))}"
+    pads = padding if isinstance(padding, str) else "p" + "x".join(f"{lo}{hi}" for lo, hi in padding)
+    return f"w{'x'.join(map(str, window))}-s{'x'.join(map(str, strides))}-{pads}-{'x'.join(map(str, shape[1:-1]))}"
 
 
 @pytest.mark.parametrize("case", POOL_CASES, ids=pool_id)
@@ -149,6 +164,31 @@ def test_max_pool_matches_numpy(case, lowering):
     np.testing.assert_array_equal(y, expected.astype(np.float32))  # a max is exact
     # Continuous random inputs have no ties, so the gradient is unique: every lowering must give this one.
     np.testing.assert_allclose(dx, max_pool_grad_reference(x, window, strides, padding, g), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "padding, message",
+    [
+        (((1, 1),), r"padding needs 2 \(low, high\) pairs"),
+        (((1, 1), (3, 0)), r"padding \(3, 0\) of axis 1 must be >= 0 and < the window 3"),
+        (((-1, 0), (0, 0)), r"padding \(-1, 0\) of axis 0 must be >= 0"),
+        (1, r"padding must be 'SAME', 'VALID' or \(low, high\) pairs of ints, got 1"),
+        (((1.5, 1), (1, 1)), r"padding must be 'SAME', 'VALID' or \(low, high\) pairs of ints"),
+        (((1, 1, 1), (1, 1)), r"padding must be 'SAME', 'VALID' or \(low, high\) pairs of ints"),
+        ("REFLECT", r"unknown padding mode 'REFLECT'"),
+    ],
+)
+@pytest.mark.parametrize("pool", [L.MaxPool, L.AvgPool])
+def test_pool_padding_pairs_are_checked(pool, padding, message):
+    with pytest.raises(ValueError, match=rf"^{pool.__name__}: {message}"):
+        pool(3, 2, padding)
+
+
+def test_pool_padding_pairs_need_room_for_a_window():
+    layer = L.MaxPool(4, 1, ((1, 1), (0, 0)))
+    assert layer.init(None, (1, 2, 4, 1))[0] == (1, 1, 1, 1)
+    with pytest.raises(L.LayerError, match=r"with spatial sizes \+ padding \[\(1, 1\), \(0, 0\)\] >= window"):
+        layer.init(None, (1, 1, 4, 1))
 
 
 def gelu_tanh_reference(x):

@@ -2,6 +2,8 @@
 cross-attention against Flax, rotary embeddings against the complex-number form; side inputs through combinators;
 Repeat and remat against the flat model; KV-cache generation against repeated full forward passes."""
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -264,3 +266,16 @@ def test_one_compile_per_bucket_and_decoding_under_x64(peaked_gpt):
             assert list(out.lengths) == [9, 5] and ((out.tokens >= 0) & (out.tokens < 256)).all(), policy
             if policy == "fp32":
                 np.testing.assert_array_equal(out.tokens, want.tokens)
+
+
+@pytest.mark.parametrize("tied_rope", [True, False], ids=["tied-llama", "tied-gpt2"])
+def test_tied_and_swiglu_decoders_decode_with_a_cache_as_without(tied_rope, key):
+    fields = {"position": "rope", "norm": "rms", "mlp": "swiglu", "bias": False, "num_kv_heads": 1} if tied_rope else {}
+    cfg = dataclasses.replace(GPTConfig().small(), tie_embeddings=True, mlp_hidden=48, num_heads=2, **fields)
+    model = GPT(cfg)
+    _, params = model.init(key, (1, 8))
+    assert "logits" not in " ".join(params)  # the output matrix is the embedding table
+    ragged = [[5, 9, 2], [7], [1, 1]]
+    cached = generate_batch(model, params, ragged, 6, key=jax.random.key(2), temperature=1.0)
+    uncached = generate_batch(model, params, ragged, 6, key=jax.random.key(2), temperature=1.0, use_cache=False)
+    np.testing.assert_array_equal(cached.tokens, uncached.tokens)

@@ -1,4 +1,4 @@
-"""`jaxnn train|export|generate|profile`: the parser, and the one table from an error to an exit status.
+"""`jaxnn train|export|generate|profile|summary`: the parser, and the one table from an error to an exit status.
 
 Exit status: 0 done (also when a resumed run had already finished); 2 bad input: one line, nothing written (every
 `ValueError`: ConfigError, DataError, RunDirError, CheckpointError, ...); 1 a failure while working (one line: a
@@ -20,6 +20,7 @@ from typing import NoReturn
 from jaxnn.callbacks import NonFiniteError
 from jaxnn.cli.profile import add_profile_parser, profile_main
 from jaxnn.cli.runs import add_export_parser, add_generate_parser, export_main, generate_main
+from jaxnn.cli.summary import add_summary_parser, summary_main
 from jaxnn.cli.train import add_train_parser, train_main
 from jaxnn.storage import StorageError
 
@@ -35,6 +36,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "export": export_main,
     "generate": generate_main,
     "profile": profile_main,
+    "summary": summary_main,
 }
 
 
@@ -56,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_parser(sub)
     add_generate_parser(sub)
     add_profile_parser(sub)
+    add_summary_parser(sub)
     return parser
 
 

@@ -28,7 +28,7 @@ def add_profile_parser(sub: Any) -> None:
         "bound. Writes profile.json, roofline.png and layer_time.png to --out.",
     )
     a = p.add_argument
-    a("--model", default="cnn", help=f"model: {', '.join(MODELS)}")
+    a("--model", default="cnn", help=f"model: {', '.join(MODELS)}, or a preset (`jaxnn summary --list`)")
     a("--size", default="base", choices=("base", "small"), help="model size, as for `jaxnn train`")
     a("--batch-size", type=int, default=None, help="batch size (None: the model's `jaxnn train` default)")
     a("--in-shape", default=None, metavar="H,W,C", help="one image's shape (None: 28,28,1)")
@@ -53,7 +53,7 @@ def add_profile_parser(sub: Any) -> None:
 
 
 def _in_shape(args: argparse.Namespace, mcfg: Any) -> tuple[int, ...]:
-    if args.model == "gpt":
+    if hasattr(mcfg, "vocab_size"):  # a decoder: token ids
         return (mcfg.seq_len,)
     if args.in_shape is None:
         return IMAGE_SHAPE
@@ -68,11 +68,9 @@ def _in_shape(args: argparse.Namespace, mcfg: Any) -> tuple[int, ...]:
 
 def build_model(args: argparse.Namespace) -> tuple[Any, Any]:
     """The built-in model `jaxnn train` would build for these flags, and its config."""
-    from jaxnn.models.factory import train_default_model
+    from jaxnn.models.factory import family, train_default_model
 
-    if args.model not in MODELS:
-        raise ConfigError(f"unknown model {args.model!r}; choose one of {list(MODELS)}")
-    fields = {"seq_len": args.seq_len} if args.model == "gpt" and args.seq_len else {}
+    fields = {"seq_len": args.seq_len} if family(args.model) == "gpt" and args.seq_len else {}
     return train_default_model(args.model, {**fields, **parse_model_config(args.model_config)}, size=args.size)
 
 
@@ -83,7 +81,10 @@ def _checked(args: argparse.Namespace) -> tuple[Any, Any, tuple[int, ...], int, 
 
     model, mcfg = build_model(args)
     shape = _in_shape(args, mcfg)
-    batch = args.batch_size if args.batch_size is not None else MODEL_DEFAULTS[args.model]["batch_size"]
+    from jaxnn.models.factory import family
+
+    defaults = MODEL_DEFAULTS.get(family(args.model), {"batch_size": 1})
+    batch = args.batch_size if args.batch_size is not None else defaults["batch_size"]
     positive = (("--batch-size", batch), ("--repeats", args.repeats), ("--matmul-size", args.matmul_size))
     for what, value in (*positive, ("--copy-mib", args.copy_mib)):
         if value <= 0:

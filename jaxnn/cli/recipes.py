@@ -48,14 +48,30 @@ def resolve_dataset(cfg: TrainConfig) -> str:
 
 def load_data(cfg: TrainConfig) -> ImageDataset | TextCorpus:
     """The data set the config names, checked against the format (a DataError names the file otherwise)."""
-    from jaxnn.data import DataError, detect_format, load_dataset
+    from jaxnn.data import DataError, TextCorpus, detect_format, load_dataset, tokenize_corpus
 
     name = resolve_dataset(cfg)
     if cfg.data_dir and name in ("mnist", "fashion_mnist", "cifar10"):
         found = detect_format(cfg.data_dir)
         if found != ("cifar10" if name == "cifar10" else "mnist"):
             raise DataError(f"{cfg.data_dir}: holds {found} files, not the {name} format")
-    return load_dataset(name, cfg.data_dir)
+    data = load_dataset(name, cfg.data_dir)
+    tokenizer = _checkpoint_tokenizer(cfg)
+    if tokenizer is not None and isinstance(data, TextCorpus):
+        log.info("train: text tokenised with %s", tokenizer)
+        return tokenize_corpus(data, tokenizer)
+    return data
+
+
+def _checkpoint_tokenizer(cfg: TrainConfig) -> pathlib.Path | None:
+    """The tokenizer.json of the transformers folder the run starts from, if it has one: a checkpoint is
+    fine-tuned on its own vocabulary, not on bytes."""
+    from jaxnn.interop.hf import is_hf_folder
+
+    if cfg.init_from is None or not is_hf_folder(cfg.init_from):
+        return None
+    path = pathlib.Path(cfg.init_from) / "tokenizer.json"
+    return path if path.is_file() else None
 
 
 def model_config(cfg: TrainConfig, data: ImageDataset | TextCorpus) -> Any:
@@ -68,6 +84,8 @@ def model_config(cfg: TrainConfig, data: ImageDataset | TextCorpus) -> Any:
         overrides.setdefault("seq_len", cfg.seq_len)
     elif not isinstance(data, TextCorpus):
         overrides.setdefault("num_classes", data.num_classes)
+        if cfg.model == "vit":  # its position table is sized for one image size: the data's
+            overrides.setdefault("image_size", data.image_shape[0])
     return built_in_config(cfg.model, overrides, size=cfg.size)
 
 
@@ -91,6 +109,10 @@ def train(
     data = load_data(cfg)
     is_text = isinstance(data, TextCorpus)
     mcfg = model_config(cfg, data)
+    if isinstance(data, TextCorpus) and data.vocab_size > mcfg.vocab_size:
+        raise ConfigError(
+            f"the data's {data.vocab_size} token ids do not fit the model's vocabulary of {mcfg.vocab_size}"
+        )
     model = get_model(cfg.model, mcfg)
     run = dataclasses.replace(cfg.fit, name=f"{cfg.model}/{data.name}")
     batch_size = int(run.batch_size or 0)  # TrainConfig refuses None
@@ -109,8 +131,8 @@ def train(
     tx = make_optimizer(
         cfg.lr, total_steps=total, warmup_steps=cfg.warmup, weight_decay=cfg.weight_decay, decay=cfg.schedule
     )
+    example = (cfg.seq_len,) if isinstance(data, TextCorpus) else data.image_shape
     if print_summary is not None and jax.process_index() == 0:
-        example = (cfg.seq_len,) if isinstance(data, TextCorpus) else data.image_shape
         model_summary(model, (batch_size, *example), policy=run.precision, print_fn=print_summary)
     # The cosine schedule decays to 0 at the last step, so the step count is part of what the run computes.
     fixed = {"steps": total} if cfg.schedule == "cosine" else {}
@@ -129,19 +151,61 @@ def train(
             config={**cfg.trajectory(), **fixed, "model_config": dataclasses.asdict(mcfg)},
             mesh=cfg.mesh,
             sharding_rules=cfg.sharding_rules,
-            init_from=cfg.init_from,
             augment=cfg.augment or None,
+            **_starting_point(cfg, model, mcfg, example),
             **settings,
         )
     except FitInterrupted as stopped:  # Ctrl-C: the checkpoint is written; `jaxnn train` exits 130 after the summary
         result = stopped.result
     summary = {"model": cfg.model, "dataset": data.name, **result.summary}
     finished_now = not (summary.get("interrupted_by") or summary.get("already_finished"))
-    if is_text and cfg.sample_bytes and finished_now:
+    # A sample is bytes: only a byte-level vocabulary reads as text (an imported one needs its tokenizer).
+    if is_text and cfg.sample_bytes and finished_now and getattr(mcfg, "vocab_size", 0) == 256:
         summary["sample"] = _sample(model, result.state, cfg)
         if jax.process_index() == 0 and run.run_dir:
             write_json_atomic(pathlib.Path(run.run_dir) / "summary.json", summary)
     return summary
+
+
+def _starting_point(cfg: TrainConfig, model: Any, mcfg: Any, example_shape: tuple[int, ...]) -> dict[str, Any]:
+    """fit's keywords for where training starts: another jaxnn run's state (`init_from`), the parameters of a
+    transformers folder or a torchvision ResNet (fine-tuning an imported checkpoint), or nothing (a fresh
+    initialisation)."""
+    from jaxnn.interop.hf import is_hf_folder, load_hf
+    from jaxnn.interop.tensors import is_tensor_file
+
+    if cfg.init_from is not None and is_tensor_file(cfg.init_from):
+        return _torchvision_start(cfg.init_from, model, mcfg, example_shape, cfg.fit.seed)
+    if cfg.init_from is None or not is_hf_folder(cfg.init_from):
+        return {"init_from": cfg.init_from}
+    _, params = load_hf(cfg.init_from)
+    return {"params": params}
+
+
+def _torchvision_start(path: str, model: Any, mcfg: Any, example_shape: tuple[int, ...], seed: int) -> dict[str, Any]:
+    """A torchvision ResNet's params and BatchNorm statistics as the start of a transfer-learning run: a head for
+    another number of classes than the data's starts afresh, and an RGB stem reads grayscale images as the gray
+    value in all three channels (its kernels summed over the colours)."""
+    import jax
+
+    from jaxnn.finetune import load_into
+    from jaxnn.interop.tensors import read_tensors
+    from jaxnn.interop.torchvision import load_torchvision_resnet, resnet_config_from_state_dict
+    from jaxnn.layers import init_model
+
+    tensors = read_tensors(path)
+    saved = resnet_config_from_state_dict(tensors)
+    params, state = load_torchvision_resnet(tensors, saved)
+    _, fresh, _ = init_model(model, jax.random.key(seed), (1, *example_shape))
+    stem = params["0_conv1"]["w"]
+    if example_shape[-1] == 1 and stem.shape[2] == 3:
+        params = {**params, "0_conv1": {**params["0_conv1"], "w": stem.sum(axis=2, keepdims=True)}}
+        log.warning("train: %s has an RGB stem; the grayscale images enter it in all three channels", path)
+    if saved.num_classes != mcfg.num_classes:
+        params, _ = load_into(fresh, params, exclude=("*_fc.*",))
+        log.warning("train: %s has a %d-class head, the data %d classes: it starts afresh", path, saved.num_classes,
+                    mcfg.num_classes)  # fmt: skip
+    return {"params": params, "model_state": state}
 
 
 def _loss(cfg: TrainConfig, is_text: bool) -> Any:

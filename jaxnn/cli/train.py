@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import math
 import os
@@ -35,7 +36,12 @@ def add_train_parser(sub: Any) -> None:
         description="Train a model; checkpoints, metrics.jsonl and plots go to the run directory.",
     )
     a = p.add_argument
-    a("--model", default="cnn", help="model: mlp, cnn, resnet or gpt")
+    a(
+        "--model",
+        default=None,
+        help="model: mlp, cnn, resnet, gpt, or a preset such as gpt2 or llama-3.2-1b (`jaxnn summary --list`); "
+        "default cnn, or what --init-from's transformers folder holds",
+    )
     a(
         "--data",
         default=None,
@@ -51,41 +57,8 @@ def add_train_parser(sub: Any) -> None:
     a("--batch-size", type=int, default=None, help="global batch size, split over --devices (default per model)")
     a("--seed", type=int, default=0, help="seed for initialisation, shuffling and augmentation")
     add_optimizer_flags(p)
-    a("--seq-len", type=int, default=None, help="gpt: context length in bytes")
-    a("--d-model", type=int, default=None, help="gpt: model width (default 128)")
-    a("--layers", type=int, default=None, help="gpt: number of transformer blocks")
-    a(
-        "--model-config",
-        nargs="+",
-        default=[],
-        metavar="FIELD=VALUE",
-        help="set fields of the model's config (values as JSON, else text), e.g. gpt's "
-        "position=rope norm=rms num_kv_heads=2 scan_layers=true",
-    )
-    a("--crop-pad", type=int, default=0, help="images: random crop after zero-padding by this many pixels")
-    a("--flip", action="store_true", help="images: random horizontal flips")
-    a(
-        "--augment",
-        default="",
-        metavar="OPS",
-        help="images: random augmentation inside the train step, on the device, e.g. crop,flip,brightness=0.2,"
-        "mixup (ops: crop[=pad] flip vflip brightness contrast saturation mixup cutmix; needs dm-pix)",
-    )
-    a(
-        "--run-dir",
-        default=None,
-        help="run directory (default runs/<model>-<data>/<time>; with --resume, the newest of those)",
-    )
-    a("--ckpt-dir", default=None, help="checkpoint directory (default <run-dir>/ckpt)")
-    a("--resume", action="store_true", help="continue from the newest good checkpoint in the run directory")
-    a("--overwrite", action="store_true", help="replace the run in --run-dir instead of refusing")
-    a("--eval-every", type=int, default=0, help="evaluate every N steps (0: five times per run)")
-    a("--log-every", type=int, default=50, help="log metrics and input wait every N steps")
-    a("--ckpt-every", type=int, default=0, help="checkpoint every N steps (0: only at the end and on a signal)")
-    a("--keep", type=int, default=3, help="checkpoints to keep")
-    a("--keep-best", default=None, metavar="METRIC", help="keep the checkpoints best by this eval metric")
-    a("--keep-best-mode", default="min", choices=("min", "max"), help="whether --keep-best's metric is best low")
-    a("--init-from", default=None, metavar="RUN_DIR", help="start from another run's parameters and optimizer state")
+    add_model_flags(p)
+    add_run_dir_flags(p)
     a(
         "--devices",
         type=int,
@@ -108,6 +81,57 @@ def add_train_parser(sub: Any) -> None:
     )
     add_multiprocess_flags(p)
     add_pipeline_and_output_flags(p)
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """`jaxnn train`'s flags for the model's shape and the images' augmentation."""
+    a = p.add_argument
+    a("--seq-len", type=int, default=None, help="gpt: context length in bytes")
+    a("--d-model", type=int, default=None, help="gpt: model width (default 128)")
+    a("--layers", type=int, default=None, help="gpt: number of transformer blocks")
+    a(
+        "--model-config",
+        nargs="+",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="set fields of the model's config (values as JSON, else text), e.g. gpt's "
+        "position=rope norm=rms num_kv_heads=2 scan_layers=true",
+    )
+    a("--crop-pad", type=int, default=0, help="images: random crop after zero-padding by this many pixels")
+    a("--flip", action="store_true", help="images: random horizontal flips")
+    a(
+        "--augment",
+        default="",
+        metavar="OPS",
+        help="images: random augmentation inside the train step, on the device, e.g. crop,flip,brightness=0.2,"
+        "mixup (ops: crop[=pad] flip vflip brightness contrast saturation mixup cutmix; needs dm-pix)",
+    )
+
+
+def add_run_dir_flags(p: argparse.ArgumentParser) -> None:
+    """`jaxnn train`'s flags for where the run lives, how often it checkpoints, and where it starts from."""
+    a = p.add_argument
+    a(
+        "--run-dir",
+        default=None,
+        help="run directory (default runs/<model>-<data>/<time>; with --resume, the newest of those)",
+    )
+    a("--ckpt-dir", default=None, help="checkpoint directory (default <run-dir>/ckpt)")
+    a("--resume", action="store_true", help="continue from the newest good checkpoint in the run directory")
+    a("--overwrite", action="store_true", help="replace the run in --run-dir instead of refusing")
+    a("--eval-every", type=int, default=0, help="evaluate every N steps (0: five times per run)")
+    a("--log-every", type=int, default=50, help="log metrics and input wait every N steps")
+    a("--ckpt-every", type=int, default=0, help="checkpoint every N steps (0: only at the end and on a signal)")
+    a("--keep", type=int, default=3, help="checkpoints to keep")
+    a("--keep-best", default=None, metavar="METRIC", help="keep the checkpoints best by this eval metric")
+    a("--keep-best-mode", default="min", choices=("min", "max"), help="whether --keep-best's metric is best low")
+    a(
+        "--init-from",
+        default=None,
+        metavar="PATH",
+        help="start from another run's parameters and optimizer state, a transformers GPT-2/Llama folder (its "
+        "tokenizer.json tokenises the text) or a torchvision ResNet .pth/.safetensors file",
+    )
 
 
 def add_optimizer_flags(p: argparse.ArgumentParser) -> None:
@@ -211,10 +235,43 @@ def default_run_dir(model: str, data: str | None, resume: bool) -> str:
     return str(base / datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
 
 
+def model_and_base_fields(name: str | None, init_from: str | None) -> tuple[str, dict[str, Any] | None]:
+    """The model family `jaxnn train` builds, and the config fields it starts from: those of the checkpoint
+    `init_from` names (a transformers folder, a torchvision ResNet file), or a preset's, or None (the family's
+    `jaxnn train` defaults). jax is imported, not started: the device count is set after this."""
+    from jaxnn.interop.hf import config_from_hf, is_hf_folder, read_hf_config
+    from jaxnn.interop.tensors import is_tensor_file, read_tensors
+    from jaxnn.interop.torchvision import resnet_config_from_state_dict
+    from jaxnn.models.presets import PRESETS
+
+    family = PRESETS[name].family if name in PRESETS else name
+    if init_from is not None and (is_hf_folder(init_from) or is_tensor_file(init_from)):
+        kind, wanted = (
+            ("a transformers decoder", "gpt")
+            if is_hf_folder(init_from)
+            else ("a torchvision ResNet", "imagenet_resnet")
+        )
+        if family is not None and family != wanted:
+            raise ConfigError(f"--init-from {init_from} is {kind}: it trains as {wanted}, not {name!r}")
+        if wanted == "gpt":
+            return "gpt", dataclasses.asdict(config_from_hf(read_hf_config(init_from)))
+        family, fields = wanted, dataclasses.asdict(resnet_config_from_state_dict(read_tensors(init_from)))
+    elif name in PRESETS:
+        fields = dataclasses.asdict(PRESETS[name].config)
+    else:
+        return name or "cnn", None
+    # What the data decide (recipes.model_config sets them): an ImageNet head and image size are not the bundled
+    # digits'; recipes replaces a checkpoint's head when the counts differ. A --model-config still sets them.
+    for data_field in ("num_classes", "image_size"):
+        fields.pop(data_field, None)
+    return str(family), fields
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The run the flags ask for; each value is checked by the config that holds it (a ConfigError names it)."""
-    defaults = MODEL_DEFAULTS.get(args.model, {})
-    overrides = default_model_overrides(args.model, args.size)
+    model, base = model_and_base_fields(args.model, args.init_from)
+    defaults = MODEL_DEFAULTS.get(model, {})
+    overrides = default_model_overrides(model, args.size) if base is None else base
     for flag, field in (("d_model", "d_model"), ("layers", "num_layers")):
         if getattr(args, flag) is not None:
             overrides[field] = getattr(args, flag)
@@ -240,7 +297,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         keep_best=args.keep_best,
         keep_best_mode=args.keep_best_mode,
         check_data=args.check_data,
-        run_dir=args.run_dir or default_run_dir(args.model, args.data, args.resume),
+        run_dir=args.run_dir or default_run_dir(args.model or model, args.data, args.resume),
         ckpt_dir=args.ckpt_dir,
         resume=args.resume,
         overwrite=args.overwrite,
@@ -253,7 +310,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         compile_cache="off" if args.no_compile_cache else args.compile_cache,
     )
     return TrainConfig(
-        model=args.model,
+        model=model,
         dataset=args.dataset,
         data_dir=args.data,
         size=args.size,
@@ -282,7 +339,8 @@ def format_summary(s: dict) -> str:
     if "eval_accuracy" in s:
         quality = f"test accuracy {100 * s['eval_accuracy']:.2f}% (loss {s['eval_loss']:.4f})"
     elif "eval_bits_per_token" in s:
-        quality = f"test {s['eval_bits_per_token']:.3f} bits/byte (loss {s['eval_loss']:.4f})"
+        unit = "token" if str(s.get("dataset", "")).endswith("-tokens") else "byte"  # tokenize_corpus names it
+        quality = f"test {s['eval_bits_per_token']:.3f} bits/{unit} (loss {s['eval_loss']:.4f})"
     else:
         quality = "no evaluation"
     stopped = f", stopped by signal {s['interrupted_by']}" if s.get("interrupted_by") else ""

@@ -16,6 +16,7 @@ from jaxnn.data.datasets import (
     read_idx,
     read_idx_split,
     synthetic,
+    tokenize_corpus,
 )
 from jaxnn.data.pipeline import (
     PipelineConfig,
@@ -50,4 +51,5 @@ __all__ = [
     "read_idx_split",
     "steps_per_epoch",
     "synthetic",
+    "tokenize_corpus",
 ]

@@ -69,7 +69,8 @@ class ImageDataset:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TextCorpus:
-    """A byte-level corpus: `train` and `test` are 1-D uint8 arrays (the test part is the corpus's tail)."""
+    """A text corpus: `train` and `test` are 1-D arrays of ids (the test part is the corpus's tail): uint8 bytes
+    (vocabulary 256) as read, int32 token ids after `tokenize_corpus`."""
 
     name: str
     train: np.ndarray
@@ -338,6 +339,23 @@ def load_text(directory: StrPath | None = None, *, max_bytes: int = 8 << 20, tes
     corpus = np.frombuffer(b"".join(chunks), np.uint8)
     n_test = max(int(total * test_fraction), 513)
     return TextCorpus(name, corpus[:-n_test], corpus[-n_test:], len(chunks))
+
+
+def tokenize_corpus(corpus: TextCorpus, tokenizer_file: StrPath) -> TextCorpus:
+    """`corpus` as the token ids of a Hugging Face `tokenizer.json` (the `tokenizers` package), int32, for
+    fine-tuning a checkpoint on its own vocabulary; the train/test split stays where the bytes had it."""
+    from jaxnn.optional import require
+
+    tokenizers = require("tokenizers", "tokenising text with a tokenizer.json")
+    tokenizer = tokenizers.Tokenizer.from_file(os.fspath(tokenizer_file))
+
+    def ids(part: np.ndarray) -> np.ndarray:
+        return np.asarray(tokenizer.encode(part.tobytes().decode("utf-8", "replace")).ids, np.int32)
+
+    train, test = ids(corpus.train), ids(corpus.test)
+    if len(test) < 2:
+        raise DataError(f"{corpus.name}: its test split is {len(test)} token(s) long under {tokenizer_file}")
+    return TextCorpus(f"{corpus.name}-tokens", train, test, corpus.num_files, tokenizer.get_vocab_size())
 
 
 # --- synthetic --------------------------------------------------------------------------------------------------

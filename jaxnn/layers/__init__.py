@@ -1,7 +1,7 @@
 """jaxnn layers: each an `(init, apply)` pair of pure functions; see `jaxnn.layers.core` for the convention."""
 
 from jaxnn.layers.activation import Dropout, Gelu, GeluExact, Relu, Silu, Softmax, Tanh
-from jaxnn.layers.attention import MultiHeadAttention, TransformerBlock, rotary_embedding
+from jaxnn.layers.attention import MultiHeadAttention, SwiGLU, TransformerBlock, rotary_embedding
 from jaxnn.layers.conv import Conv, ConvTranspose
 from jaxnn.layers.core import (
     ApplyFn,
@@ -74,6 +74,7 @@ __all__ = [
     "State",
     "SummaryRow",
     "Tanh",
+    "SwiGLU",
     "TransformerBlock",
     "init_cache",
     "init_model",

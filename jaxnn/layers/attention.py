@@ -184,10 +184,14 @@ class _Projections(NamedTuple):
     context_features: int | None
     w_init: initializers.Initializer
     rope: bool
+    bias: bool
     name: str
 
     def head_width(self, width: int) -> int:
         return self.head_dim or width // self.num_heads
+
+    def dense(self, features: int, name: str = "dense") -> Layer:
+        return Dense(features, use_bias=self.bias, w_init=self.w_init, name=name)
 
     def init(self, key: jax.Array, in_shape: tuple[int, ...]) -> dict:
         if len(in_shape) != 3:
@@ -201,14 +205,14 @@ class _Projections(NamedTuple):
         # Two keys for the fused form (as jaxnn has always drawn them: a fixed seed keeps its initial weights).
         k_q, k_out, *k_kv = jax.random.split(key, 2 if self.fused else 3)
         if self.fused:
-            params = {"qkv": Dense(3 * N * H, w_init=self.w_init).init(k_q, in_shape)[1]}
+            params = {"qkv": self.dense(3 * N * H).init(k_q, in_shape)[1]}
         else:
             source = (in_shape[0], in_shape[1], self.context_features or D)
             params = {
-                "q": Dense(N * H, w_init=self.w_init).init(k_q, in_shape)[1],
-                "kv": Dense(2 * K * H, w_init=self.w_init).init(k_kv[0], source)[1],
+                "q": self.dense(N * H).init(k_q, in_shape)[1],
+                "kv": self.dense(2 * K * H).init(k_kv[0], source)[1],
             }
-        params["out"] = Dense(D, w_init=self.w_init).init(k_out, (*in_shape[:-1], N * H))[1]
+        params["out"] = self.dense(D).init(k_out, (*in_shape[:-1], N * H))[1]
         return params
 
     def project(self, params: dict, x_BTD: jax.Array, source_BSE: jax.Array, policy: Any) -> tuple:
@@ -216,10 +220,10 @@ class _Projections(NamedTuple):
         B, T, D = x_BTD.shape
         H, N, K = self.head_width(D), self.num_heads, self.kv_heads
         if self.fused:
-            qkv = Dense(3 * N * H, name="qkv").apply(params["qkv"], x_BTD, policy=policy)
+            qkv = self.dense(3 * N * H, "qkv").apply(params["qkv"], x_BTD, policy=policy)
             return tuple(t.reshape(B, T, N, H) for t in jnp.split(qkv, 3, axis=-1))
-        q = Dense(N * H, name="q").apply(params["q"], x_BTD, policy=policy)
-        kv = Dense(2 * K * H, name="kv").apply(params["kv"], source_BSE, policy=policy)
+        q = self.dense(N * H, "q").apply(params["q"], x_BTD, policy=policy)
+        kv = self.dense(2 * K * H, "kv").apply(params["kv"], source_BSE, policy=policy)
         k, v = (t.reshape(B, source_BSE.shape[1], K, H) for t in jnp.split(kv, 2, axis=-1))
         return q.reshape(B, T, N, H), k, v
 
@@ -235,6 +239,7 @@ def MultiHeadAttention(
     rope: bool = False,
     rope_base: float = 10000.0,
     implementation: str = "auto",
+    bias: bool = True,
     w_init: initializers.Initializer = initializers.lecun_normal(),
     name: str = "attention",
 ) -> Layer:
@@ -247,7 +252,8 @@ def MultiHeadAttention(
     - `mask`: (B, T) bool padding mask of x's positions, True for real tokens; `causal=True` lets position t see
       positions <= t only. `rope=True` rotates queries and keys by their positions (`positions` side input, default
       0..T-1; `rotary_embedding`).
-    - Params: `qkv` (one fused Dense) for self-attention with num_kv_heads == num_heads, else `q` and `kv`; `out`.
+    - Params: `qkv` (one fused Dense) for self-attention with num_kv_heads == num_heads, else `q` and `kv`; `out`;
+      `bias=False` leaves out their biases (as Llama does).
     - Causal self-attention decodes with a cache (`init_cache`): keys, values and padding mask of every position
       seen so far (a left-padded batch decodes with `mask` and `positions` given per call). Decoding past the
       cache's length is refused in eager calls and gives NaN outputs under jit.
@@ -260,7 +266,7 @@ def MultiHeadAttention(
     fused = not cross and kv_heads == num_heads
     side_inputs = frozenset({"context", "context_mask"} if cross else {"mask", *(("positions",) if rope else ())})
 
-    heads = _Projections(num_heads, kv_heads, head_dim, fused, context_features, w_init, rope, name)
+    heads = _Projections(num_heads, kv_heads, head_dim, fused, context_features, w_init, rope, bias, name)
 
     def init(key, in_shape):
         return tuple(in_shape), heads.init(key, in_shape)
@@ -282,7 +288,7 @@ def MultiHeadAttention(
                 positions = jnp.broadcast_to(jnp.arange(T), (B, T)) if positions is None else positions
                 q, k = rotary_embedding(q, positions, rope_base), rotary_embedding(k, positions, rope_base)
             o = _dispatch(implementation, q, k, v, key_mask, causal, policy)
-        y = Dense(D, name="out").apply(params["out"], o.reshape(B, T, -1), policy=policy)
+        y = heads.dense(D, "out").apply(params["out"], o.reshape(B, T, -1), policy=policy)
         return y if cache is None else (y, cache)
 
     def init_cache(in_shape, max_len, dtype):
@@ -353,6 +359,7 @@ def _decode(name, q_BTNH, k_BTKH, v_BTKH, cache, positions, key_mask_B11T, rope_
 
 
 NORMS = ("layer", "rms")
+MLPS = ("gelu", "swiglu")
 
 
 # Gelu with the MLP's hidden width pinned to `tensor` where a mesh is set (`jaxnn.activation_sharding`): the Megatron
@@ -360,15 +367,83 @@ NORMS = ("layer", "rms")
 HiddenGelu = Lambda(lambda x: constrain(Gelu.apply({}, x), (BATCH, None, HIDDEN)), "gelu")
 
 
+def SwiGLU(
+    hidden_features: int,
+    *,
+    use_bias: bool = False,
+    w_init: initializers.Initializer = initializers.lecun_normal(),
+    name: str = "swiglu",
+) -> Layer:
+    """The gated MLP of Llama and PaLM: `down(silu(gate(x)) * up(x))`, back to the input's width.
+
+    Params `gate` and `up` (D, hidden) and `down` (hidden, D), each a Dense (biases only with `use_bias`); the
+    built-in sharding rules split gate and up by columns and down by rows, as for a GELU MLP's fc and proj."""
+    check_positive("SwiGLU", hidden_features=hidden_features)
+
+    def dense(features: int, part: str) -> Layer:
+        return Dense(features, use_bias=use_bias, w_init=w_init, name=part)
+
+    def init(key, in_shape):
+        if len(in_shape) < 1:
+            raise shape_error(name, "of rank >= 1", in_shape)
+        k_gate, k_up, k_down = jax.random.split(key, 3)
+        hidden_shape = (*in_shape[:-1], hidden_features)
+        params = {
+            "gate": dense(hidden_features, "gate").init(k_gate, in_shape)[1],
+            "up": dense(hidden_features, "up").init(k_up, in_shape)[1],
+            "down": dense(in_shape[-1], "down").init(k_down, hidden_shape)[1],
+        }
+        return tuple(in_shape), params
+
+    def apply(params, x, *, policy=None, **kwargs):
+        check_keywords(name, kwargs)
+        gate = dense(hidden_features, "gate").apply(params["gate"], x, policy=policy)
+        up = dense(hidden_features, "up").apply(params["up"], x, policy=policy)
+        hidden = constrain(jax.nn.silu(gate) * up, (BATCH, None, HIDDEN)) if x.ndim == 3 else jax.nn.silu(gate) * up
+        return dense(x.shape[-1], "down").apply(params["down"], hidden, policy=policy)
+
+    return Layer(init, with_name(name, apply), name)
+
+
+def _mlp(kind: str, hidden: int, bias: bool, w_init: initializers.Initializer, width: int) -> list[Layer]:
+    """The block's MLP sublayers after its norm: a GELU MLP (fc, gelu, proj) or a SwiGLU."""
+    if kind == "swiglu":
+        return [SwiGLU(hidden, use_bias=bias, w_init=w_init)]
+    return [
+        Dense(hidden, use_bias=bias, w_init=w_init, name="fc"),
+        HiddenGelu,
+        Dense(width, use_bias=bias, w_init=w_init, name="proj"),
+    ]
+
+
+def _check_block(mlp_ratio, mlp_hidden, mlp, norm, norm_eps, drop_prob) -> None:
+    """Refuses a bad TransformerBlock construction in one line, before any init."""
+    check_positive("TransformerBlock", mlp_ratio=mlp_ratio)
+    if mlp_hidden is not None:
+        check_positive("TransformerBlock", mlp_hidden=mlp_hidden)
+    if norm not in NORMS:
+        raise ValueError(f"TransformerBlock: unknown norm {norm!r}; choose one of {NORMS}")
+    if mlp not in MLPS:
+        raise ValueError(f"TransformerBlock: unknown mlp {mlp!r}; choose one of {MLPS}")
+    Dropout(drop_prob)  # each layer's own check of its argument
+    (LayerNorm if norm == "layer" else RMSNorm)(norm_eps)
+
+
 def TransformerBlock(
     num_heads: int,
     *,
     mlp_ratio: int = 4,
+    mlp_hidden: int | None = None,
+    mlp: str = "gelu",
     drop_prob: float = 0.0,
     causal: bool = True,
     num_kv_heads: int | None = None,
+    head_dim: int | None = None,
     rope: bool = False,
+    rope_base: float = 10000.0,
     norm: str = "layer",
+    norm_eps: float = 1e-6,
+    bias: bool = True,
     cross_attention: bool = False,
     context_features: int | None = None,
     attention_implementation: str = "auto",
@@ -376,46 +451,43 @@ def TransformerBlock(
     name: str = "block",
 ) -> Layer:
     """Pre-norm transformer block: x + Attention(Norm(x)), [x + CrossAttention(Norm(x), context)],
-    then x + MLP(Norm(x)) with a GELU MLP of mlp_ratio * D.
+    then x + MLP(Norm(x)).
 
-    `norm`: "layer" (LayerNorm) or "rms" (RMSNorm); `num_kv_heads` and `rope` as in `MultiHeadAttention`;
-    `w_init` initialises every projection (attention and MLP);
+    The MLP: `mlp="gelu"` (fc, tanh-GELU, proj; GPT-2) or "swiglu" (`SwiGLU`; Llama), of hidden width
+    `mlp_hidden` (default mlp_ratio * D). `norm`: "layer" (LayerNorm) or "rms" (RMSNorm), with epsilon
+    `norm_eps`; `bias=False` leaves out every projection's bias; `num_kv_heads`, `head_dim`, `rope` and
+    `rope_base` as in `MultiHeadAttention`; `w_init` initialises every projection (attention and MLP);
     `cross_attention=True` adds a cross-attention sublayer reading the `context` side input (an encoder-decoder
     block). Side inputs (mask, positions, context, context_mask) reach the sublayers that read them; a causal block
     decodes with a cache.
     """
-    check_positive("TransformerBlock", mlp_ratio=mlp_ratio)
-    if norm not in NORMS:
-        raise ValueError(f"TransformerBlock: unknown norm {norm!r}; choose one of {NORMS}")
-    Dropout(drop_prob)  # refuse a bad drop_prob at construction, not at init
+    _check_block(mlp_ratio, mlp_hidden, mlp, norm, norm_eps, drop_prob)
     Norm = LayerNorm if norm == "layer" else RMSNorm
 
     def attention(cross: bool) -> Layer:
         return MultiHeadAttention(
             num_heads,
+            head_dim,
             num_kv_heads=num_kv_heads,
             causal=causal and not cross,
             rope=rope and not cross,
+            rope_base=rope_base,
             cross=cross,
             context_features=context_features,
             implementation=attention_implementation,
+            bias=bias,
             w_init=w_init,
             name="cross_attention" if cross else "attention",
         )
 
     def build(width: int) -> Layer:
-        sublayers = [residual(Norm(name="ln"), attention(False), Dropout(drop_prob), name="attn")]
+        sublayers = [residual(Norm(norm_eps, name="ln"), attention(False), Dropout(drop_prob), name="attn")]
         if cross_attention:
-            sublayers.append(residual(Norm(name="ln"), attention(True), Dropout(drop_prob), name="cross"))
-        mlp = residual(
-            Norm(name="ln"),
-            Dense(mlp_ratio * width, w_init=w_init, name="fc"),
-            HiddenGelu,
-            Dense(width, w_init=w_init, name="proj"),
-            Dropout(drop_prob),
-            name="mlp",
-        )
-        return serial(*sublayers, mlp, name=name)
+            sublayers.append(residual(Norm(norm_eps, name="ln"), attention(True), Dropout(drop_prob), name="cross"))
+        hidden = mlp_hidden or mlp_ratio * width
+        mlp_layers = _mlp(mlp, hidden, bias, w_init, width)
+        sublayers.append(residual(Norm(norm_eps, name="ln"), *mlp_layers, Dropout(drop_prob), name="mlp"))
+        return serial(*sublayers, name=name)
 
     template = build(1)  # the sublayers' side inputs and cache do not depend on the width
 

@@ -3,6 +3,7 @@ profiler, export and the experiments all build models here, so a field is checke
 
     model, cfg = build_model("gpt", {"d_model": 128, "position": "rope"}, size="small")
     model, cfg = model_from_record(loaded.config)     # a saved run's config.json or checkpoint config
+    model, cfg = build_model("gpt2", {"num_layers": 2})  # a preset (`jaxnn.models.presets`) as the base
 """
 
 from __future__ import annotations
@@ -14,19 +15,26 @@ from typing import Any
 from jaxnn.config import MODEL_DEFAULTS, SIZES, ConfigError, default_model_overrides
 from jaxnn.layers import Layer
 from jaxnn.models import CONFIGS, get_model
+from jaxnn.models.presets import PRESETS
+
+
+def family(name: str) -> str:
+    """The built-in model family that builds `name`: the family of a preset ("gpt2" -> "gpt"), else `name`."""
+    return PRESETS[name].family if name in PRESETS else name
 
 
 def model_config(name: str, fields: Mapping[str, Any] | None = None, *, size: str = "base") -> Any:
-    """The config dataclass of built-in model `name`: its default (or `small()`) config with `fields` replaced.
+    """The config dataclass of built-in model or preset `name`: its default (or `small()`) config with `fields`
+    replaced.
 
     A field the model does not have, or a value of the wrong kind (text for a width), is one ConfigError naming
     it; JSON lists become tuples where the field is a tuple, since JSON has no tuples.
     """
-    if name not in CONFIGS:
-        raise ConfigError(f"unknown model {name!r}; choose one of {sorted(CONFIGS)}")
+    if name not in CONFIGS and name not in PRESETS:
+        raise ConfigError(f"unknown model {name!r}; choose a family {sorted(CONFIGS)} or a preset {sorted(PRESETS)}")
     if size not in SIZES:
         raise ConfigError(f"unknown size {size!r}; choose one of {list(SIZES)}")
-    default = CONFIGS[name]()
+    default = PRESETS[name].config if name in PRESETS else CONFIGS[name]()
     fields = dict(fields or {})
     known = {f.name: getattr(default, f.name) for f in dataclasses.fields(default)}
     unknown = sorted(set(fields) - set(known))
@@ -59,9 +67,9 @@ def _checked_value(model: str, field: str, value: Any, default: Any) -> Any:
 
 
 def build_model(name: str, fields: Mapping[str, Any] | None = None, *, size: str = "base") -> tuple[Layer, Any]:
-    """The built-in model `name` with `model_config(name, fields, size=size)`, and that config."""
+    """The built-in model or preset `name` with `model_config(name, fields, size=size)`, and that config."""
     cfg = model_config(name, fields, size=size)
-    return get_model(name, cfg), cfg
+    return get_model(family(name), cfg), cfg
 
 
 def train_default_model(name: str, fields: Mapping[str, Any] | None = None, *, size: str = "base") -> tuple[Layer, Any]:
@@ -87,4 +95,4 @@ def model_from_record(record: Mapping[str, Any]) -> tuple[Layer, Any]:
     return build_model(name, saved)
 
 
-__all__ = ["build_model", "model_config", "model_from_record", "train_default_model"]
+__all__ = ["build_model", "family", "model_config", "model_from_record", "train_default_model"]

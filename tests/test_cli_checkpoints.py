@@ -1,0 +1,118 @@
+"""The command line with checkpoints other libraries wrote: `jaxnn summary` of presets, and a transformers folder
+fine-tuned (`train --init-from`), generated from, and exported back (`export --format hf`)."""
+
+import numpy as np
+import pytest
+
+from jaxnn import cli
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+pytestmark = pytest.mark.xdist_group("transformers")
+
+VOCAB = 300  # above 256, so byte-level training data are valid ids
+
+
+@pytest.fixture(scope="module")
+def gpt2_folder(tmp_path_factory):
+    """A small random GPT-2 written by transformers, with a byte-level BPE tokenizer trained offline."""
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    folder = tmp_path_factory.mktemp("gpt2")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=2)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(folder)
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["import numpy as np\n" * 50, "def main():\n    return 0\n" * 50], trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def _logits(folder, ids):
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits.numpy()
+
+
+def test_summary_of_a_large_preset_prints_its_published_count_without_allocating(capsys):
+    assert cli.main(["summary", "--model", "llama-3-8b", "--depth", "0"]) == 0
+    assert "8,030,261,248 parameters, equal to the published 8,030,261,248" in capsys.readouterr().out
+    assert cli.main(["summary", "--list"]) == 0
+    assert "gpt2-xl" in capsys.readouterr().out
+    assert cli.main(["summary", "--model", "gpt3"]) == 2
+    assert "unknown model 'gpt3'" in capsys.readouterr().err
+
+
+def test_fine_tune_a_transformers_folder_on_its_tokens_and_export_it_back(capsys, tmp_path, gpt2_folder):
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "a.py").write_text("import numpy as np\n\ndef main():\n    return np.zeros(3)\n" * 40)
+    run = tmp_path / "run"
+    argv = ["--init-from", str(gpt2_folder), "--data", str(text), "--steps", "2", "--batch-size", "4"]
+    argv += ["--seq-len", "16", "--lr", "1e-9", "--run-dir", str(run), "--no-progress", "--no-plots", "--no-summary"]
+    assert cli.main(["train", *argv]) == 0
+    out = capsys.readouterr().out
+    assert "gpt on text-tokens" in out and "bits/token" in out  # trained on the folder's tokenizer, not on bytes
+    assert cli.main(["export", "--run-dir", str(run), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    ids = np.random.default_rng(0).integers(0, VOCAB, (2, 10))
+    # Two steps at a learning rate of 1e-9 leave the weights where the folder had them: the import is the start.
+    err = np.abs(_logits(tmp_path / "hf", ids) - _logits(gpt2_folder, ids)).max()
+    assert err < 1e-4, f"fine-tuned export differs from the imported folder by {err:.3g}"
+
+
+def test_generate_from_a_transformers_folder_uses_its_tokenizer(capsys, gpt2_folder):
+    argv = ["generate", "--run-dir", str(gpt2_folder), "--prompt", "import numpy", "--length", "6", "--seed", "3"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("import numpy") and len(out.strip()) > len("import numpy")
+
+
+def test_an_imported_decoder_cannot_train_as_an_image_model(capsys, tmp_path, gpt2_folder):
+    argv = ["train", "--model", "cnn", "--init-from", str(gpt2_folder), "--run-dir", str(tmp_path / "r")]
+    assert cli.main(argv) == 2
+    assert "trains as gpt, not 'cnn'" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_fine_tune_a_torchvision_resnet_on_grayscale_digits(capsys, caplog, tmp_path):
+    # A narrow ResNet in torchvision's layout (tests/test_interop_torchvision.py proves that layout against
+    # torchvision itself): an RGB stem and a 7-class head, fine-tuned on 1-channel, 10-class digits.
+    import jax
+    from safetensors.numpy import save_file
+
+    from jaxnn.interop.torchvision import to_torchvision_state_dict
+    from jaxnn.layers import init_model
+    from jaxnn.models.imagenet_resnet import ImageNetResNet, ImageNetResNetConfig
+
+    cfg = ImageNetResNetConfig(stage_sizes=(1, 1), width=8, num_classes=7)
+    _, params, state = init_model(ImageNetResNet(cfg), jax.random.key(0), (1, 32, 32, 3))
+    save_file(to_torchvision_state_dict(params, state, cfg), tmp_path / "narrow.safetensors")
+    argv = ["train", "--init-from", str(tmp_path / "narrow.safetensors"), "--steps", "2", "--batch-size", "8"]
+    assert cli.main([*argv, "--run-dir", str(tmp_path / "run"), "--no-progress", "--no-plots", "--no-summary"]) == 0
+    assert "imagenet_resnet on digits: step 2/2" in capsys.readouterr().out
+    assert "grayscale images enter it in all three channels" in caplog.text
+    assert "7-class head, the data 10 classes: it starts afresh" in caplog.text
+    assert cli.main(["train", "--model", "gpt2", "--init-from", str(tmp_path / "narrow.safetensors")]) == 2
+    assert "is a torchvision ResNet: it trains as imagenet_resnet, not 'gpt2'" in capsys.readouterr().err
+
+
+def test_vision_presets_train_on_the_data_at_hand(capsys, tmp_path):
+    argv = ["train", "--model", "vit-b16", "--model-config", "patch_size=4", "num_layers=1", "hidden_dim=32"]
+    argv += [
+        "num_heads=2",
+        "mlp_dim=64",
+        "--steps",
+        "2",
+        "--batch-size",
+        "8",
+        "--no-progress",
+        "--no-plots",
+        "--no-summary",
+    ]
+    assert cli.main([*argv, "--run-dir", str(tmp_path / "vit")]) == 0
+    assert "vit on digits: step 2/2" in capsys.readouterr().out  # 10 classes and 8x8 images, from the data

@@ -1,0 +1,179 @@
+"""transformers GPT-2 and Llama checkpoints into jaxnn and back, proven against transformers' own forward pass on
+small random models created offline (every tensor randomised, norms included, so a misplaced one shows)."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxnn.interop.hf import load_hf, save_hf
+from jaxnn.interop.tensors import TensorMismatchError
+from jaxnn.models import GPT
+from jaxnn.models.presets import PRESETS
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.xdist_group("transformers")
+
+VOCAB = 96
+CONFIGS = {
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4),
+    "llama-gqa": lambda: transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        rope_theta=500000.0,
+    ),  # fmt: skip
+    "llama-tied-mha": lambda: transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+    ),  # fmt: skip
+}
+
+
+def _random_model(kind: str):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[kind]()).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    return model
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    out = {}
+    for kind in CONFIGS:
+        folder = tmp_path_factory.mktemp(kind)
+        _random_model(kind).save_pretrained(folder)
+        out[kind] = folder
+    return out
+
+
+def _batch():
+    ids = np.random.default_rng(1).integers(0, VOCAB, (3, 12))
+    mask = np.ones(ids.shape, bool)
+    mask[1, 8:] = False  # padded rows: their real positions must still agree
+    mask[2, 5:] = False
+    return ids, mask
+
+
+def _reference_logits(folder, ids, mask):
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        return model(torch.tensor(ids), attention_mask=torch.tensor(mask.astype(np.int64))).logits.numpy()
+
+
+def _jaxnn_logits(cfg, params, ids, mask):
+    return np.asarray(GPT(cfg).apply(jax.tree.map(jnp.asarray, params), jnp.asarray(ids), mask=jnp.asarray(mask)))
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_imported_logits_equal_transformers_on_a_padded_batch(folders, kind):
+    cfg, params = load_hf(folders[kind])
+    ids, mask = _batch()
+    err = np.abs(_jaxnn_logits(cfg, params, ids, mask) - _reference_logits(folders[kind], ids, mask))[mask].max()
+    assert err < 2e-5, f"{kind}: max abs error {err:.3g} against transformers"
+    n_ref = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(folders[kind]).parameters())
+    assert cfg.num_params() == n_ref
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_jaxnn_params_saved_as_a_folder_load_in_transformers_with_the_same_logits(folders, kind, tmp_path):
+    cfg, params = load_hf(folders[kind])
+    ids, mask = _batch()
+    save_hf(tmp_path / "out", cfg, params)
+    err = np.abs(_reference_logits(tmp_path / "out", ids, mask) - _reference_logits(folders[kind], ids, mask))
+    assert err[mask].max() == 0.0, f"{kind}: round trip changed the logits by {err[mask].max():.3g}"
+
+
+def test_a_model_trained_in_jaxnn_saves_as_llama_and_transformers_agrees(tmp_path):
+    cfg = dataclasses.replace(PRESETS["tinyllama-1.1b"].config, vocab_size=64, d_model=32, num_layers=1,
+                              num_heads=4, num_kv_heads=2, mlp_hidden=24)  # fmt: skip
+    _, params = GPT(cfg).init(jax.random.key(3), (1, 8))
+    save_hf(tmp_path / "mine", cfg, params)
+    ids, mask = _batch()
+    ids = ids % 64
+    err = np.abs(_reference_logits(tmp_path / "mine", ids, mask) - _jaxnn_logits(cfg, params, ids, mask))[mask].max()
+    assert err < 2e-5, f"max abs error {err:.3g}"
+
+
+def test_a_bf16_load_gives_bf16_params_close_to_fp32(folders):
+    cfg, params = load_hf(folders["llama-gqa"], dtype=jnp.bfloat16)
+    assert {str(a.dtype) for a in jax.tree.leaves(params)} == {"bfloat16"}
+    ids, mask = _batch()
+    ref = _reference_logits(folders["llama-gqa"], ids, mask)
+    err = np.abs(_jaxnn_logits(cfg, params, ids, mask).astype(np.float32) - ref)[mask].max()
+    assert err < 0.1 * np.abs(ref).max(), f"bf16 max abs error {err:.3g}"
+
+
+def _rewrite(folder, tmp_path, change):
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    change(tensors)
+    out = tmp_path / "broken"
+    out.mkdir(parents=True)
+    save_file(tensors, out / "model.safetensors")
+    (out / "config.json").write_text((folder / "config.json").read_text())
+    return out
+
+
+def test_a_missing_unexpected_or_misshapen_tensor_is_named(folders, tmp_path):
+    def drop(t):
+        del t["model.layers.1.mlp.up_proj.weight"]
+
+    with pytest.raises(TensorMismatchError, match=r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"):
+        load_hf(_rewrite(folders["llama-gqa"], tmp_path / "a", drop))
+
+    def add(t):
+        t["model.layers.0.extra.weight"] = np.zeros(3, np.float32)
+
+    with pytest.raises(TensorMismatchError, match=r"unexpected tensor 'model\.layers\.0\.extra\.weight'"):
+        load_hf(_rewrite(folders["llama-gqa"], tmp_path / "b", add))
+
+    def shrink(t):
+        t["transformer.h.0.mlp.c_fc.weight"] = t["transformer.h.0.mlp.c_fc.weight"][:, :-1]
+
+    with pytest.raises(TensorMismatchError, match=r"transformer\.h\.0\.mlp\.c_fc\.weight has shape \(32, 127\)"):
+        load_hf(_rewrite(folders["gpt2"], tmp_path / "c", shrink))
+
+
+def test_an_architecture_jaxnn_does_not_model_is_refused_in_one_line(folders, tmp_path):
+    config = json.loads((folders["llama-gqa"] / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}
+    folder = tmp_path / "scaled"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="rope_type 'llama3'"):
+        load_hf(folder)
+
+
+def test_save_hf_never_writes_into_a_folder_that_holds_files(folders, tmp_path):
+    cfg, params = load_hf(folders["gpt2"])
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not empty"):
+        save_hf(tmp_path, cfg, params)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("name", [n for n, p in PRESETS.items() if p.family == "gpt"])
+def test_each_decoder_preset_has_its_published_parameter_count(name):
+    preset = PRESETS[name]
+    model = GPT(preset.config)
+    shapes = jax.eval_shape(lambda key: model.init(key, (1, 1))[1], jax.random.key(0))
+    assert sum(int(np.prod(a.shape)) for a in jax.tree.leaves(shapes)) == preset.published_params
