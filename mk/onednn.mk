@@ -4,7 +4,7 @@
 .PHONY: onednn bench-onednn
 
 ONEDNN_SRC := jaxnn/kernels/onednn/onednn_ffi.cc
-ONEDNN_SO := jaxnn/kernels/onednn/libjaxnn_onednn.so
+ONEDNN_SO := jaxnn/kernels/onednn/libjaxnn_onednn.so.0
 ONEDNN_STAMP := $(VENV)/.installed-onednn
 
 $(ONEDNN_STAMP): $(STAMP) pyproject.toml

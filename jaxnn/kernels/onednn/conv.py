@@ -15,13 +15,14 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from jaxnn.kernels.onednn.library import call, like_primal, unavailable_reason
 
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
-def supports(x_dtype, w_dtype, feature_group_count: int = 1) -> bool:
+def supports(x_dtype: DTypeLike, w_dtype: DTypeLike, feature_group_count: int = 1) -> bool:
     """Whether these kernels compute a convolution of these operand dtypes (equal, float32 or bfloat16; no groups)."""
     return feature_group_count == 1 and jnp.dtype(x_dtype) == jnp.dtype(w_dtype) and jnp.dtype(x_dtype) in DTYPES
 

@@ -13,12 +13,15 @@ import ctypes
 import functools
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
 from jax import lax
+from jax.typing import DTypeLike
 
-LIBRARY_NAME = "libjaxnn_onednn.so"
+# Versioned like a system library, and so not taken for a Python extension module (pkgutil would import it).
+LIBRARY_NAME = "libjaxnn_onednn.so.0"
 # JAXNN_ONEDNN_LIBRARY: another build of the library; JAXNN_ONEDNN: "1" uses the kernels in layers, "0" never.
 ENV_LIBRARY = "JAXNN_ONEDNN_LIBRARY"
 ENV_SWITCH = "JAXNN_ONEDNN"
@@ -93,7 +96,9 @@ def enabled() -> bool:
     return flag and available()
 
 
-def call(target: str, shape, dtype, *operands: jax.Array, vmap_method: str, **attrs) -> jax.Array:
+def call(
+    target: str, shape: Sequence[int], dtype: DTypeLike, *operands: jax.Array, vmap_method: str, **attrs: Any
+) -> jax.Array:
     """One kernel call (`TARGETS[target]`) returning a `shape`, `dtype` array.
 
     Under `jax.shard_map` the result varies over the mesh axes any operand varies over, and every operand is cast

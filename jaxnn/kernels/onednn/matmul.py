@@ -12,11 +12,14 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from jaxnn.kernels.onednn.library import call, unavailable_reason
 
 
-def matmul(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False, dtype=jnp.float32) -> jax.Array:
+def matmul(
+    a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False, dtype: DTypeLike = jnp.float32
+) -> jax.Array:
     """`a @ b` over the last two axes (leading axes are a batch, equal in both), `trans_*` reading an operand as
     the transpose of its last two axes; bf16 operands, result in `dtype` (float32 or bfloat16), f32 accumulation."""
     reason = unavailable_reason()
@@ -59,7 +62,7 @@ def _as_matrices(x: jax.Array, spec: str, lead: list[str], first: list[str], sec
     return folded([lead, first, second]), False
 
 
-def einsum(spec: str, a: jax.Array, b: jax.Array, dtype=jnp.float32) -> jax.Array:
+def einsum(spec: str, a: jax.Array, b: jax.Array, dtype: DTypeLike = jnp.float32) -> jax.Array:
     """A two-operand einsum (no ellipsis; every index in exactly two of a, b and the output) of bf16 operands as
     one batched oneDNN product, result in `dtype`."""
     inputs, spec_out = spec.replace(" ", "").split("->")
