@@ -87,11 +87,18 @@ def test_conv_gradients_match_finite_differences():
     check_grads(fn, (x, w), order=1, modes=["rev"], eps=1e-2, atol=2e-2, rtol=2e-2)
 
 
-def test_conv_under_vmap_is_the_conv_of_each_element():
+def test_conv_and_its_gradient_under_vmap_are_those_of_each_element():
     x, w = rand((3, 2, 6, 6, 2), seed=6), rand((3, 3, 2, 4), seed=7)
     pads = [(1, 1), (1, 1)]
     batched = jax.jit(jax.vmap(lambda x: onednn.conv(x, w, (1, 1), pads, (1, 1))))(x)
     assert_close(batched, jnp.stack([xla_conv(e, w, (1, 1), pads, (1, 1)) for e in x]), jnp.float32)
+
+    # Per-example weight gradients: the backward kernels under vmap too.
+    def loss(conv_fn):
+        return lambda w, x: jnp.sum(jnp.tanh(conv_fn(x, w, (1, 1), pads, (1, 1))))
+
+    per_example = jax.jit(jax.vmap(jax.grad(loss(onednn.conv)), in_axes=(None, 0)))(w, x)
+    assert_close(per_example, jnp.stack([jax.grad(loss(xla_conv))(w, e) for e in x]), jnp.float32)
 
 
 def test_data_parallel_conv_gradient_under_shard_map_matches_xla():
