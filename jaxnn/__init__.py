@@ -38,6 +38,7 @@ SUBMODULES = (
     "finetune",
     "interop",
     "generate",
+    "kernels",
     "layers",
     "loop",
     "mesh",

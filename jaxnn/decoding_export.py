@@ -51,6 +51,7 @@ def export_decoding(
     import jax.numpy as jnp
 
     from jaxnn.generate import decode_step, positions_of
+    from jaxnn.kernels import onednn
     from jaxnn.layers.core import run_cached
     from jaxnn.precision import get_policy
 
@@ -89,12 +90,14 @@ def export_decoding(
     weights = {n: jax.ShapeDtypeStruct(a.shape, a.dtype) for n, a in flat_weights(params, model_state).items()}
     (b,) = jax.export.symbolic_shape("b")
     ids = jax.ShapeDtypeStruct((b, prompt_len), jnp.int32)
-    exported_prefill = jax.export.export(jax.jit(prefill), platforms=platforms)(
-        weights, ids, jax.ShapeDtypeStruct((b, prompt_len), jnp.bool_)
-    )
-    cache_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exported_prefill.out_avals[1:]]
-    row = jax.ShapeDtypeStruct((b,), jnp.int32)
-    exported_step = jax.export.export(jax.jit(step), platforms=platforms)(weights, row, row, *cache_specs)
+    # The programs run without jaxnn, so they never call jaxnn's optional oneDNN kernels.
+    with onednn.use(False):
+        exported_prefill = jax.export.export(jax.jit(prefill), platforms=platforms)(
+            weights, ids, jax.ShapeDtypeStruct((b, prompt_len), jnp.bool_)
+        )
+        cache_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exported_prefill.out_avals[1:]]
+        row = jax.ShapeDtypeStruct((b,), jnp.int32)
+        exported_step = jax.export.export(jax.jit(step), platforms=platforms)(weights, row, row, *cache_specs)
     return exported_prefill, exported_step
 
 

@@ -190,6 +190,7 @@ def _export(
 ) -> Any:
     import jax
 
+    from jaxnn.kernels import onednn
     from jaxnn.train import make_predict
 
     platforms = check_platforms(platforms)
@@ -212,7 +213,9 @@ def _export(
     }
     (batch,) = jax.export.symbolic_shape("b")
     x_spec = jax.ShapeDtypeStruct((batch, *example_shape), x_dtype)
-    return jax.export.export(jax.jit(fn), platforms=platforms)(weights_spec, x_spec)
+    # An exported program runs without jaxnn, so it never calls jaxnn's optional oneDNN kernels.
+    with onednn.use(False):
+        return jax.export.export(jax.jit(fn), platforms=platforms)(weights_spec, x_spec)
 
 
 def check_platforms(platforms: Any) -> tuple[str, ...]:

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import DTypeLike
 
+from jaxnn.kernels import onednn
+
 Tree = TypeVar("Tree")  # a pytree of arrays; the casts below keep its structure and change leaf dtypes only
 
 # The float32 matmul precisions a policy can ask for, by name. "highest" is exact fp32; "tensorfloat32" lets GPUs
@@ -158,9 +160,20 @@ def _is_half(dtype: DTypeLike) -> bool:
     return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
+def _onednn_product(a) -> bool:
+    """Whether a half-precision product of operands like `a` runs on oneDNN's bf16 GEMM where it is lowered for the
+    CPU: the optional kernels are built and switched on (`jaxnn.kernels.onednn.enabled()`, read when tracing)."""
+    return a.dtype == jnp.bfloat16 and onednn.enabled()
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _half_einsum(spec: str, a, b):
-    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+    def xla(a, b):
+        return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+    if not _onednn_product(a):
+        return xla(a, b)
+    return lax.platform_dependent(a, b, cpu=lambda a, b: onednn.einsum(spec, a, b), default=xla)
 
 
 def _half_einsum_fwd(spec, a, b):
@@ -218,9 +231,22 @@ def _half_einsum_bwd(spec, residuals, g):
     inputs, out = spec.split("->")
     spec_a, spec_b = inputs.split(",")
     g = g.astype(a.dtype)
-    da = _canonical_einsum(out, spec_b, spec_a, g, b)
-    db = _canonical_einsum(spec_a, out, spec_b, a, g)
+    da = _backward_product(out, spec_b, spec_a, g, b)
+    db = _backward_product(spec_a, out, spec_b, a, g)
     return da.astype(a.dtype), db.astype(b.dtype)
+
+
+def _backward_product(spec_x: str, spec_y: str, spec_out: str, x, y):
+    """One of a half-precision einsum's gradient products: oneDNN's GEMM on the CPU where it is switched on (it
+    reads transposed operands through strides, so none of `_canonical_einsum`'s copies), else the canonical form."""
+    if not _onednn_product(x):
+        return _canonical_einsum(spec_x, spec_y, spec_out, x, y)
+    return lax.platform_dependent(
+        x,
+        y,
+        cpu=lambda x, y: onednn.einsum(f"{spec_x},{spec_y}->{spec_out}", x, y),
+        default=lambda x, y: _canonical_einsum(spec_x, spec_y, spec_out, x, y),
+    )
 
 
 _half_einsum.defvjp(_half_einsum_fwd, _half_einsum_bwd)
@@ -228,7 +254,9 @@ _half_einsum.defvjp(_half_einsum_fwd, _half_einsum_bwd)
 
 def einsum(spec: str, a: jax.Array, b: jax.Array, policy: Policy | None = None) -> jax.Array:
     """A two-operand einsum (no ellipsis; every index in exactly two of the operands and output) that
-    accumulates in float32 or wider; half-precision operands get half-precision gradient products too."""
+    accumulates in float32 or wider; half-precision operands get half-precision gradient products too. bf16
+    products run on oneDNN's GEMM where the computation is lowered for the CPU and the optional kernels are switched
+    on (`jaxnn.kernels.onednn.enabled()`); on XLA's dot everywhere else."""
     if _is_half(a.dtype) and a.dtype == b.dtype:
         return _half_einsum(spec, a, b)
     return jnp.einsum(spec, a, b, **product_kwargs(a.dtype, policy))

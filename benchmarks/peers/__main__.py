@@ -22,6 +22,7 @@ from benchmarks.train_steps import PRECISIONS, SPECS
 PEERS = {
     "jaxnn": "peer_jaxnn",
     "jaxnn_metrics": "peer_jaxnn_metrics",
+    "jaxnn_onednn": "peer_jaxnn_onednn",
     "flax_linen": "peer_linen",
     "flax_nnx": "peer_nnx",
     "equinox": "peer_equinox",

@@ -13,6 +13,7 @@ from jax import lax
 from jax.nn import initializers
 
 from jaxnn import precision
+from jaxnn.kernels import onednn
 from jaxnn.layers.core import (
     Layer,
     Shape,
@@ -34,7 +35,12 @@ _DIMENSION_NUMBERS = {
     3: ("NDHWC", "DHWIO", "NDHWC"),
 }
 PADDING_MODES = ("SAME", "VALID", "CAUSAL")
-LOWERINGS = ("auto", "xla", "im2col")
+LOWERINGS = ("auto", "xla", "im2col", "onednn")
+# "auto" with the oneDNN kernels switched on keeps im2col for inputs narrower than this (an image stem): oneDNN's
+# direct kernels vectorise over channels, and the CNN's 3-channel stem ran at 26 GFLOP/s in fp32 against im2col's
+# 40-60; its bf16 weight gradient (0.4 ms) took 114 ms while another process held one of the two cores, where
+# im2col's dots slow down in proportion (docs/performance.md, "oneDNN kernels").
+ONEDNN_AUTO_MIN_CHANNELS = 8
 
 
 def _as_tuple(value: int | Sequence[int], rank: int, arg: str, layer: str) -> tuple[int, ...]:
@@ -143,6 +149,9 @@ def _conv_fn(
             feature_group_count=feature_group_count,
         )
 
+    def onednn_conv(x, w):
+        return onednn.conv(x, w, strides, _explicit_pads(pad, x.shape[1:-1], w.shape[:-2], strides, dilation), dilation)
+
     def conv(x, w, policy=None):
         if lowering == "im2col":
             return conv_im2col(x, w, strides, pad, dilation, policy)
@@ -153,15 +162,17 @@ def _conv_fn(
         # jitted step (2x faster for a 3-channel stem), 20x and more faster inside lax.scan (make_multi_step),
         # where XLA's weight-gradient convolution falls off a cliff; and in half precision its dots keep every
         # backward product bf16 x bf16 -> f32 (precision.einsum), which XLA's convolution transposes cannot.
+        # "onednn", and "auto" where the oneDNN kernels are switched on (`onednn.enabled()`, read when tracing),
+        # take oneDNN's direct convolutions on the CPU instead (float32 and bfloat16; im2col for other dtypes).
         # The choice follows the platform the computation is lowered for, not this process's default backend, so
         # that a program traced here and exported for a GPU (jax.export) gets the GPU's lowering; both branches
         # are traced, only the lowering platform's is lowered (docs/performance.md, "Lowering per platform").
-        return lax.platform_dependent(
-            x,
-            w,
-            cpu=lambda x, w: conv_im2col(x, w, strides, pad, dilation, policy),
-            default=lambda x, w: xla_conv(x, w, policy),
-        )
+        use_onednn = lowering == "onednn" or (onednn.enabled() and x.shape[-1] >= ONEDNN_AUTO_MIN_CHANNELS)
+        if use_onednn and onednn.supports(x.dtype, w.dtype):
+            cpu = onednn_conv
+        else:
+            cpu = lambda x, w: conv_im2col(x, w, strides, pad, dilation, policy)  # noqa: E731
+        return lax.platform_dependent(x, w, cpu=cpu, default=lambda x, w: xla_conv(x, w, policy))
 
     return conv
 
@@ -265,17 +276,23 @@ def Conv(
 
     `w` has shape kernel_size + (in_channels // feature_group_count, features); products accumulate in float32.
     `lowering`: "xla" is XLA's convolution op; "im2col" computes it as one matmul over the concatenated kernel
-    taps (no feature groups); "auto" takes im2col when the computation is lowered for the CPU (no feature groups),
-    where it measures as fast or faster and avoids a slow path of XLA's convolution gradients inside `lax.scan`,
-    and XLA's convolution when it is lowered for an accelerator, whose convolution kernels are the fast path there.
+    taps (no feature groups); "onednn" runs oneDNN's direct convolutions on the CPU (the optional kernels of
+    `jaxnn.kernels.onednn`; float32 and bfloat16, no feature groups; XLA's convolution on accelerators); "auto"
+    takes im2col when the computation is lowered for the CPU (no feature groups), where it measures as fast or
+    faster and avoids a slow path of XLA's convolution gradients inside `lax.scan`, or oneDNN's kernels where they
+    are built and switched on (`jaxnn.kernels.onednn.enabled()`; inputs of at least ONEDNN_AUTO_MIN_CHANNELS
+    channels, so an image stem keeps im2col), and XLA's convolution when it is lowered for an accelerator, whose
+    convolution kernels are the fast path there.
     The platform is the one jax lowers for (`lax.platform_dependent`), so `jax.export(..., platforms=["cuda"])` on
     a CPU machine gets XLA's convolution.
     """
     check_positive("Conv", features=features, feature_group_count=feature_group_count)
     if lowering not in LOWERINGS:
         raise ValueError(f"Conv: unknown lowering {lowering!r}; choose one of {LOWERINGS}")
-    if lowering == "im2col" and feature_group_count != 1:
-        raise ValueError("Conv: the im2col lowering has no feature groups; use lowering='xla'")
+    if lowering in ("im2col", "onednn") and feature_group_count != 1:
+        raise ValueError(f"Conv: the {lowering} lowering has no feature groups; use lowering='xla'")
+    if lowering == "onednn" and not onednn.available():
+        raise RuntimeError(f"Conv: lowering='onednn' is not available: {onednn.unavailable_reason()}")
     kernel = _kernel_tuple(kernel_size, "Conv")
     rank = len(kernel)
     strides = _as_tuple(strides, rank, "strides", "Conv")

@@ -1,0 +1,18 @@
+"""jaxnn's "jaxnn" row with the optional oneDNN kernels switched on (JAXNN_ONEDNN=1): Conv(lowering="auto") and
+the bf16 products of `jaxnn.precision.einsum` run on oneDNN. Fails, with the reason, where they are not built."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from benchmarks.peers.common import main
+from benchmarks.peers.peer_jaxnn import build
+from jaxnn.kernels import onednn
+from jaxnn.kernels.onednn.library import ENV_SWITCH
+
+if __name__ == "__main__":
+    if not onednn.available():
+        sys.exit(f"jaxnn_onednn: {onednn.unavailable_reason()}")
+    os.environ[ENV_SWITCH] = "1"  # read when each step is traced
+    sys.exit(main("jaxnn_onednn", build))

@@ -1,0 +1,25 @@
+"""oneDNN kernels for the CPU through XLA's FFI: direct convolutions (forward, backward data, backward weights;
+channels last, float32 and bfloat16) and bfloat16 matrix products, usable under jit, grad, vmap and shard_map.
+
+Optional (`pip install 'jaxnn[onednn]'`, then `make install` compiles them); `available()` says whether they are
+built here and `unavailable_reason()` why not. `Conv(lowering="onednn")` asks for them explicitly; with
+`lowering="auto"` and in `jaxnn.precision.einsum` they are used where `enabled()` (JAXNN_ONEDNN=1, or `use(True)`).
+XLA's kernels stay the path on every other platform and wherever the kernels are absent.
+"""
+
+from jaxnn.kernels.onednn.conv import conv, supports
+from jaxnn.kernels.onednn.library import available, enabled, library_path, unavailable_reason, use, version
+from jaxnn.kernels.onednn.matmul import einsum, matmul
+
+__all__ = [
+    "available",
+    "conv",
+    "einsum",
+    "enabled",
+    "library_path",
+    "matmul",
+    "supports",
+    "unavailable_reason",
+    "use",
+    "version",
+]

@@ -1,0 +1,136 @@
+"""Finding, loading and registering the compiled oneDNN kernels, and the switch that says whether layers use them.
+
+The shared library is built by `make install` (mk/onednn.mk) next to this file from `onednn_ffi.cc`, against the
+oneDNN of the `onednn` extra (`pip install 'jaxnn[onednn]'`, the onednn-cpu-gomp wheel) and the XLA FFI headers
+jaxlib ships. It is loaded on first use, never at import, so `import jaxnn` costs nothing where it is absent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import ctypes
+import functools
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+from jax import lax
+from jax.typing import DTypeLike
+
+# Versioned like a system library, and so not taken for a Python extension module (pkgutil would import it).
+LIBRARY_NAME = "libjaxnn_onednn.so.0"
+# JAXNN_ONEDNN_LIBRARY: another build of the library; JAXNN_ONEDNN: "1" uses the kernels in layers, "0" never.
+ENV_LIBRARY = "JAXNN_ONEDNN_LIBRARY"
+ENV_SWITCH = "JAXNN_ONEDNN"
+TARGETS = {
+    "conv_fwd": "jaxnn_onednn_conv_fwd",
+    "conv_bwd_data": "jaxnn_onednn_conv_bwd_data",
+    "conv_bwd_weights": "jaxnn_onednn_conv_bwd_weights",
+    "matmul": "jaxnn_onednn_matmul",
+}
+# Whether Conv(lowering="auto") and precision.einsum take the kernels when they are built and nothing says
+# otherwise (docs/performance.md, "oneDNN kernels", has the measurements behind this choice).
+DEFAULT_ENABLED = False
+BUILD_HINT = "build them with `make install` (needs a C++ compiler and `pip install 'jaxnn[onednn]'`)"
+
+_override: contextvars.ContextVar[bool | None] = contextvars.ContextVar("jaxnn_onednn", default=None)
+
+
+def library_path() -> str:
+    """Where the shared library is looked for: $JAXNN_ONEDNN_LIBRARY, else next to this file."""
+    return os.environ.get(ENV_LIBRARY) or os.path.join(os.path.dirname(os.path.abspath(__file__)), LIBRARY_NAME)
+
+
+def _load_dnnl() -> None:
+    # The wheel puts libdnnl.so.3 in the environment's lib/; loading it globally first lets the dynamic loader
+    # resolve our library's dependency wherever the environment was moved to (the build's rpath is a fallback).
+    for prefix in dict.fromkeys((sys.prefix, sys.base_prefix)):
+        path = os.path.join(prefix, "lib", "libdnnl.so.3")
+        if os.path.exists(path):
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            return
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    path = library_path()
+    if not os.path.exists(path):
+        return None, f"the jaxnn oneDNN kernels are not built ({path} is missing); {BUILD_HINT}"
+    try:
+        _load_dnnl()
+        lib = ctypes.CDLL(path)
+    except OSError as err:
+        return None, f"the jaxnn oneDNN kernels at {path} do not load ({err}); {BUILD_HINT}"
+    for target in TARGETS.values():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
+    lib.jaxnn_onednn_version.restype = ctypes.c_char_p
+    return lib, None
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernels are built and loaded (registering them with XLA on first call), else why not."""
+    return _load()[1]
+
+
+def available() -> bool:
+    """Whether the kernels are built and load on this machine."""
+    return unavailable_reason() is None
+
+
+def version() -> str | None:
+    """The oneDNN version the kernels were built against, or None where they are not available."""
+    lib = _load()[0]
+    return None if lib is None else lib.jaxnn_onednn_version().decode()
+
+
+def enabled() -> bool:
+    """Whether layers take the kernels on the CPU now: built, and switched on by `use(True)`, else by
+    JAXNN_ONEDNN=1, else by the default (DEFAULT_ENABLED). Read when a computation is traced."""
+    flag = _override.get()
+    if flag is None:
+        env = os.environ.get(ENV_SWITCH, "").strip()
+        flag = DEFAULT_ENABLED if env == "" else env not in ("0", "false", "no", "off")
+    return flag and available()
+
+
+def call(
+    target: str, shape: Sequence[int], dtype: DTypeLike, *operands: jax.Array, vmap_method: str, **attrs: Any
+) -> jax.Array:
+    """One kernel call (`TARGETS[target]`) returning a `shape`, `dtype` array.
+
+    Under `jax.shard_map` the result varies over the mesh axes any operand varies over, and every operand is cast
+    to vary over all of them (a weight replicated across the data axis meets a per-shard cotangent): XLA's FFI
+    call needs operands of one such type and does not infer the result's."""
+    varying = frozenset().union(*(jax.typeof(x).mat.varying for x in operands))
+    operands = tuple(
+        x
+        if jax.typeof(x).mat.varying == varying
+        else lax.pcast(x, tuple(varying - jax.typeof(x).mat.varying), to="varying")
+        for x in operands
+    )
+    out = jax.ShapeDtypeStruct(tuple(shape), dtype)
+    if varying:  # the type names the manual mesh it varies over
+        aval = jax.typeof(operands[0])
+        sharding = jax.sharding.NamedSharding(aval.sharding.mesh, jax.sharding.PartitionSpec())
+        out = jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding, manual_axis_type=aval.mat)
+    return jax.ffi.ffi_call(TARGETS[target], out, vmap_method=vmap_method)(*operands, **attrs)
+
+
+def like_primal(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
+    """`cotangent` summed over the mesh axes it varies over and `primal` does not (inside `jax.shard_map`): what
+    autodiff does for the implicit cast `call` makes, and what a custom_vjp's backward rule must return."""
+    extra = jax.typeof(cotangent).mat.varying - jax.typeof(primal).mat.varying
+    return lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent
+
+
+@contextlib.contextmanager
+def use(flag: bool) -> Iterator[None]:
+    """Within the block, programs traced take the oneDNN kernels (`True`, where they are built) or never do."""
+    token = _override.set(flag)
+    try:
+        yield
+    finally:
+        _override.reset(token)
