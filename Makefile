@@ -24,7 +24,7 @@ help:
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,all,interop]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,all,interop,onednn]'
 	touch $(STAMP)
 
 install: $(STAMP)

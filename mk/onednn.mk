@@ -1,19 +1,15 @@
 # The optional oneDNN kernels (jaxnn/kernels/onednn): `make install` (and so `make test`) installs the onednn extra
-# and compiles the FFI library against it and jaxlib's XLA FFI headers, in seconds. Where there is no C++ compiler
-# or the extra does not install (not x86-64 Linux), it says so and goes on: everything then runs on XLA's kernels.
+# with the others (its wheels are marked for x86-64 Linux: elsewhere it installs nothing) and compiles the FFI
+# library against it and jaxlib's XLA FFI headers, in seconds. Where there is no C++ compiler or no oneDNN, it says
+# so and goes on: everything then runs on XLA's kernels.
 .PHONY: onednn bench-onednn
 
 ONEDNN_SRC := jaxnn/kernels/onednn/onednn_ffi.cc
 ONEDNN_SO := jaxnn/kernels/onednn/libjaxnn_onednn.so.0
-ONEDNN_STAMP := $(VENV)/.installed-onednn
-
-$(ONEDNN_STAMP): $(STAMP) pyproject.toml
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[onednn]' || echo "onednn: the onednn extra did not install"
-	touch $@
 
 # The wheel puts the headers in $(VENV)/include and libdnnl.so.3 in $(VENV)/lib; the rpath is a fallback for
 # jaxnn.kernels.onednn.library, which loads libdnnl from the environment first.
-$(ONEDNN_SO): $(ONEDNN_STAMP) $(ONEDNN_SRC)
+$(ONEDNN_SO): $(STAMP) $(ONEDNN_SRC)
 	@if ! command -v $(CXX) >/dev/null 2>&1; then \
 		echo "onednn: no C++ compiler ($(CXX)); the oneDNN kernels are not built, XLA's kernels are used"; \
 	elif ! test -f $(VENV)/include/oneapi/dnnl/dnnl.hpp; then \
