@@ -480,13 +480,14 @@ def TransformerBlock(
             name="cross_attention" if cross else "attention",
         )
 
+    def pre_norm(layers: list[Layer], part: str) -> Layer:
+        return residual(Norm(norm_eps, name="ln"), *layers, Dropout(drop_prob), name=part)
+
     def build(width: int) -> Layer:
-        sublayers = [residual(Norm(norm_eps, name="ln"), attention(False), Dropout(drop_prob), name="attn")]
+        sublayers = [pre_norm([attention(False)], "attn")]
         if cross_attention:
-            sublayers.append(residual(Norm(norm_eps, name="ln"), attention(True), Dropout(drop_prob), name="cross"))
-        hidden = mlp_hidden or mlp_ratio * width
-        mlp_layers = _mlp(mlp, hidden, bias, w_init, width)
-        sublayers.append(residual(Norm(norm_eps, name="ln"), *mlp_layers, Dropout(drop_prob), name="mlp"))
+            sublayers.append(pre_norm([attention(True)], "cross"))
+        sublayers.append(pre_norm(_mlp(mlp, mlp_hidden or mlp_ratio * width, bias, w_init, width), "mlp"))
         return serial(*sublayers, name=name)
 
     template = build(1)  # the sublayers' side inputs and cache do not depend on the width
@@ -504,10 +505,5 @@ def TransformerBlock(
     def init_cache(in_shape, max_len, dtype):
         return init_cache_of(build(in_shape[-1]), in_shape, max_len, dtype)
 
-    return Layer(
-        init,
-        apply,
-        name,
-        side_inputs=template.side_inputs,
-        init_cache=init_cache if template.init_cache is not None else None,
-    )
+    decodes = template.init_cache is not None
+    return Layer(init, apply, name, side_inputs=template.side_inputs, init_cache=init_cache if decodes else None)
