@@ -16,7 +16,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")  # only what is worth a disk entry
 # A size limit is what makes jax lock the cache directory around each read and write; without one, a worker can
-# read an entry another process is still writing, and a truncated executable aborts the worker (seen on 2 cores).
+# read an entry another process is still writing (jax then warns and compiles again).
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 
 # Must happen before jax initialises its backends. The tests check values, never speed, and most of their time is
