@@ -54,7 +54,7 @@ def _jax_conv_cases(shape, precision: str) -> dict:
         "xla_conv": lambda x, k: prec.conv(x, k, window_strides=(1, 1), padding="SAME", dimension_numbers=numbers),
         "im2col": lambda x, k: conv_im2col(x, k, (1, 1), "SAME", (1, 1)),
     }
-    if onednn.available():
+    if onednn.available() and onednn.supports(dtype, dtype):  # built, and (for bf16) oneDNN has bf16 kernels for this CPU
         impls["onednn"] = lambda x, k: onednn.conv(x, k, (1, 1), [(1, 1), (1, 1)], (1, 1))
     cases = {}
     for impl, fn in impls.items():
@@ -79,7 +79,7 @@ def _jax_gemm_cases(shape) -> dict:
     b = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
     g = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
     cases = {}
-    for impl, flag in [("xla_dot", False), ("onednn", True)][: 2 if onednn.available() else 1]:
+    for impl, flag in [("xla_dot", False), ("onednn", True)][: 2 if onednn.supports_bf16() else 1]:
         with onednn.use(flag):  # read while tracing: the jit calls below trace here
             fwd = jax.jit(prec.dense).lower(a, b).compile()
             bwd = jax.jit(lambda a, b, g: jax.vjp(prec.dense, a, b)[1](g)).lower(a, b, g).compile()

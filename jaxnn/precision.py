@@ -162,8 +162,9 @@ def _is_half(dtype: DTypeLike) -> bool:
 
 def _onednn_product(a) -> bool:
     """Whether a half-precision product of operands like `a` runs on oneDNN's bf16 GEMM where it is lowered for the
-    CPU: the optional kernels are built and switched on (`jaxnn.kernels.onednn.enabled()`, read when tracing)."""
-    return a.dtype == jnp.bfloat16 and onednn.enabled()
+    CPU: the optional kernels are built and switched on (`jaxnn.kernels.onednn.enabled()`, read when tracing), and
+    oneDNN has bfloat16 kernels for this CPU."""
+    return a.dtype == jnp.bfloat16 and onednn.enabled() and onednn.supports_bf16()
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

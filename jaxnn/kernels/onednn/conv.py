@@ -17,14 +17,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from jaxnn.kernels.onednn.library import call, like_primal, unavailable_reason
+from jaxnn.kernels.onednn.library import call, check_dtype, like_primal, supports_bf16
 
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 def supports(x_dtype: DTypeLike, w_dtype: DTypeLike, feature_group_count: int = 1) -> bool:
-    """Whether these kernels compute a convolution of these operand dtypes (equal, float32 or bfloat16; no groups)."""
-    return feature_group_count == 1 and jnp.dtype(x_dtype) == jnp.dtype(w_dtype) and jnp.dtype(x_dtype) in DTYPES
+    """Whether these kernels compute a convolution of these operand dtypes on this CPU (equal, float32 or bfloat16
+    where oneDNN has bfloat16 kernels for it; no groups)."""
+    dtype = jnp.dtype(x_dtype)
+    return (
+        feature_group_count == 1
+        and dtype == jnp.dtype(w_dtype)
+        and dtype in DTYPES
+        and (dtype != jnp.bfloat16 or supports_bf16())
+    )
 
 
 def _attrs(strides, pads, dilation) -> dict:
@@ -85,11 +92,9 @@ def conv(
     `pads` per spatial axis; what `lax.conv_general_dilated` computes with ("NHWC", "HWIO", "NHWC") numbers and
     float32 accumulation (`preferred_element_type`), up to summation order. Raises where the kernels are not built.
     """
-    reason = unavailable_reason()
-    if reason is not None:
-        raise RuntimeError(reason)
-    if not supports(x.dtype, w.dtype):
+    if x.dtype != w.dtype or jnp.dtype(x.dtype) not in DTYPES:
         raise TypeError(f"onednn conv: operands must both be float32 or both bfloat16, got {x.dtype} and {w.dtype}")
+    check_dtype(x.dtype, "conv")
     if x.ndim != w.ndim or not 3 <= x.ndim <= 5:
         raise ValueError(f"onednn conv: x and w need equal rank 3 to 5, got shapes {x.shape} and {w.shape}")
     geometry = (tuple(strides), tuple(tuple(p) for p in pads), tuple(dilation))

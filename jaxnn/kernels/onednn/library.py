@@ -86,6 +86,27 @@ def version() -> str | None:
     return None if lib is None else lib.jaxnn_onednn_version().decode()
 
 
+@functools.cache
+def supports_bf16() -> bool:
+    """Whether oneDNN has bfloat16 kernels for this CPU (oneDNN 3.2 builds them for AVX-512 and AVX2-VNNI-2 CPUs
+    only); False where the kernels are not available. Where it is False, bfloat16 stays on XLA's kernels."""
+    lib = _load()[0]
+    return lib is not None and bool(lib.jaxnn_onednn_supports_bf16())
+
+
+def check_dtype(dtype: DTypeLike, kernel: str) -> None:
+    """Raise in one line where the kernels are not available, or `dtype` is bfloat16 on a CPU oneDNN has no
+    bfloat16 kernels for."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
+    if jax.numpy.dtype(dtype) == jax.numpy.bfloat16 and not supports_bf16():
+        raise RuntimeError(
+            f"onednn {kernel}: oneDNN {version()} has no bfloat16 kernels for this CPU (they need AVX-512 or "
+            "AVX2-VNNI-2); use float32, or XLA's kernels (Conv(lowering='auto'))"
+        )
+
+
 def enabled() -> bool:
     """Whether layers take the kernels on the CPU now: built, and switched on by `use(True)`, else by
     JAXNN_ONEDNN=1, else by the default (DEFAULT_ENABLED). Read when a computation is traced."""

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from jaxnn.kernels.onednn.library import call, unavailable_reason
+from jaxnn.kernels.onednn.library import call, check_dtype
 
 
 def matmul(
@@ -22,9 +22,7 @@ def matmul(
 ) -> jax.Array:
     """`a @ b` over the last two axes (leading axes are a batch, equal in both), `trans_*` reading an operand as
     the transpose of its last two axes; bf16 operands, result in `dtype` (float32 or bfloat16), f32 accumulation."""
-    reason = unavailable_reason()
-    if reason is not None:
-        raise RuntimeError(reason)
+    check_dtype(jnp.bfloat16, "matmul")
     if a.dtype != jnp.bfloat16 or b.dtype != jnp.bfloat16 or a.ndim != b.ndim or a.shape[:-2] != b.shape[:-2]:
         raise TypeError(
             f"onednn matmul: bfloat16 operands with equal batch axes, got {a.dtype}{a.shape} and {b.dtype}{b.shape}"

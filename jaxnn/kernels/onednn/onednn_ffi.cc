@@ -301,6 +301,38 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxnn_onednn_matmul, Matmul,
                                   .Attr<int64_t>("trans_a")
                                   .Attr<int64_t>("trans_b"));
 
+// 1 where oneDNN has bfloat16 kernels for this CPU (convolution forward and both backward passes, and the matrix
+// product), else 0. oneDNN 3.2 builds them only for CPUs with AVX-512 (or AVX2-VNNI-2); on others creating the
+// primitive throws, so the Python side asks once and keeps bf16 on XLA's kernels there.
+extern "C" int jaxnn_onednn_supports_bf16() {
+  try {
+    auto bf16 = memory::data_type::bf16;
+    memory::desc src({1, 8, 4, 4}, bf16, memory::format_tag::nhwc);
+    memory::desc weights({8, 8, 3, 3}, bf16, memory::format_tag::any);
+    memory::desc dst({1, 8, 4, 4}, memory::data_type::f32, memory::format_tag::nhwc);
+    memory::desc diff_dst({1, 8, 4, 4}, bf16, memory::format_tag::nhwc);
+    Dims strides = {1, 1}, dilation = {0, 0}, pad = {1, 1};
+    dnnl::convolution_forward::primitive_desc fwd(Engine(), dnnl::prop_kind::forward_training,
+                                                  dnnl::algorithm::convolution_direct, src, weights, dst, strides,
+                                                  dilation, pad, pad);
+    dnnl::convolution_forward::primitive_desc hint(Engine(), dnnl::prop_kind::forward_training,
+                                                   dnnl::algorithm::convolution_direct, src, weights, diff_dst,
+                                                   strides, dilation, pad, pad);
+    dnnl::convolution_backward_data::primitive_desc(Engine(), dnnl::algorithm::convolution_direct, src, weights,
+                                                    diff_dst, strides, dilation, pad, pad, hint);
+    memory::desc diff_weights({8, 8, 3, 3}, memory::data_type::f32, memory::format_tag::any);
+    dnnl::convolution_backward_weights::primitive_desc(Engine(), dnnl::algorithm::convolution_direct, src,
+                                                       diff_weights, diff_dst, strides, dilation, pad, pad, hint);
+    memory::desc a({1, 16, 16}, bf16, memory::format_tag::abc);
+    for (auto out : {memory::data_type::f32, bf16}) {
+      dnnl::matmul::primitive_desc(Engine(), a, a, memory::desc({1, 16, 16}, out, memory::format_tag::abc));
+    }
+    return 1;
+  } catch (const dnnl::error&) {
+    return 0;
+  }
+}
+
 // The oneDNN version this library was built against, for jaxnn.kernels.onednn.info().
 extern "C" const char* jaxnn_onednn_version() {
   static std::string version = [] {
