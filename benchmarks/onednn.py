@@ -54,7 +54,7 @@ def _jax_conv_cases(shape, precision: str) -> dict:
         "xla_conv": lambda x, k: prec.conv(x, k, window_strides=(1, 1), padding="SAME", dimension_numbers=numbers),
         "im2col": lambda x, k: conv_im2col(x, k, (1, 1), "SAME", (1, 1)),
     }
-    if onednn.available() and onednn.supports(dtype, dtype):  # built, and (for bf16) oneDNN has bf16 kernels for this CPU
+    if onednn.available() and onednn.supports(dtype, dtype):  # and, for bf16, oneDNN has bf16 kernels here
         impls["onednn"] = lambda x, k: onednn.conv(x, k, (1, 1), [(1, 1), (1, 1)], (1, 1))
     cases = {}
     for impl, fn in impls.items():

@@ -13,7 +13,6 @@ from jaxnn.kernels import onednn
 from jaxnn.kernels.onednn.library import ENV_SWITCH
 
 
-
 def build_with_kernels(model: str, precision: str):
     if precision == "bf16" and not onednn.supports_bf16():
         raise RuntimeError(f"oneDNN {onednn.version()} has no bfloat16 kernels for this CPU")
