@@ -2,10 +2,10 @@
 channels last, float32 and bfloat16) and bfloat16 matrix products, usable under jit, grad, vmap and shard_map.
 
 Optional (`pip install 'jaxnn[onednn]'`, then `make install` compiles them); `available()` says whether they are
-built here and `unavailable_reason()` why not;
-`supports_bf16()` whether oneDNN has bfloat16 kernels for this CPU (AVX-512 or AVX2-VNNI-2). `Conv(lowering="onednn")` asks for them explicitly; with
-`lowering="auto"` and in `jaxnn.precision.einsum` they are used where `enabled()` (JAXNN_ONEDNN=1, or `use(True)`).
-XLA's kernels stay the path on every other platform and wherever the kernels are absent.
+built here and `unavailable_reason()` why not; `supports_bf16()` whether oneDNN has bfloat16 kernels for this CPU
+(AVX-512 or AVX2-VNNI-2). `Conv(lowering="onednn")` asks for them explicitly; with `lowering="auto"` and in
+`jaxnn.precision.einsum` they are used where `enabled()` (JAXNN_ONEDNN=1, or `use(True)`). XLA's kernels stay the
+path on every other platform and wherever the kernels (or, for bfloat16, their bf16 kernels) are absent.
 """
 
 from jaxnn.kernels.onednn.conv import conv, supports
