@@ -305,6 +305,12 @@ class RunFiles:
                 f"run dir {self._root} belongs to a different config ({'; '.join(diffs)}); "
                 "resume it with the same settings, overwrite it, or choose another run dir"
             )
+        if not self.cfg.resume and saved is None and (self._root / "config.json").is_file():
+            raise RunDirError(
+                f"run dir {self._root} holds a damaged config.json (not JSON: cut short or edited?); pass --resume "
+                "(resume=True) to set it aside and continue the run, --overwrite (overwrite=True) to replace the "
+                "run, or another run dir"
+            )
         if not self.cfg.resume:
             raise RunDirError(
                 f"run dir {self._root} already holds a run; pass --resume (resume=True) to continue "

@@ -232,6 +232,10 @@ def test_files_cut_short_by_a_crash_are_set_aside_and_the_run_resumes(tmp_path, 
     metrics.write_bytes(whole + b'{"split": "train", "step": 2')  # a crash in the middle of a line
     damaged_config = config.read_bytes()[:25]
     config.write_bytes(damaged_config)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    with pytest.raises(RunDirError, match=r"holds a damaged config\.json .*pass --resume"):
+        train(run, data)  # named for what it is, not "already holds a run"; nothing touched
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
     result = train(run, data, resume=True)
     assert result.summary["resumed_from"] == 20 and result.summary["param_digest"] == reference
     assert metrics.read_bytes().startswith(whole)  # every complete line kept, byte for byte
