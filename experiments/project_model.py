@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import common
-from experiments.projected import program_cost
 from jaxnn.config import ConfigError
 from jaxnn.layers.core import init_model
 from jaxnn.models.factory import train_default_model
+from jaxnn.profile.program_cost import program_cost
 from jaxnn.profile.projection import GpuModel
 from jaxnn.timing import time_fn
 from jaxnn.train import make_predict

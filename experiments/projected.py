@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import re
-from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -24,95 +22,11 @@ import numpy as np
 from experiments import common, exp_inference, exp_matmul, exp_parallel, exp_pipeline, exp_precision, exp_sequential
 from jaxnn.layers.core import init_model
 from jaxnn.models import CNN, GPT, MLP, CNNConfig
+from jaxnn.profile.program_cost import program_cost
 from jaxnn.profile.projection import ProgramCost
-from jaxnn.timing import cost_counts
 from jaxnn.train import classification_loss, create_train_state, make_optimizer, make_predict, train_step_fn
 
 FOLDER = "projected"  # results/<FOLDER>/ is not a machine: the report reads it apart from the measured folders
-# Instructions that launch no kernel of their own on a GPU (bookkeeping, or a loop whose body is counted).
-NO_KERNEL = {
-    "parameter",
-    "constant",
-    "tuple",
-    "get-tuple-element",
-    "bitcast",
-    "while",
-    "call",
-    "conditional",
-    "after-all",
-    "opt-barrier",
-    "partition-id",
-    "replica-id",
-}
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(.*)$")
-
-
-def _op_of(rhs: str) -> str:
-    """The opcode of an instruction's right-hand side, past its (possibly tuple) result type."""
-    if rhs.startswith("("):
-        depth = 0
-        for i, ch in enumerate(rhs):
-            depth += {"(": 1, ")": -1}.get(ch, 0)
-            if depth == 0:
-                rhs = rhs[i + 1 :]
-                break
-    else:
-        rhs = rhs.split(" ", 1)[1] if " " in rhs else ""
-    match = re.match(r"\s*([\w\-]+)\(", rhs)
-    return match.group(1) if match else ""
-
-
-def kernel_launches(hlo_text: str) -> tuple[int, int, int]:
-    """(kernels, loop iterations, trip count of the outermost loop) of a compiled HLO module: every instruction
-    of the entry computation that launches a kernel, and a while loop's body and condition once per iteration
-    (XLA's known trip count; 1 where it is unknown). Fused computations are one kernel, their callers'."""
-    comps: dict[str, list[str]] = {}
-    entry, current = None, None
-    for line in hlo_text.splitlines():
-        header = _HEADER.match(line)
-        if header:
-            current = header.group(1)
-            comps[current] = []
-            entry = current if line.startswith("ENTRY") else entry
-        elif current is not None and (instr := _INSTR.match(line)):
-            comps[current].append(instr.group(1))
-
-    def count(name: str, seen: tuple = ()) -> tuple[int, int, int]:
-        kernels = trips = outer = 0
-        for rhs in comps.get(name, []) if name not in seen else []:
-            op = _op_of(rhs)
-            if op == "while":
-                n = int((re.search(r'"known_trip_count":\{"n":"(\d+)"', rhs) or [0, 1])[1])
-                parts = [count(m, (*seen, name)) for m in re.findall(r"(?:body|condition)=%?([\w.\-]+)", rhs)]
-                kernels += n * sum(k for k, _, _ in parts)
-                trips += n * (1 + sum(t for _, t, _ in parts))
-                outer = max(outer, n)
-            elif op == "call":  # XLA:CPU wraps small loops in calls; what they call runs as if inline
-                for callee in re.findall(r"to_apply=%?([\w.\-]+)", rhs):
-                    k, t, o = count(callee, (*seen, name))
-                    kernels, trips, outer = kernels + k, trips + t, max(outer, o)
-            elif op and op not in NO_KERNEL:
-                kernels += 1
-        return kernels, trips, outer
-
-    if entry is None:
-        return 1, 0, 1
-    kernels, trips, outer = count(entry)
-    return max(kernels, 1), trips, max(outer, 1)
-
-
-def program_cost(
-    fn: Callable, args: tuple, kind: str, h2d: float = 0.0, d2h: float = 0.0, *, loop_is_all: bool = False
-) -> ProgramCost:
-    """Compiles `fn` (jitted) for `args` (arrays or ShapeDtypeStructs) and reads its cost. XLA's cost analysis
-    counts a loop body once: `loop_is_all` scales FLOPs and bytes by the outermost trip count, for programs that
-    are one loop (the chains and RNNs); others add their loops' work themselves (`pipeline_costs`)."""
-    compiled = fn.lower(*args).compile()
-    flops, nbytes = cost_counts(compiled)
-    kernels, trips, outer = kernel_launches(compiled.as_text())
-    scale = outer if loop_is_all else 1
-    return ProgramCost((flops or 0.0) * scale, (nbytes or 0.0) * scale, kind, kernels, trips, h2d, d2h)
 
 
 def _spec(shape, dtype=jnp.float32):

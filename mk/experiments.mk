@@ -40,8 +40,9 @@ project-gpu: $(STAMP) ## compile every experiment's programs here: costs for REP
 report: $(STAMP) ## REPORT.md from every results/<machine-tag>/ present: per-claim tables, plots, verdicts
 	$(PY) -m experiments.report --results $(RESULTS) --out REPORT.md
 
-experiments: $(STAMP) ## all experiments at quick size (<10 min on 2 cores, progress bar), then the report
+experiments: $(STAMP) ## all experiments at quick size (<10 min on 2 cores, progress bar), the projected column's costs, then the report
 	$(PY) -m experiments.run_all --size $(SIZE) --out $(RESULTS)
+	$(PY) -m experiments.projected --size $(SIZE) --out $(RESULTS)
 	$(PY) -m experiments.report --results $(RESULTS) --out REPORT.md
 
 gpu-check: ## on a GPU machine (no venv needed): check tensor cores, run every experiment at GPU size in <8 min

@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from experiments import exp_sequential, projected
+from experiments import exp_sequential
+from jaxnn.profile import program_cost
 from jaxnn.profile.projection import GpuModel, ProgramCost, ProjectionError
 
 
@@ -76,14 +77,14 @@ ENTRY %main (a: f32[8]) -> (s32[], f32[8]) {
 
 def test_kernel_count_of_hand_written_hlo():
     # Entry: 2 fusions; each of the 10 iterations: add, dot, fusion (body) and compare (condition) = 4.
-    assert projected.kernel_launches(HLO) == (2 + 10 * 4, 10, 10)
+    assert program_cost.kernel_launches(HLO) == (2 + 10 * 4, 10, 10)
 
 
 def test_kernel_count_and_loop_cost_of_a_compiled_chain():
     steps, hidden = 16, 8
     args = (jax.ShapeDtypeStruct((hidden, hidden), jnp.float32), jax.ShapeDtypeStruct((hidden,), jnp.float32))
-    once = projected.program_cost(exp_sequential.make_chain(steps), args, "tf32")
-    cost = projected.program_cost(exp_sequential.make_chain(steps), args, "tf32", loop_is_all=True)
+    once = program_cost.program_cost(exp_sequential.make_chain(steps), args, "tf32")
+    cost = program_cost.program_cost(exp_sequential.make_chain(steps), args, "tf32", loop_is_all=True)
     assert cost.loop_trips == steps and cost.kernels >= steps  # at least one kernel per dependent step
     # XLA counts the loop body once; a chain is all loop, so its work is 16 bodies': >= 16 matrix-vector products.
     assert cost.flops == pytest.approx(steps * once.flops) and cost.flops >= steps * 2 * hidden**2

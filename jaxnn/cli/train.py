@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import logging
 import math
 import os
 import pathlib
@@ -392,6 +393,8 @@ def train_main(args: argparse.Namespace) -> int:
     # One process simulates the whole mesh; in a multi-process run each has --devices and the mesh spans all.
     one_process = not multi_process_asked(args)
     set_cpu_devices(mesh_devices(cfg.mesh) if cfg.mesh and one_process else args.devices)
+    if cfg.mesh:  # the layout report (what each mesh axis splits) is printed before training, not only logged
+        logging.getLogger("jaxnn.shard_report").setLevel(logging.INFO)
     multi_process = start_processes(args)
     from jaxnn import compile_cache
 

@@ -5,7 +5,9 @@
 
 - `measure.py`: the machine's ceilings (`measure_peaks`) and the per-layer measurement (`profile_layers`);
 - `results.py`: what is measured, as values (`MachinePeaks`, `LayerRow`, `Profile`) and the table they print as;
-- `projection.py`: an accelerator's lower bound for the same FLOPs and bytes (`Accelerator`, `accelerator`);
+- `projection.py`: an accelerator's lower bound for the same FLOPs and bytes (`Accelerator`, `accelerator`), and
+  the GPU model of REPORT.md's projected column (`GpuModel`, `ProgramCost`);
+- `program_cost.py`: a compiled program's cost as that model reads it (FLOPs, bytes, kernels, loop iterations);
 - `plots.py`: the roofline and per-layer time as PNG files (matplotlib).
 """
 
