@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+import jax
+
 from jaxnn.profile.projection import ProgramCost
 from jaxnn.timing import cost_counts
 
@@ -89,10 +91,10 @@ def kernel_launches(hlo_text: str) -> tuple[int, int, int]:
 def program_cost(
     fn: Callable, args: tuple, kind: str, h2d: float = 0.0, d2h: float = 0.0, *, loop_is_all: bool = False
 ) -> ProgramCost:
-    """Compiles `fn` (jitted) for `args` (arrays or ShapeDtypeStructs) and reads its cost. XLA's cost analysis
-    counts a loop body once: `loop_is_all` scales FLOPs and bytes by the outermost trip count, for programs that
-    are one loop (the chains and RNNs); others add their loops' work themselves (`pipeline_costs`)."""
-    compiled = fn.lower(*args).compile()
+    """Compiles `fn` (jitted here if it is not already) for `args` (arrays or ShapeDtypeStructs) and reads its
+    cost. XLA's cost analysis counts a loop body once: `loop_is_all` scales FLOPs and bytes by the outermost trip
+    count, for programs that are one loop (a chain of products, an RNN); others add their loops' work themselves."""
+    compiled = jax.jit(fn).lower(*args).compile()
     flops, nbytes = cost_counts(compiled)
     kernels, trips, outer = kernel_launches(compiled.as_text())
     scale = outer if loop_is_all else 1
