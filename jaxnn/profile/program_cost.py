@@ -96,6 +96,6 @@ def program_cost(
     count, for programs that are one loop (a chain of products, an RNN); others add their loops' work themselves."""
     compiled = jax.jit(fn).lower(*args).compile()
     flops, nbytes = cost_counts(compiled)
-    kernels, trips, outer = kernel_launches(compiled.as_text())
+    kernels, trips, outer = kernel_launches(compiled.as_text() or "")
     scale = outer if loop_is_all else 1
     return ProgramCost((flops or 0.0) * scale, (nbytes or 0.0) * scale, kind, kernels, trips, h2d, d2h)
