@@ -63,6 +63,10 @@ CASES = [
     ([*TRAIN, "--run-dir", "{root}/r", "--mesh", "data=x"], "mesh 'data=x': the size of 'data' must be a positive"),
     ([*TRAIN, "--run-dir", "{root}/r", "--model-config", "nosuch=3"], "model 'mlp' has no config field(s) ['nosuch']"),
     ([*TRAIN, "--run-dir", "{root}/r", "--precision", "fp8"], "unknown precision 'fp8'"),
+    (
+        [*TRAIN, "--run-dir", "{root}/r", "--mesh", "tensor=2", "--sharding-rules", "{root}/nope.json"],
+        "sharding rules '{root}/nope.json': cannot read a JSON table",
+    ),
     ([*TRAIN, "--run-dir", "{root}/afile"], "{root}/afile is a file, not a directory"),
     (
         [*TRAIN, "--run-dir", "{root}/r", "--ckpt-dir", "{root}/run/ckpt"],

@@ -204,6 +204,7 @@ def test_a_slurm_job_is_detected_and_fsdp_spans_its_processes(tmp_path):
         assert p.returncode == 0, err[-2000:]
     reports = [multihost.RESULT_LINE.search(out) for out, _ in outputs]
     assert [r and (r["process"], r["processes"], r["devices"]) for r in reports] == [("0", "2", "2"), ("1", "2", "2")]
+    assert "jaxnn.shard_report: layout (jaxnn built-in rules)" in outputs[0][1]  # printed before training
     assert reports[0]["params"] == reports[1]["params"]  # one model, gathered from the shards of both
     assert json.loads((run_dir / "summary.json").read_text())["step"] == 12
 
