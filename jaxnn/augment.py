@@ -208,8 +208,10 @@ def normalise(
 ) -> jax.Array:
     """float32 `(x / scale - mean) / std` per channel on the device: `jaxnn.data.preprocess.normalise`'s twin,
     for a step or model that receives the raw (e.g. uint8, 4x fewer bytes to copy) images."""
-    mean_C = jnp.asarray(mean, jnp.float32)
-    inv_std_C = 1.0 / jnp.asarray(std, jnp.float32)
+    # Explicit ranks: a program run with jax_numpy_rank_promotion="raise" refuses (C,) against (B, H, W, C).
+    per_channel = (1,) * (x_BHWC.ndim - 1) + (-1,)
+    mean_C = jnp.asarray(mean, jnp.float32).reshape(per_channel)
+    inv_std_C = 1.0 / jnp.asarray(std, jnp.float32).reshape(per_channel)
     return (x_BHWC.astype(jnp.float32) * (1.0 / scale) - mean_C) * inv_std_C
 
 

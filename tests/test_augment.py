@@ -15,8 +15,10 @@ from jax.sharding import PartitionSpec as P
 import jaxnn
 from jaxnn import layers as L
 from jaxnn.augment import Augment, augment_batch, parse_augment
+from jaxnn.augment import normalise as device_normalise
 from jaxnn.callbacks import Callback
 from jaxnn.config import ConfigError
+from jaxnn.data.preprocess import normalise as host_normalise
 from jaxnn.mesh import make_mesh
 from jaxnn.storage import RunDirError
 from jaxnn.train import masked_classification_loss
@@ -57,6 +59,15 @@ def test_flip_mirrors_and_crop_takes_a_uniform_window_of_the_padded_image():
     counts = np.bincount(dy * (2 * pad + 1) + dx, minlength=(2 * pad + 1) ** 2)
     expected = N / (2 * pad + 1) ** 2
     assert ((counts - expected) ** 2 / expected).sum() < 52.6  # chi-square, 24 degrees of freedom, p = 0.001
+
+
+def test_device_normalise_equals_the_hosts_on_raw_uint8_images():
+    x = np.random.default_rng(3).integers(0, 256, (4, 5, 5, 3), dtype=np.uint8)
+    mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+    want = host_normalise(x, 255.0, np.asarray(mean), np.asarray(std))
+    got = jax.jit(lambda x: device_normalise(x, 255.0, mean, std))(x)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
 
 
 def test_colour_jitter_matches_dm_pix_per_example_and_stays_in_its_range():
