@@ -125,6 +125,11 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="measurements per setting (median reported)")
     parser.add_argument("--batch-size", type=int, default=64, help="batch size")
     parser.add_argument("--out", default="runs/bench-input.json", help="where to write the numbers (JSON)")
+    parser.add_argument(
+        "--fractions",
+        default="0.1,0.5,0.9,2.0",
+        help="host costs to measure, as fractions of the step's time (comma-separated)",
+    )
     args = parser.parse_args(argv)
 
     pinning = _start_device_then_free_host_cores()
@@ -152,7 +157,7 @@ def main(argv=None) -> int:
         f"{args.batch_size} 32x32x3 images; {pinning}"
     )
     # Costs chosen so host time per batch spans about 0.1x to 2.5x the step.
-    ks = sorted({max(1, round(f * step_s / unit)) for f in (0.1, 0.5, 0.9, 2.0)})
+    ks = sorted({max(1, round(float(f) * step_s / unit)) for f in args.fractions.split(",")})
     rows = []
     start = 0
     for kind in ("numpy", "sleep"):

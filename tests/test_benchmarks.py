@@ -62,7 +62,8 @@ def test_bench_peers_times_jaxnn_with_and_without_metrics(tmp_path):
 
 def test_bench_input_pins_the_device_core_and_reports_idle_fractions(tmp_path):
     out = tmp_path / "input.json"
-    run_module("benchmarks.input_pipeline", "--steps", "2", "--repeats", "1", "--batch-size", "8", "--out", str(out))
+    args = ["--steps", "2", "--repeats", "1", "--batch-size", "8", "--fractions", "0.5", "--out", str(out)]
+    run_module("benchmarks.input_pipeline", *args)
     record = json.loads(out.read_text())
     if hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) >= 2:
         assert record["pinning"].startswith("XLA pinned to core")
