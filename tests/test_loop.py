@@ -217,11 +217,16 @@ def test_multi_device_fit_equals_one_device(digits):
     assert four.state.params["1_dense"]["w"].sharding.mesh.size == 4
 
 
+def readme_code(title: str) -> tuple[str, str]:
+    """The README section under `## title` and its Python block."""
+    section = (REPO / "README.md").read_text().split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+    return section, section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
 def test_readme_bring_your_own_model_runs_as_written(tmp_path):
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## Bring your own model", 1)[1].split("\n## ", 1)[0]
-    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    section, code = readme_code("Bring your own model")
     assert len(section.strip().splitlines()) <= 20, "the section promises at most 20 lines"
+    code += readme_code("Train on, by epochs, keep the best")[1]  # "continuing the block above"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
@@ -229,3 +234,5 @@ def test_readme_bring_your_own_model_runs_as_written(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     accuracy = float(re.search(r"test accuracy ([0-9.]+)", out.stdout).group(1))
     assert accuracy >= 0.9, out.stdout
+    trained_on = re.search(r"trained on to step (\d+); best at step (\d+); \((\d+), 10\)", out.stdout)
+    assert trained_on and trained_on.group(1) == str(4 * (1500 // 64)) and trained_on.group(3) == "297", out.stdout
