@@ -179,9 +179,6 @@ def measure_copy_bandwidth(
     n = mib * 2**20 // jnp.dtype(dtype).itemsize
     x = jax.device_put(jnp.zeros((n,), dtype), device)
     compiled = jax.jit(lambda x: x + jnp.asarray(1, dtype)).lower(x).compile()
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else None
-    moved = float((cost or {}).get("bytes accessed") or 2 * n * jnp.dtype(dtype).itemsize)
+    moved = cost_counts(compiled)[1] or 2.0 * n * jnp.dtype(dtype).itemsize
     timing = time_fn(lambda: compiled(x), repeats=repeats)
     return {"mib": mib, "bytes": moved, "bytes_per_s": moved / timing.median, "timing": timing.as_dict()}

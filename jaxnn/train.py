@@ -17,6 +17,7 @@ import optax
 from jaxnn.config import SCHEDULES
 from jaxnn.layers.core import Layer, Params, PRNGKey, Shape, State, init_model, run
 from jaxnn.precision import LossScale, Policy, all_finite, get_policy
+from jaxnn.pytree import is_prng_key
 
 # "x" inputs, "y" targets, optionally "mask" and "y_soft" (mixed targets): arrays with a leading batch axis
 Batch: TypeAlias = dict[str, Any]
@@ -60,9 +61,7 @@ def create_train_state(
     # Stored as raw key data: a typed key array in the arguments takes jit's slower dispatch path, which cost a
     # tiny model's step 4-20% (benchmarks/ab_train_step.py); jax.random reads raw data as the default implementation's
     # key, so a key of another implementation (e.g. "rbg") stays typed.
-    if jax.dtypes.issubdtype(train_key.dtype, jax.dtypes.prng_key) and jax.random.key_impl(
-        train_key
-    ) == jax.random.key_impl(jax.random.key(0)):
+    if is_prng_key(train_key) and jax.random.key_impl(train_key) == jax.random.key_impl(jax.random.key(0)):
         train_key = jax.random.key_data(train_key)
     return TrainState(params, model_state, tx.init(params), jnp.zeros((), jnp.int32), train_key, loss_scale)
 

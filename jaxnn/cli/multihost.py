@@ -20,6 +20,8 @@ import sys
 import tempfile
 import time
 
+from jaxnn.cli.main import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+
 # What `jaxnn train` prints last in a multi-process run.
 RESULT_LINE = re.compile(
     r"jaxnn: process (?P<process>\d+) of (?P<processes>\d+) \((?P<devices>\d+) devices\): "
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.num_processes < 1 or args.devices_per_process < 1:
         print("jaxnn.cli.multihost: error: --num-processes and --devices-per-process must be >= 1", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     run_dir = args.run_dir or os.path.join("runs", "multihost", time.strftime("%Y%m%d-%H%M%S"))
     train_args = [
         *(args.train_args or DEFAULT_TRAIN_ARGS),
@@ -183,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             print("  " + summary[-1])
         same = len({report["params"] for report in reports}) == 1
         print("params identical on every process" if same else "PARAMS DIFFER between processes")
-        return 0 if same else 1
-    return 1
+        return EXIT_OK if same else EXIT_FAILED
+    return EXIT_FAILED
 
 
 if __name__ == "__main__":
