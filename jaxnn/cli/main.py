@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import warnings
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -71,8 +72,15 @@ def exit_status(err: BaseException) -> int | None:
     return None
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    # A warning on the terminal names its kind and says what to do; the source line Python adds (jaxnn's own
+    # code, where it was raised) tells a user of the command nothing.
+    return f"{category.__name__}: {message}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    warnings.formatwarning = _one_line_warning
     try:
         args = build_parser().parse_args(argv)
         return COMMANDS[args.command](args)
