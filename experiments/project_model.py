@@ -1,6 +1,6 @@
-"""Your own model on a GPU, projected: inference throughput per batch size measured on this CPU, next to the same
-program projected onto an H200 (`jaxnn.profile.projection.GpuModel`), and the batch size from which the GPU is
-projected to serve more samples per second.
+"""Your own model on a GPU, projected: inference and training throughput per batch size measured on this CPU, next
+to the same programs projected onto an H200 (`jaxnn.profile.projection.GpuModel`), the batch sizes from which the
+GPU is projected to serve and to train more samples per second, and the latency of one batch-1 request both ways.
 
     python -m experiments.project_model --model cnn --batches 1 8 64 512 [--field widths=[32,64]] [--json out.json]
 
@@ -27,7 +27,14 @@ from jaxnn.models.factory import train_default_model
 from jaxnn.profile.program_cost import program_cost
 from jaxnn.profile.projection import GpuModel
 from jaxnn.timing import time_fn
-from jaxnn.train import make_predict
+from jaxnn.train import (
+    create_train_state,
+    lm_loss,
+    make_optimizer,
+    make_predict,
+    masked_classification_loss,
+    train_step_fn,
+)
 
 LABEL = "projected, not measured"
 
@@ -38,45 +45,80 @@ def _input(name: str, cfg, batch: int) -> np.ndarray:
     return np.random.default_rng(0).standard_normal((batch, 28, 28, 1)).astype(np.float32)
 
 
+def _batch(name: str, cfg, batch: int) -> dict:
+    """Inputs and labels of `jaxnn train`'s shapes: next-token targets for the GPT, classes for the rest."""
+    x = _input(name, cfg, batch)
+    if name == "gpt":
+        return {"x": jnp.asarray(x), "y": jnp.asarray(np.roll(x, -1, axis=1))}
+    y = np.random.default_rng(1).integers(0, getattr(cfg, "num_classes", 10), (batch,)).astype(np.int32)
+    return {"x": jnp.asarray(x), "y": jnp.asarray(y), "mask": jnp.ones((batch,), bool)}
+
+
+def _wins_from(rows: list[dict], what: str) -> int | None:
+    """The batch from which the GPU is projected to win at every larger batch measured (None if it never does)."""
+    wins = [r[f"gpu_{what}_per_s_projected"] > r[f"cpu_{what}_per_s"] for r in rows]
+    return next((r["batch"] for i, r in enumerate(rows) if all(wins[i:])), None)
+
+
 def project(name: str, fields: dict, batches: list[int], policy: str = "fp32", repeats: int = 5) -> dict:
-    """Per batch: samples/s measured here and projected on the GPU; the batch from which the GPU is projected
-    to win at every larger batch measured (None if it never does)."""
+    """Per batch: inference and training samples/s measured here and projected on the GPU (the train step with
+    the default optimizer and loss of `jaxnn train`), and the batch from which the GPU is projected to win each."""
     model, cfg = train_default_model(name, fields)
     predict = make_predict(model, policy)
+    loss = lm_loss if name == "gpt" else masked_classification_loss
+    tx = make_optimizer(1e-3)
+    step = jax.jit(train_step_fn(model, loss, tx, policy))
     _, params, state = init_model(model, jax.random.key(0), _input(name, cfg, 1).shape)
     gpu, rows = GpuModel(), []
+    kind = "bf16" if policy == "bf16" else "tf32"
     for batch in sorted(batches):
-        x = jnp.asarray(_input(name, cfg, batch))
+        data = _batch(name, cfg, batch)
+        x = data["x"]
         cpu_s = time_fn(lambda x=x: predict(params, state, x), repeats=repeats).median
         out = jax.eval_shape(predict, params, state, x)
-        kind = "bf16" if policy == "bf16" else "tf32"
         cost = program_cost(predict, (params, state, x), kind, x.nbytes, float(np.prod(out.shape)) * out.dtype.itemsize)
+        train_state = create_train_state(model, tx, jax.random.key(0), x.shape, policy)
+        train_s = time_fn(lambda d=data, s=train_state: step(s, d), repeats=repeats).median
+        train_cost = program_cost(step, (train_state, data), kind)
         rows.append(
             {
                 "batch": batch,
                 "cpu_samples_per_s": batch / cpu_s,
                 "gpu_samples_per_s_projected": batch / gpu.queued_s(cost),
+                "cpu_request_ms": cpu_s * 1e3,
                 "gpu_request_ms_projected": gpu.request_s(cost) * 1e3,
+                "cpu_train_samples_per_s": batch / train_s,
+                "gpu_train_samples_per_s_projected": batch / gpu.queued_s(train_cost),
             }
         )
-    wins = [r["gpu_samples_per_s_projected"] > r["cpu_samples_per_s"] for r in rows]
-    from_batch = next((r["batch"] for i, r in enumerate(rows) if all(wins[i:])), None)
     return {"model": name, "fields": fields, "policy": policy, "cpu": common.machine_tag(), "rows": rows,
-            "gpu_projected_wins_from_batch": from_batch, "gpu_model": gpu.as_dict()}  # fmt: skip
+            "gpu_projected_wins_from_batch": _wins_from(rows, "samples"),
+            "gpu_projected_trains_faster_from_batch": _wins_from(rows, "train_samples"),
+            "gpu_model": gpu.as_dict()}  # fmt: skip
 
 
 def table(result: dict) -> list[str]:
     lines = [
-        f"{'batch':>6} {'CPU samples/s (measured, ' + result['cpu'] + ')':>50} {'H200 samples/s (' + LABEL + ')':>45}",
+        f"samples/s: CPU measured on {result['cpu']}; H200 {LABEL}",
+        f"{'batch':>6} {'infer CPU':>12} {'infer H200':>12} {'train CPU':>12} {'train H200':>12}",
     ]
     for r in result["rows"]:
-        lines.append(f"{r['batch']:>6} {r['cpu_samples_per_s']:>50,.0f} {r['gpu_samples_per_s_projected']:>45,.0f}")
-    b = result["gpu_projected_wins_from_batch"]
+        lines.append(
+            f"{r['batch']:>6} {r['cpu_samples_per_s']:>12,.0f} {r['gpu_samples_per_s_projected']:>12,.0f} "
+            f"{r['cpu_train_samples_per_s']:>12,.0f} {r['gpu_train_samples_per_s_projected']:>12,.0f}"
+        )
+    first = result["rows"][0]
     lines.append(
-        f"the H200 is projected to serve more samples/s from batch {b} ({LABEL})"
-        if b is not None
-        else f"the H200 is not projected to serve more samples/s at any batch measured ({LABEL})"
+        f"one batch-{first['batch']} request: {first['cpu_request_ms']:.3f} ms on the CPU (measured), "
+        f"{first['gpu_request_ms_projected']:.3f} ms on the H200 with its copies in and out ({LABEL})"
     )
+    for key, what in (("gpu_projected_wins_from_batch", "serve"), ("gpu_projected_trains_faster_from_batch", "train")):
+        b = result[key]
+        lines.append(
+            f"the H200 is projected to {what} more samples/s from batch {b} ({LABEL})"
+            if b is not None
+            else f"the H200 is not projected to {what} more samples/s at any batch measured ({LABEL})"
+        )
     return lines
 
 

@@ -97,11 +97,17 @@ def test_project_model_sets_measured_cpu_beside_projected_gpu(tmp_path, capsys):
     argv = ["--model", "mlp", "--field", "hidden=[16]", "--batches", "4", "1", "--repeats", "1", "--json", str(out)]
     assert project_model.main(argv) == 0
     printed = capsys.readouterr().out
-    assert "(measured, " in printed and "H200 samples/s (projected, not measured)" in printed
+    assert "CPU measured on " in printed and "H200 projected, not measured" in printed
+    assert "one batch-1 request: " in printed
     result = json.loads(out.read_text())
     assert [r["batch"] for r in result["rows"]] == [1, 4]
-    wins = [r["gpu_samples_per_s_projected"] > r["cpu_samples_per_s"] for r in result["rows"]]
-    first = next((r["batch"] for i, r in enumerate(result["rows"]) if all(wins[i:])), None)
-    assert result["gpu_projected_wins_from_batch"] == first
+    for what, key in (
+        ("samples", "gpu_projected_wins_from_batch"),
+        ("train_samples", "gpu_projected_trains_faster_from_batch"),
+    ):
+        rows = result["rows"]
+        assert all(r[f"cpu_{what}_per_s"] > 0 and r[f"gpu_{what}_per_s_projected"] > 0 for r in rows)
+        wins = [r[f"gpu_{what}_per_s_projected"] > r[f"cpu_{what}_per_s"] for r in rows]
+        assert result[key] == next((r["batch"] for i, r in enumerate(rows) if all(wins[i:])), None)
     assert project_model.main(["--model", "nope"]) == 2
     assert "unknown model 'nope'" in capsys.readouterr().err
