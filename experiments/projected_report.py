@@ -6,6 +6,7 @@ measured one. Where a GPU run measured the same figure, the cell adds measured /
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from experiments import exp_inference, exp_matmul, exp_pipeline, exp_sequential
@@ -62,6 +63,45 @@ class Projection:
             f"and {m.transfer_latency_s * 1e6:g} µs each",
             *(f"- {k}: {v}" for k, v in m.sources.items()),
         ]
+
+
+# exp_matmul's dtype names -> the model's kinds of arithmetic whose peak that product measures.
+MATMUL_KINDS = {"bf16": ("bf16", "fp16"), "f16": ("fp16",), "f32": ("fp32",), "tf32": ("tf32",)}
+
+
+def refit(p: Projection) -> tuple[GpuModel, list[str]] | None:
+    """The model's parameters refit from the measured GPU run, and one line per parameter changed: each peak from
+    exp_matmul's fastest product of its dtype; the kernel launch from exp_sequential's smallest chain (its
+    measured time less the model's roofline and loop latencies, over the kernels the compiled chain has). None
+    without a GPU run. Use it as `Projection(..., model=refit(p)[0])` to project with the measured figures."""
+    if p.gpu is None:
+        return None
+    m, notes, peaks = p.model, [], dict(p.model.peaks)
+    rows = [r for r in (p.measured("exp_matmul") or {}).get("rows", []) if r.get("backend") == "gpu"]
+    for dtype, kinds in MATMUL_KINDS.items():
+        rates = [r["gflops"] * 1e9 for r in rows if r.get("dtype") == dtype and r.get("gflops")]
+        for kind in kinds if rates else ():
+            peaks[kind] = max(rates)
+            notes.append(f"- peak {kind}: {m.peaks.get(kind, 0) / 1e12:g} -> {peaks[kind] / 1e12:.4g} TFLOP/s")
+    launch = m.launch_s
+    chains = [
+        r
+        for r in (p.measured("exp_sequential") or {}).get("rows", [])
+        if r.get("case") == "chain" and r.get("backend") == "gpu"
+    ]
+    row = min(chains, key=lambda r: r["hidden"]) if chains else None
+    found = p.rows("exp_sequential", case="chain", hidden=row["hidden"]) if row else []
+    if row and found:  # a chain the GPU ran and whose compiled program's costs are on record
+        cost = found[0][1]
+        roofline = max(cost.flops / peaks[cost.kind], cost.nbytes / m.bandwidth)
+        rest = row["median"] - roofline - cost.loop_trips * m.transfer_latency_s
+        if rest > 0:
+            launch = rest / cost.kernels
+            notes.append(
+                f"- kernel launch: {m.launch_s * 1e6:g} -> {launch * 1e6:.3g} µs (exp_sequential chain, hidden "
+                f"{row['hidden']}: {row['median'] * 1e3:.3g} ms measured for {cost.kernels} kernels)"
+            )
+    return dataclasses.replace(m, peaks=peaks, launch_s=launch), notes
 
 
 def vs(text: str, projected: float | None, measured: float | None) -> str:

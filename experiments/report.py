@@ -727,7 +727,17 @@ def _projection_note(m: Machines) -> list[str]:
         "",
         *p.sources(),
         "",
+        *_refit_note(p),
     ]
+
+
+def _refit_note(p: pr.Projection) -> list[str]:
+    """The model's parameters refit from the measured GPU run (`projected_report.refit`), when there is one."""
+    fitted = pr.refit(p)
+    if fitted is None:
+        return []
+    notes = fitted[1] or ["- nothing to refit: the GPU run has no exp_matmul or exp_sequential rows"]
+    return [f"Refit from the measured run `{p.gpu}` (what the model's error says to change):", "", *notes, ""]
 
 
 def main(argv=None) -> None:

@@ -624,9 +624,17 @@ def test_report_sets_each_projection_beside_its_measurement(gpu_fixture):
         for d in ("f32", "bf16")
     ]
     programs = [{**r, "kernels": 1, "loop_trips": 0, "h2d_bytes": 0.0, "d2h_bytes": 0.0} for r in programs]
+    chain = {"case": "chain", "hidden": 16, "steps": 1000, "flops": 1e6, "nbytes": 1e6, "kind": "tf32"}
+    chain |= {"kernels": 4002, "loop_trips": 500, "h2d_bytes": 0.0, "d2h_bytes": 0.0}
     (gpu_fixture / "projected").mkdir()
     (gpu_fixture / "projected" / "costs.json").write_text(
-        json.dumps({"compiled_on": "cpu-x", "date": "2026-12-02", "programs": {"exp_matmul": programs}})
+        json.dumps(
+            {
+                "compiled_on": "cpu-x",
+                "date": "2026-12-02",
+                "programs": {"exp_matmul": programs, "exp_sequential": [chain]},
+            }
+        )
     )
     text = report.build(gpu_fixture, gpu_fixture / "REPORT.md")
     assert "| figure | CPU (not measured) | GPU `gpu-h200` | GPU H200 (projected, not measured) |" in text
@@ -645,3 +653,8 @@ def test_report_sets_each_projection_beside_its_measurement(gpu_fixture):
     assert (
         "| 1. Parallel matrix work | confirmed | projected: not measured |" in text
     )  # no CPU results to project against
+    # The model refit from the measured run: each peak from the fastest measured product of its dtype.
+    assert "Refit from the measured run `gpu-h200`" in text
+    assert "- peak fp32: 67 -> 1374 TFLOP/s" in text and "- peak bf16: 790 -> 1374 TFLOP/s" in text
+    # The chain's 10 ms less 500 loop latencies of 10 µs and a 0.23 µs roofline, over 4,002 kernels: 1.25 µs each.
+    assert "- kernel launch: 5 -> 1.25 µs (exp_sequential chain, hidden 16: 10 ms measured for 4002 kernels)" in text
