@@ -134,7 +134,7 @@ def measure(
     # The CPU compiler fuses the per-example crop and flip far less than a GPU compiler would (hundreds of
     # kernels), so the augmentation's device time is given as a range: the roofline alone, and with a launch per
     # kernel the CPU compile has.
-    aug_roofline = max(aug_cost.flops / gpu.peak("tf32"), aug_cost.nbytes / gpu.bandwidth)
+    aug_roofline = gpu.roofline_s(aug_cost)
     projected_aug = gpu.device_s(aug_cost)
     projected_step = gpu.queued_s(step_cost)
     projected_steps_per_s = 1.0 / projected_step

@@ -93,7 +93,7 @@ def refit(p: Projection) -> tuple[GpuModel, list[str]] | None:
     found = p.rows("exp_sequential", case="chain", hidden=row["hidden"]) if row else []
     if row and found:  # a chain the GPU ran and whose compiled program's costs are on record
         cost = found[0][1]
-        roofline = max(cost.flops / peaks[cost.kind], cost.nbytes / m.bandwidth)
+        roofline = dataclasses.replace(m, peaks=peaks).roofline_s(cost)
         rest = row["median"] - roofline - cost.loop_trips * m.transfer_latency_s
         if rest > 0:
             launch = rest / cost.kernels

@@ -179,10 +179,13 @@ class GpuModel:
         """Seconds of one host-device copy of `nbytes` (none for 0 bytes)."""
         return 0.0 if nbytes <= 0 else self.transfer_latency_s + nbytes / self.transfer_bandwidth
 
+    def roofline_s(self, cost: ProgramCost) -> float:
+        """The roofline alone: max(FLOPs / peak of the program's kind, bytes / bandwidth), no launches."""
+        return max(cost.flops / self.peak(cost.kind), cost.nbytes / self.bandwidth)
+
     def device_s(self, cost: ProgramCost) -> float:
         """Seconds the device spends on one call: launches, the roofline, and the loop iterations' copies."""
-        roofline = max(cost.flops / self.peak(cost.kind), cost.nbytes / self.bandwidth)
-        return cost.kernels * self.launch_s + roofline + cost.loop_trips * self.transfer_latency_s
+        return cost.kernels * self.launch_s + self.roofline_s(cost) + cost.loop_trips * self.transfer_latency_s
 
     def queued_s(self, cost: ProgramCost) -> float:
         """Seconds per call when calls are queued back to back (throughput)."""
