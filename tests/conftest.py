@@ -2,10 +2,11 @@
 
 import atexit
 import os
+import pathlib
 import shutil
 import tempfile
 
-# No test reads programs another run wrote to the user's cache (~/.cache/jaxnn/xla); tests/test_compile_cache.py
+# No test reads programs another run wrote to the user's cache (~/.cache/jaxnn/xla); tests/system/test_compile_cache.py
 # points the cache at its own directory.
 os.environ["JAXNN_COMPILE_CACHE"] = "off"
 # One compilation cache for this session instead, shared by the xdist workers and the processes tests start (they
@@ -39,3 +40,23 @@ assert jax.device_count() == 8, jax.devices()
 @pytest.fixture
 def key():
     return jax.random.key(0)
+
+
+# ----------------------------------------------------------------------------------------------------------- tiers
+# `make test` is the fast tier, `-m "not slow and not system"`; `make test-all` runs everything (docs/testing.md).
+FAST_TIER = "not slow and not system"
+SYSTEM_DIR = pathlib.Path(__file__).parent / "system"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SYSTEM_DIR in pathlib.Path(item.fspath).parents:
+            item.add_marker(pytest.mark.system)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if config.getoption("markexpr", "") == FAST_TIER:
+        terminalreporter.write_line(
+            f"fast tier ran (-m '{FAST_TIER}'); the slow and system tiers: `make test-all`, or "
+            "`pytest -m 'slow or system' tests`"
+        )

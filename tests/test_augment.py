@@ -108,6 +108,7 @@ def test_mixup_and_cutmix_labels_sum_to_one_and_match_the_pixels():
     np.testing.assert_allclose(np.asarray(both["y_soft"]).sum(axis=1), 1.0, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_an_example_is_augmented_by_its_global_row_on_any_number_of_devices():
     aug = Augment(crop_pad=2, flip=True, brightness=0.1, mixup=0.3, num_classes=4)
     x = np.random.default_rng(1).uniform(size=(16, H, W, 3)).astype(np.float32)
@@ -162,6 +163,7 @@ def _cnn():
     return L.serial(L.Conv(4, (3, 3)), L.Relu, L.Flatten(), L.Dense(2))
 
 
+@pytest.mark.slow
 def test_augmented_training_resumes_bitwise_and_evaluates_unaugmented(tmp_path):
     data = _images()
     aug = Augment(crop_pad=1, flip=True, mixup=0.4)
@@ -187,6 +189,7 @@ def test_augmented_training_resumes_bitwise_and_evaluates_unaugmented(tmp_path):
         jaxnn.fit(_cnn(), data, **{**run, "augment": "spin"})
 
 
+@pytest.mark.slow
 def test_the_placement_snippet_in_docs_data_md_runs():
     text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "data.md").read_text()
     section = text[text.index("## Augmentation: which work goes where") :]

@@ -107,6 +107,7 @@ def test_train_writes_metrics_plots_summary_and_refuses_reuse(capsys, tmp_path):
     assert "test accuracy" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_gpt_prints_a_sample(capsys, tmp_path):
     # A small text folder instead of the default standard-library corpus, which takes seconds to gather.
     text = tmp_path / "text"

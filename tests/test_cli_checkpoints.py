@@ -48,6 +48,7 @@ def test_summary_of_a_large_preset_prints_its_published_count_without_allocating
     assert "unknown model 'gpt3'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_fine_tune_a_transformers_folder_on_its_tokens_and_export_it_back(capsys, tmp_path, gpt2_folder):
     text = tmp_path / "text"
     text.mkdir()
@@ -79,6 +80,7 @@ def test_an_imported_decoder_cannot_train_as_an_image_model(capsys, tmp_path, gp
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.slow
 def test_fine_tune_a_torchvision_resnet_on_grayscale_digits(capsys, caplog, tmp_path):
     # A narrow ResNet in torchvision's layout (tests/test_interop_torchvision.py proves that layout against
     # torchvision itself): an RGB stem and a 7-class head, fine-tuned on 1-channel, 10-class digits.
@@ -101,6 +103,7 @@ def test_fine_tune_a_torchvision_resnet_on_grayscale_digits(capsys, caplog, tmp_
     assert "is a torchvision ResNet: it trains as imagenet_resnet, not 'gpt2'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_vision_presets_train_on_the_data_at_hand(capsys, tmp_path):
     argv = ["train", "--model", "vit-b16", "--model-config", "patch_size=4", "num_layers=1", "hidden_dim=32"]
     argv += [

@@ -26,6 +26,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+@pytest.mark.system
 def test_exported_decoder_generates_jaxnns_greedy_tokens_without_jaxnn(tmp_path):
     model = GPT(GPTConfig(seq_len=24, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2))
     _, params = model.init(jax.random.key(0), (1, 8))

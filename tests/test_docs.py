@@ -12,6 +12,7 @@ build_docs = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(build_docs)
 
 
+@pytest.mark.slow
 def test_docs_build_with_no_problem(tmp_path):
     problems = build_docs.build(tmp_path)
     assert problems == []

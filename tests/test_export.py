@@ -127,6 +127,7 @@ def save_inputs(out, rng):
     return info
 
 
+@pytest.mark.system
 def test_train_export_and_run_without_jaxnn(tmp_path, key):
     rng = np.random.default_rng(1)
     runs = {

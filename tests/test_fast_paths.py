@@ -38,6 +38,7 @@ def _pair(case, key, features=6):
 
 
 @pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: f"k{c[0]}-s{c[1]}-{c[2]}-d{c[3]}")
+@pytest.mark.slow
 def test_conv_im2col_matches_xla(case, key):
     # crc32, not hash(): Python salts str hashes per process, so those seeds could not be reproduced.
     ref, fast, params, x = _pair(case, jax.random.fold_in(key, zlib.crc32(str(case).encode()) % 1000))
@@ -95,6 +96,7 @@ POOL_CASES = [
 @pytest.mark.parametrize("window,shape", POOL_CASES, ids=lambda c: str(c))
 @pytest.mark.parametrize("padding", ["VALID", "SAME"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.slow
 def test_max_pool_reshape_matches_reduce_window(window, shape, padding, dtype, key):
     ref = MaxPool(window, padding=padding, lowering="reduce_window")
     fast = MaxPool(window, padding=padding, lowering="reshape")
@@ -145,6 +147,7 @@ def test_conv_unknown_lowering():
         ("BNTS,BSNH->BTNH", (2, 3, 5, 6), (2, 6, 3, 8)),
     ],
 )
+@pytest.mark.slow
 def test_half_attention_products_match_float32_and_run(spec, shape_a, shape_b, key):
     """The bf16 attention products (precision.einsum) give float32 einsum's values and gradients; their
     weight-side transposes once hit XLA's DotThunk on the CPU, which has no bf16 x bf16 -> f32."""
@@ -170,6 +173,7 @@ def test_half_attention_products_match_float32_and_run(spec, shape_a, shape_b, k
         np.testing.assert_allclose(half.astype(jnp.float32), ref, rtol=3e-2, atol=3e-2)
 
 
+@pytest.mark.slow
 def test_bf16_gpt_step_runs_with_either_attention(key):
     import optax
 

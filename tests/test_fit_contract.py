@@ -329,6 +329,7 @@ def test_eval_metrics_are_in_the_log_line(data, caplog):
     assert re.search(r"eval at step 6: accuracy=[0-9.]+ loss=[0-9.]+", caplog.text)
 
 
+@pytest.mark.slow
 def test_the_migration_table_in_the_docs_runs(tmp_path, monkeypatch):
     text = (REPO / "docs" / "training.md").read_text()
     section = text.split("## From Keras, Lightning and Flax", 1)[1].split("\n## ", 1)[0]

@@ -90,6 +90,7 @@ def test_kernel_count_and_loop_cost_of_a_compiled_chain():
     assert cost.flops == pytest.approx(steps * once.flops) and cost.flops >= steps * 2 * hidden**2
 
 
+@pytest.mark.slow
 def test_project_model_sets_measured_cpu_beside_projected_gpu(tmp_path, capsys):
     from experiments import project_model
 

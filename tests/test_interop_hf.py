@@ -83,6 +83,7 @@ def _jaxnn_logits(cfg, params, ids, mask):
 
 
 @pytest.mark.parametrize("kind", sorted(CONFIGS))
+@pytest.mark.slow
 def test_imported_logits_equal_transformers_on_a_padded_batch(folders, kind):
     cfg, params = load_hf(folders[kind])
     ids, mask = _batch()

@@ -128,6 +128,7 @@ def test_config_is_read_off_the_tensor_names():
     assert resnet_config_from_state_dict(torchvision.models.resnet34().state_dict()).stage_sizes == (3, 4, 6, 3)
 
 
+@pytest.mark.slow
 def test_bfloat16_load_gives_bfloat16_params(torch_model, images, torch_logits, forward):
     params, state = load_torchvision_resnet(torch_model.state_dict(), RESNET18, dtype=jnp.bfloat16)
     assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}

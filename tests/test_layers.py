@@ -88,11 +88,35 @@ def setup(name, key, dtype=jnp.float32):
     return layer, out_shape, params, state, x
 
 
+# The cases whose three checks compile the largest programs (about 2-8 s each on 2 cores), and layers
+# another case already covers (strided and padded conv2d, instance norm): `make test-all` runs them, the fast tier
+# every other layer.
+SLOW_CASES = {
+    "attention_causal",
+    "bidirectional",
+    "conv1d_causal",
+    "conv2d_explicit_padding",
+    "conv2d_strided",
+    "conv3d",
+    "conv_transpose2d",
+    "conv_transpose3d",
+    "gru",
+    "instance_norm",
+    "llama_block",
+    "lstm",
+    "repeat_remat",
+    "residual_with_batch_norm",
+    "serial",
+    "transformer_block",
+}
+CASE_PARAMS = [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_CASES else name for name in sorted(CASES)]
+
+
 def forward(layer, params, state, x, key=jax.random.key(7), train=True, policy=None):
     return L.run(layer, params, x, state=state, key=key, train=train, policy=policy)
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", CASE_PARAMS)
 def test_shapes_jit_and_vmap(name, key):
     layer, out_shape, params, state, x = setup(name, key)
     y, _ = forward(layer, params, state, x)
@@ -110,7 +134,7 @@ def test_shapes_jit_and_vmap(name, key):
     np.testing.assert_allclose(batched, looped, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", CASE_PARAMS)
 def test_gradients_match_finite_differences(name, key):
     with jax.enable_x64(True):
         layer, _, params, state, x = setup(name, key)
@@ -156,7 +180,7 @@ BF16_ROUNDINGS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", CASE_PARAMS)
 def test_bf16_run_tracks_fp32(name, key):
     layer, _, params, state, x = setup(name, key)
     cast = BF16.cast_to_compute
@@ -263,6 +287,7 @@ def test_attention_padding_mask_hides_padded_keys(key):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.slow
 def test_f32acc_attention_matches_jax_dot_product_attention(dtype, key):
     fast, simple = (L.MultiHeadAttention(4, causal=True, implementation=impl) for impl in ("f32acc", "xla"))
     _, params = fast.init(key, (3, 7, 16))

@@ -7,6 +7,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 import jaxnn
 
 ROOT = pathlib.Path(jaxnn.__file__).parent
@@ -86,6 +88,7 @@ def test_no_private_name_is_imported_across_files():
     assert private == []
 
 
+@pytest.mark.system
 def test_every_public_submodule_is_an_attribute_of_jaxnn_and_the_cli_starts_without_jax():
     top_level = {name.split(".")[1] for name in module_names() if name.count(".") >= 1}
     assert top_level == set(jaxnn.SUBMODULES)

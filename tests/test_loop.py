@@ -37,7 +37,7 @@ def digits():
     return custom_model.digits()
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_custom_model_learns_digits_and_tensorboard_reads_its_events(tmp_path, digits):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -84,7 +84,7 @@ def kill_after(proc, run_dir, min_step, sig, timeout=120):
     pytest.fail("no checkpoint appeared in time")
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_custom_model_killed_and_resumed_matches_uninterrupted(tmp_path):
     reference = start(tmp_path / "ref")
     run = tmp_path / "run"
@@ -92,7 +92,7 @@ def test_custom_model_killed_and_resumed_matches_uninterrupted(tmp_path):
     kill_after(proc, run, 40, signal.SIGKILL)
     assert proc.returncode == -signal.SIGKILL
     assert (run / "run.lock").exists()  # left behind by the killed process: the next run takes it over
-    final = start(run, "--resume")  # (SIGTERM and resume: tests/test_faults.py)
+    final = start(run, "--resume")  # (SIGTERM and resume: tests/system/test_faults.py)
     out, err = final.communicate(timeout=180)
     assert final.returncode == 0, err[-2000:]
     assert "taking over the lock left by process" in err
@@ -223,6 +223,7 @@ def readme_code(title: str) -> tuple[str, str]:
     return section, section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
+@pytest.mark.system
 def test_readme_bring_your_own_model_runs_as_written(tmp_path):
     section, code = readme_code("Bring your own model")
     assert len(section.strip().splitlines()) <= 20, "the section promises at most 20 lines"

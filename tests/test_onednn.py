@@ -233,6 +233,7 @@ def test_switch_reads_the_environment_and_use_overrides_it(monkeypatch):
     assert onednn.version() and onednn.version().startswith("3.")
 
 
+@pytest.mark.system
 def test_without_the_library_everything_runs_on_xla_and_onednn_lowering_says_why(tmp_path):
     code = (
         "import jax, jax.numpy as jnp, jaxnn.layers as L; from jaxnn.kernels import onednn; "
@@ -247,6 +248,7 @@ def test_without_the_library_everything_runs_on_xla_and_onednn_lowering_says_why
     assert last.startswith("RuntimeError: Conv: lowering='onednn' is not available") and "make install" in last
 
 
+@pytest.mark.system
 def test_bench_peers_runs_jaxnn_with_the_kernels(tmp_path):
     # `make bench-onednn` times jaxnn with and without the kernels through benchmarks.peers; the smallest run of it.
     out = tmp_path / "peers.json"

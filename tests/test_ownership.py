@@ -144,6 +144,7 @@ def test_an_export_folder_holding_foreign_files_is_refused(base, tmp_path):
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.system
 def test_a_run_dir_in_use_names_its_holder_to_fit_and_the_cli(base, data, tmp_path, capsys, caplog):
     run = copy_of(base, tmp_path)
     holder = subprocess.Popen(

@@ -42,6 +42,7 @@ def test_bf16_products_have_bf16_operands_and_f32_results(layer, shape, op, key)
 
 
 @pytest.mark.parametrize("name", ["gpt", "cnn"])
+@pytest.mark.slow
 def test_bf16_train_step_backward_products_are_bf16_too(name, key):
     model, shape, loss_fn, x = {
         "gpt": (GPT(GPTConfig().small()), (2, 32), train.language_model_loss, jnp.ones((2, 32), jnp.int32)),

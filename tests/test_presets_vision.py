@@ -41,6 +41,7 @@ def test_presets_are_in_the_table_and_build_with_fields_replaced():
 
 
 @pytest.mark.parametrize("family", ["imagenet_resnet", "vit"])
+@pytest.mark.slow
 def test_small_vision_models_train(family, key):
     """Train mode (eval mode is what the torchvision comparisons run): logits, and BatchNorm statistics that move."""
     cfg = {"imagenet_resnet": imagenet_resnet.ImageNetResNetConfig, "vit": vit.ViTConfig}[family]().small()

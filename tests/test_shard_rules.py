@@ -82,6 +82,7 @@ def train_transformer(mesh, rules=None):
     return state, losses
 
 
+@pytest.mark.slow
 def test_a_user_built_transformer_splits_over_tensor_by_its_rules_and_matches_one_device():
     one_state, one_losses = train_transformer(make_mesh(1))
     state, losses = train_transformer(sharding.make_sharded_mesh("tensor=4,fsdp=2"), TRANSFORMER_RULES)
@@ -118,6 +119,7 @@ def test_an_idle_axis_and_an_unused_rule_warn_and_a_rule_that_cannot_apply_fails
     assert BUILT_IN.match("2_blocks.1_mlp.3_proj.w") is not None and BUILT_IN.match("2_block.seq.w") is None
 
 
+@pytest.mark.slow
 def test_the_sharded_step_pins_the_hidden_width_and_gathers_no_whole_tensor_parallel_weight():
     model, tx = GPT(GPTConfig(seq_len=8, d_model=32, num_layers=1, num_heads=4)), optax.sgd(0.1)
     mesh = sharding.make_sharded_mesh("tensor=2,fsdp=4")

@@ -91,11 +91,12 @@ def test_fsdp_holds_an_eighth_of_parameters_and_optimizer_state():
 # Every layout against one device for the GPT in fp32; each other model and precision on one layout, so that every
 # layout meets both models and both precisions without compiling all twelve pairs (each costs seconds on 8 simulated
 # devices).
+# The fast tier runs the CNN under fsdp; `make test-all` the rest.
 EQUIVALENCE = [
-    ("gpt", "fp32", MESHES),
-    ("gpt", "bf16", ("tensor=2,fsdp=4",)),
+    pytest.param("gpt", "fp32", MESHES, marks=pytest.mark.slow),
+    pytest.param("gpt", "bf16", ("tensor=2,fsdp=4",), marks=pytest.mark.slow),
     ("cnn", "fp32", ("fsdp=8",)),
-    ("cnn", "bf16", ("data=2,fsdp=4",)),
+    pytest.param("cnn", "bf16", ("data=2,fsdp=4",), marks=pytest.mark.slow),
 ]
 
 
@@ -112,6 +113,7 @@ def test_sharded_training_matches_one_device(name, precision, meshes):
     assert any(leaf.sharding.spec != P() for leaf in jax.tree.leaves(state.params))  # it was sharded
 
 
+@pytest.mark.slow
 def test_a_checkpoint_crosses_meshes(tmp_path):
     model, tx = GPT(GPT_CFG), optax.sgd(0.1, momentum=0.9)  # as `train` builds it
     create = lambda: create_train_state(model, tx, jax.random.key(0), (16, GPT_CFG.seq_len))  # noqa: E731
@@ -132,6 +134,7 @@ def test_a_checkpoint_crosses_meshes(tmp_path):
             assert a.sharding == like_leaf.sharding
 
 
+@pytest.mark.slow
 def test_fit_and_config_take_a_mesh_spec():
     batches = gpt_batches(1, 16)[0]
     result = fit(

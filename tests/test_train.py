@@ -111,6 +111,7 @@ def test_make_optimizer_refuses_bad_settings():
         train.make_optimizer(1e-3, total_steps=-1)
 
 
+@pytest.mark.slow
 def test_cnn_learns_the_bundled_digits(key):
     """A real data set shipped inside scikit-learn: >= 95% test accuracy within 300 steps."""
     digits = load_digits()

@@ -54,7 +54,14 @@ def numpy_rope(x, positions, base=10000.0):
     return np.concatenate([z.real, z.imag], axis=-1)
 
 
-@pytest.mark.parametrize("num_kv_heads, causal, rope", [(2, True, False), (1, False, True), (4, True, True)])
+@pytest.mark.parametrize(
+    "num_kv_heads, causal, rope",
+    [
+        (2, True, False),
+        pytest.param(1, False, True, marks=pytest.mark.slow),
+        pytest.param(4, True, True, marks=pytest.mark.slow),
+    ],
+)
 def test_grouped_query_attention_matches_numpy(num_kv_heads, causal, rope, key):
     layer = L.MultiHeadAttention(4, num_kv_heads=num_kv_heads, causal=causal, rope=rope)
     shape = (2, 6, 16)
@@ -111,6 +118,7 @@ def test_rotary_embedding_matches_complex_rotation_and_is_relative(key):
     np.testing.assert_allclose(score(3, 1), score(10, 8), rtol=1e-4, atol=1e-5)  # only m - n matters
 
 
+@pytest.mark.slow
 def test_mask_and_positions_travel_through_serial_and_blocks(key):
     model = L.serial(L.Dense(8), L.TransformerBlock(2, causal=False, rope=True), L.TransformerBlock(2, causal=False))
     assert model.side_inputs == {"mask", "positions"}
@@ -177,6 +185,7 @@ def peaked_gpt(request):
     return model, random_like(params, jax.random.key(1), scale=0.3)  # peaked logits: argmax ties are unlikely
 
 
+@pytest.mark.slow
 def test_ragged_greedy_generation_is_the_argmax_of_each_prompt_alone(peaked_gpt):
     """Left padding is invisible: each row of a ragged batch gets the tokens of full forward passes over its own
     unpadded prompt; stop tokens and per-row maxima end rows early, in the same compiled program."""
@@ -213,6 +222,7 @@ def test_ragged_greedy_generation_is_the_argmax_of_each_prompt_alone(peaked_gpt)
     np.testing.assert_array_equal(same[:, :5], [prompts[0]] * 2)
 
 
+@pytest.mark.slow
 def test_sampling_cached_equals_uncached_and_respects_top_k_and_top_p(key):
     model = GPT(GPTS["learned"])
     _, params = model.init(key, (1, 8))
@@ -252,6 +262,7 @@ def test_generate_refuses_bad_arguments(kwargs, message, key):
         generate(L.serial(L.Embedding(5, 4), L.Dense(5)), {}, jnp.zeros((1, 2), jnp.int32), 3)
 
 
+@pytest.mark.slow
 def test_one_compile_per_bucket_and_decoding_under_x64(peaked_gpt):
     """Prompt lengths and maxima in the same buckets reuse one program; with jax_enable_x64 every dtype policy
     decodes (int64 literals once met the cache's int32 index), fp32 to the same tokens as without it."""
@@ -269,6 +280,7 @@ def test_one_compile_per_bucket_and_decoding_under_x64(peaked_gpt):
 
 
 @pytest.mark.parametrize("tied_rope", [True, False], ids=["tied-llama", "tied-gpt2"])
+@pytest.mark.slow
 def test_tied_and_swiglu_decoders_decode_with_a_cache_as_without(tied_rope, key):
     fields = {"position": "rope", "norm": "rms", "mlp": "swiglu", "bias": False, "num_kv_heads": 1} if tied_rope else {}
     cfg = dataclasses.replace(GPTConfig().small(), tie_embeddings=True, mlp_hidden=48, num_heads=2, **fields)

@@ -139,14 +139,14 @@ MUTATIONS = (
         "jaxnn/storage.py",
         "                os.ftruncate(fd, size)",
         "                pass",
-        ("tests/test_faults.py::test_disk_full_while_logging",),
+        ("tests/system/test_faults.py::test_disk_full_while_logging",),
     ),
     Mutation(
         "the lock never refuses",
         "jaxnn/rundir.py",
         "                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)",
         "                pass",
-        ("tests/test_faults.py::test_lock_on_the_same_directory_twice_in_one_process",),
+        ("tests/system/test_faults.py::test_lock_on_the_same_directory_twice_in_one_process",),
     ),
 )
 

@@ -218,7 +218,7 @@ def test_two_processes_of_four_devices_match_one_device_and_their_checkpoints_re
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "JAXNN_COORDINATOR": f"127.0.0.1:{port}", "JAXNN_NUM_PROCESSES": "2"}
-    worker = [sys.executable, str(pathlib.Path(__file__).with_name("sharded_mlp.py")), str(tmp_path)]
+    worker = [sys.executable, str(pathlib.Path(__file__).parents[1] / "sharded_mlp.py"), str(tmp_path)]
     procs = [
         subprocess.Popen(worker, env={**env, "JOB_COMPLETION_INDEX": str(i)}, stderr=subprocess.PIPE, text=True)
         for i in range(2)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-EXAMPLES = sorted((pathlib.Path(__file__).resolve().parents[1] / "examples").glob("*.py"))
+EXAMPLES = sorted((pathlib.Path(__file__).resolve().parents[2] / "examples").glob("*.py"))
 
 
 @pytest.mark.slow

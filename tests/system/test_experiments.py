@@ -282,7 +282,7 @@ def test_gpu_check_killed_midway_keeps_the_finished_parts(tmp_path):
     """SIGKILL (what a machine's time limit does) once the first experiment has finished: every finished part's
     file is there and readable, and gpu_check.json says the run did not complete."""
     cmd = [sys.executable, "-m", "experiments.gpu_check", "--dry-run", "--out", str(tmp_path)]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     proc = subprocess.Popen([*cmd, "--only", "exp_precision", "exp_train"], env=env, stdout=subprocess.DEVNULL)
     deadline, check = time.monotonic() + 240, None
     try:

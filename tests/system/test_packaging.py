@@ -13,7 +13,7 @@ import pytest
 
 import jaxnn
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
