@@ -21,7 +21,7 @@ from jax import lax
 
 from benchmarks.machine import cpu_label
 from jaxnn import precision, train
-from jaxnn.timing import stepper, time_interleaved
+from jaxnn.profile.timing import stepper, time_interleaved
 
 
 def _canonical_einsum_2d_barrier(spec_x, spec_y, spec_out, x, y):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxnn.layers import conv as conv_module
-from jaxnn.timing import time_interleaved
+from jaxnn.profile.timing import time_interleaved
 
 LAYERS = [((64, 32, 32, 3), 32), ((64, 16, 16, 32), 64), ((64, 8, 8, 64), 128)]
 DIMENSIONS = ("NHWC", "HWIO", "NHWC")

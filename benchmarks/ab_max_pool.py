@@ -12,7 +12,7 @@ import optax
 
 from jaxnn import layers as L
 from jaxnn import train
-from jaxnn.timing import time_interleaved
+from jaxnn.profile.timing import time_interleaved
 
 LOWERINGS = ("reduce_window", "reshape")
 

@@ -1,7 +1,7 @@
 """Side by side: what jaxnn's train step costs against plain `jax.jit` steps, and where the difference goes.
 
 Run: `PYTHONPATH=. .venv/bin/python benchmarks/ab_train_step.py [tiny|mlp] [--rounds N]`; every variant runs in
-each timing window (`jaxnn.timing.time_interleaved`), medians; ratios are to the plain-jit Flax Linen step without
+each timing window (`timing.time_interleaved`), medians; ratios are to the plain-jit Flax Linen step without
 donation (the "plain jax.jit" baseline). Variants, all on the `make bench` model and batch:
 
 - jaxnn: the default step (`make_train_step`: donated state, accuracy and gradient norm returned);
@@ -24,7 +24,7 @@ from benchmarks.peers.jax_common import adam_step, cross_entropy, device_batch
 from benchmarks.train_steps import LEARNING_RATE, jaxnn_model
 from jaxnn import train
 from jaxnn.layers import run
-from jaxnn.timing import stepper, time_interleaved
+from jaxnn.profile.timing import stepper, time_interleaved
 
 
 def variants(name: str) -> dict:

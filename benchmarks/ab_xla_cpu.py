@@ -7,7 +7,7 @@
 under each option set, and PyTorch's f32 and bf16 products when torch is importable (same process, same
 windows). `steps`: the benchmark models' jitted train steps (benchmarks.train_steps.SPECS) compiled under each
 option set. Option sets are XLA DebugOptions passed to `Lowered.compile(compiler_options=...)`, so every variant
-is timed in the same windows (`jaxnn.timing.time_interleaved`); the ratio to "default" is the figure to read.
+is timed in the same windows (`jaxnn.profile.timing.time_interleaved`); the ratio to "default" is the figure to read.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from benchmarks.machine import cpu_label
-from jaxnn.timing import stepper, time_interleaved
+from jaxnn.profile.timing import stepper, time_interleaved
 
 # XLA's CPU backend hands dots and convolutions to YNNPACK fusions by default (the compiled HLO shows
 # `__ynn_fusion` custom fusions); fusion types are the DebugOptions.LibraryFusionType enum names.

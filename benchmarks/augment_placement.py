@@ -51,9 +51,9 @@ def measure(
     """Host against in-step crop+flip on this machine's default device; see the module docstring."""
     import jax
 
+    from jaxnn._src.optional import installed
     from jaxnn.data import DevicePrefetch, PipelineConfig, TrainBatches, host_iterator, synthetic
     from jaxnn.models import CNN, CNNConfig
-    from jaxnn.optional import installed
     from jaxnn.profile.program_cost import program_cost
     from jaxnn.profile.projection import GpuModel
     from jaxnn.train import classification_loss, create_train_state, make_optimizer, train_step_fn

@@ -20,7 +20,7 @@ def bench(forms, device_counts, *, global_batch: int, scaling: str, model_name: 
 
     from jaxnn import parallel
     from jaxnn.models import CONFIGS, get_model
-    from jaxnn.timing import stepper, time_fn
+    from jaxnn.profile.timing import stepper, time_fn
     from jaxnn.train import classification_loss, create_train_state, make_optimizer
 
     model = get_model(model_name, CONFIGS[model_name]())

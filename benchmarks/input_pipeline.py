@@ -11,7 +11,7 @@ step rate each benchmark model would have on an H200 (benchmarks/host_capacity.p
 # overlap. Pinning is done with the Linux CPU affinity that XLA's thread pool inherits when it starts.)
 #
 # For each augmentation cost (crop + flip applied k times per batch) the bench measures the host's time per batch
-# `h`, the step alone `S` (one batch reused, `jaxnn.timing.time_fn`), and the wall time per step `W` of a real loop:
+# `h`, the step alone `S` (one batch reused, `timing.time_fn`), and the wall time per step `W` of a real loop:
 #
 # - off: batches built inline, no device prefetch, each step waited for (the naive loop);
 # - on:  Grain reader threads build batches in the background, DevicePrefetch keeps 2 batches on the device,
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
 
     from jaxnn.data import PipelineConfig, TrainBatches, synthetic
     from jaxnn.models import CNN, CNNConfig
-    from jaxnn.timing import stepper, time_fn
+    from jaxnn.profile.timing import stepper, time_fn
     from jaxnn.train import create_train_state, make_optimizer, make_train_step, masked_classification_loss
 
     data = synthetic((32, 32, 3), n_train=4096, n_test=64)

@@ -5,7 +5,7 @@ fp32 and bf16, and of the GPT's bf16 products (forward; backward = both gradient
 without the kernels: im2col and XLA's dot, and XLA's own convolution), the oneDNN kernels, and PyTorch. Then the CNN
 and GPT training steps: jaxnn, jaxnn with the kernels (`jaxnn_onednn`) and PyTorch, through `benchmarks.peers`.
 Each framework runs in its own process; `--rounds N` alternates the processes N times and reports medians over
-rounds, and within a process the variants are timed side by side (`jaxnn.timing.time_interleaved`).
+rounds, and within a process the variants are timed side by side (`jaxnn.profile.timing.time_interleaved`).
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def _torch_gemm_cases(shape) -> dict:
 
 def worker(framework: str, repeats: int) -> list[dict]:
     """Times every primitive case of `framework` ("jax" or "torch"); one row per (case, impl, pass)."""
-    from jaxnn.timing import time_interleaved
+    from jaxnn.profile.timing import time_interleaved
 
     if framework == "torch":
         import torch
@@ -168,7 +168,7 @@ def ab_steps(models=("cnn", "gpt"), repeats: int = 5) -> list[dict]:
     from benchmarks.peers.peer_jaxnn import build
     from jaxnn.kernels import onednn
     from jaxnn.layers import conv
-    from jaxnn.timing import time_interleaved
+    from jaxnn.profile.timing import time_interleaved
 
     rows, min_channels = [], conv.ONEDNN_AUTO_MIN_CHANNELS
     for name in models:

@@ -7,7 +7,7 @@ train state (Adam) is created in its shards and the jitted step compiled; report
 plus optimizer state on the fullest device (from the arrays' addressable shards) and, from the compiled HLO, the
 count and result bytes of every all-gather, reduce-scatter, all-reduce and other collective in one step. The rules
 in use (the built-in table, or `--rules`' JSON table) are named, with each layout's parameter bytes per device and
-what each mesh axis alone leaves per device (`jaxnn.shard_report`).
+what each mesh axis alone leaves per device (`jaxnn.parallel.report`).
 """
 
 from __future__ import annotations
@@ -47,19 +47,26 @@ def measure(layout: str, d_model: int, layers: int, rules_path: str | None = Non
     import jax
     import optax
 
-    from jaxnn import shard_report, sharding
-    from jaxnn.mesh import batch_sharding, create_sharded_state, make_mesh, replicated, shard_batch
+    from jaxnn import parallel
     from jaxnn.models import GPT, GPTConfig
-    from jaxnn.shard_rules import BUILT_IN, load_rules
+    from jaxnn.parallel import (
+        BUILT_IN,
+        batch_sharding,
+        create_sharded_state,
+        load_rules,
+        make_mesh,
+        replicated,
+        shard_batch,
+    )
     from jaxnn.train import create_train_state, language_model_loss, train_step_fn
 
     cfg = GPTConfig(seq_len=128, d_model=d_model, num_layers=layers, num_heads=8)
     model, tx = GPT(cfg), optax.adam(1e-3)
-    mesh = make_mesh(8) if layout == "data=8" else sharding.make_sharded_mesh(layout)
+    mesh = make_mesh(8) if layout == "data=8" else parallel.make_mesh(layout)
     rules = BUILT_IN if rules_path is None else load_rules(rules_path)
     state = create_sharded_state(lambda: create_train_state(model, tx, jax.random.key(0), (16, 128)), mesh, rules)
-    held = sharding.bytes_per_device((state.params, state.opt_state))
-    report = shard_report.layout_report(state.params, sharding.mesh_sizes(mesh), rules)
+    held = parallel.bytes_per_device((state.params, state.opt_state))
+    report = parallel.layout_report(state.params, parallel.mesh_sizes(mesh), rules)
     tokens = jax.numpy.zeros((16, 129), jax.numpy.int32)
     batch = shard_batch({"x": tokens[:, :-1], "y": tokens[:, 1:]}, mesh)
     shardings = jax.tree.map(lambda x: x.sharding, state)
@@ -74,7 +81,7 @@ def measure(layout: str, d_model: int, layers: int, rules_path: str | None = Non
         "layout": layout,
         "rules": rules.name,
         "param_bytes": report.total_bytes,
-        "param_bytes_per_device": max(sharding.bytes_per_device(state.params).values()),
+        "param_bytes_per_device": max(parallel.bytes_per_device(state.params).values()),
         "param_bytes_per_device_by_axis": {f"{a.axis}={a.size}": a.bytes_per_device for a in report.axes},
         "state_bytes_per_device": max(held.values()),
         "collectives": collectives(hlo),

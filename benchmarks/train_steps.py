@@ -5,7 +5,7 @@ The GPU check trains a ~300M-parameter GPT in bf16 against the bf16 GEMM peak me
 
 # `python -m benchmarks.train_steps` times the four benchmark models (SPECS) as a plain jitted step and as K steps
 # per call (lax.scan); `--gpu` runs the GPU check (`gpu_mfu`). The peers in benchmarks/peers build the same models
-# from SPECS and time them with the same `jaxnn.timing.time_fn`, so every library is measured alike.
+# from SPECS and time them with the same `jaxnn.profile.timing.time_fn`, so every library is measured alike.
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.machine import cpu_label
-from jaxnn.timing import flops_of, measure_matmul_peak, stepper, time_fn
+from jaxnn.profile.timing import flops_of, measure_matmul_peak, stepper, time_fn
 
 # The benchmark models, shared with the peers in benchmarks/peers so that every library builds the same network.
 # `scan_k` is how many steps one call of the scan variant runs: enough to amortise dispatch for the small models,

@@ -16,7 +16,7 @@ import jax
 import optax
 
 from jaxnn import models
-from jaxnn.timing import stepper, time_interleaved
+from jaxnn.profile.timing import stepper, time_interleaved
 from jaxnn.train import classification_loss, create_train_state, lm_loss, make_train_step
 
 MATRIX_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16")

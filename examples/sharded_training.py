@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jaxnn  # noqa: E402
-from jaxnn import sharding  # noqa: E402
+from jaxnn import parallel  # noqa: E402
 from jaxnn.models import GPT, GPTConfig  # noqa: E402
 from jaxnn.train import language_model_loss  # noqa: E402
 
@@ -47,7 +47,7 @@ def main() -> None:
             log_every=1,
         )
         state = result.state
-        held = sharding.bytes_per_device((state.params, state.opt_state))
+        held = parallel.bytes_per_device((state.params, state.opt_state))
         losses = [row["loss"] for row in result.history if row["split"] == "train"]
         print(f"{mesh:<16} state per device {max(held.values()) / 2**20:6.2f} MiB   losses {np.round(losses, 4)}")
 

@@ -178,7 +178,7 @@ def latency_samples(
 ) -> np.ndarray:
     """Seconds of each of `calls` separate calls of `fn` (which must finish its work, e.g. copy back to the host).
 
-    `jaxnn.timing.time_fn` reports windows of calls, which hides the tail; real-time inference cares about single
+    `timing.time_fn` reports windows of calls, which hides the tail; real-time inference cares about single
     calls, so p99 needs every call timed on its own.
     """
     for _ in range(warmup):

@@ -2,7 +2,7 @@
 
 Latency is one real-time request end to end: the input copied from the host to the device, the compiled forward
 pass, and the answer copied back, each call timed on its own (`common.latency_samples`). Throughput is
-samples per second with the input already on the device and calls queued back to back (`jaxnn.timing.time_fn`),
+samples per second with the input already on the device and calls queued back to back (`jaxnn.profile.timing.time_fn`),
 the batched-serving case.
 """
 
@@ -14,7 +14,7 @@ import numpy as np
 from experiments import common
 from jaxnn.layers.core import init_model
 from jaxnn.models import CNN, GPT, CNNConfig, GPTConfig
-from jaxnn.timing import time_fn
+from jaxnn.profile.timing import time_fn
 from jaxnn.train import make_predict
 
 NAME = "exp_inference"

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from experiments import common
-from jaxnn.timing import matmul_flops, measure_matmul_peak, time_fn
+from jaxnn.profile.timing import matmul_flops, measure_matmul_peak, time_fn
 
 NAME = "exp_matmul"
 

@@ -28,10 +28,10 @@ from jax import lax
 
 from benchmarks import augment_placement
 from experiments import common
+from jaxnn._src.optional import installed
 from jaxnn.data import DevicePrefetch, PipelineConfig, TrainBatches, host_iterator, synthetic
 from jaxnn.models import CNN, CNNConfig
-from jaxnn.optional import installed
-from jaxnn.timing import time_fn
+from jaxnn.profile.timing import time_fn
 from jaxnn.train import classification_loss, make_optimizer, train_step_fn
 
 NAME = "exp_pipeline"

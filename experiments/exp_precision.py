@@ -16,7 +16,7 @@ from jax import lax
 
 from experiments import common
 from jaxnn import precision as jaxnn_precision
-from jaxnn.timing import time_interleaved
+from jaxnn.profile.timing import time_interleaved
 
 NAME = "exp_precision"
 

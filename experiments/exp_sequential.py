@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from experiments import common
-from jaxnn.timing import time_fn
+from jaxnn.profile.timing import time_fn
 
 NAME = "exp_sequential"
 

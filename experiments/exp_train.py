@@ -17,7 +17,7 @@ from experiments import common
 from jaxnn.data import PipelineConfig, TrainBatches, eval_batches, load_digits, load_text
 from jaxnn.data.preprocess import normalise
 from jaxnn.models import CNN, GPT, CNNConfig, GPTConfig
-from jaxnn.timing import time_fn
+from jaxnn.profile.timing import time_fn
 from jaxnn.train import (
     classification_loss,
     language_model_loss,

@@ -71,7 +71,7 @@ REQUIRED_MODULES = [
     "jaxnn.train",
     "jaxnn.data",
     "jaxnn.parallel",
-    "jaxnn.timing",
+    "jaxnn.profile.timing",
     "benchmarks.train_steps",
     *(f"experiments.{name}" for name in BUDGETS),
 ]
@@ -101,7 +101,7 @@ def tensor_core_check(n: int = 4096) -> dict:
 
     from experiments import common
     from jaxnn import precision
-    from jaxnn.timing import matmul_flops, time_fn
+    from jaxnn.profile.timing import matmul_flops, time_fn
 
     a = jnp.ones((n, n), jnp.bfloat16)
     matmul = jax.jit(lambda a, b: precision.einsum("mk,kn->mn", a, b))
@@ -220,7 +220,7 @@ def lowering_ab(dry_run: bool) -> dict:
     import jax.numpy as jnp
 
     from jaxnn import layers as L
-    from jaxnn.timing import time_interleaved
+    from jaxnn.profile.timing import time_interleaved
 
     batch, hw, channels = (4, 8, 8) if dry_run else (256, 32, 64)
     x = jax.random.normal(jax.random.key(0), (batch, hw, hw, channels), jnp.bfloat16 if not dry_run else jnp.float32)

@@ -26,7 +26,7 @@ from jaxnn.layers.core import init_model
 from jaxnn.models.factory import train_default_model
 from jaxnn.profile.program_cost import program_cost
 from jaxnn.profile.projection import GpuModel
-from jaxnn.timing import time_fn
+from jaxnn.profile.timing import time_fn
 from jaxnn.train import (
     create_train_state,
     lm_loss,

@@ -2,9 +2,10 @@
 
 `jaxnn.fit(model, data, ...)` is the training loop (`jaxnn.loop`), `jaxnn.evaluate` and `jaxnn.predict` run a
 trained model over a data set (`jaxnn.evaluation`); layers are in `jaxnn.layers`, models in `jaxnn.models`,
-callbacks in `jaxnn.callbacks`. Every public submodule is reachable as an attribute (`jaxnn.layers`,
-`jaxnn.train`, ...) and is imported on first use, so that `import jaxnn.cli` stays light and leaves jax's device
-set-up to the command line.
+callbacks in `jaxnn.callbacks`, meshes, sharding rules and the data-parallel step in `jaxnn.parallel`. Every
+public module (`SUBMODULES`) is reachable as an attribute (`jaxnn.layers`, `jaxnn.train`, ...) and is imported on
+first use, so that `import jaxnn.cli` stays light and leaves jax's device set-up to the command line. `jaxnn._src`
+is internal: what it holds may change without notice.
 """
 
 import importlib
@@ -23,41 +24,28 @@ _NAMES = {
     "predict": "jaxnn.evaluation",
 }
 
+# The public modules and packages (the API; docs/index.md, "The package's layout"). `jaxnn._src` holds internals.
 SUBMODULES = (
-    "activation_sharding",
     "augment",
     "callbacks",
     "checkpoint",
     "cli",
-    "compile_cache",
     "config",
     "data",
     "decoding_export",
     "evaluation",
     "export",
     "finetune",
-    "interop",
     "generate",
+    "interop",
     "kernels",
     "layers",
     "loop",
-    "mesh",
     "metrics",
     "models",
-    "optional",
-    "ownership",
     "parallel",
-    "plots",
     "precision",
     "profile",
-    "pytree",
-    "rundir",
-    "shard_report",
-    "shard_rules",
-    "sharding",
-    "storage",
-    "timing",
-    "trace",
     "train",
 )
 

@@ -29,7 +29,7 @@ NAMES = ("crop", "flip", "vflip", "brightness", "contrast", "saturation", "mixup
 
 def _pix() -> Any:
     # dm-pix is imported on first use: every other part of jaxnn runs without it.
-    from jaxnn.optional import require
+    from jaxnn._src.optional import require
 
     return require("dm_pix", "on-device augmentation (jaxnn.augment)")
 

@@ -24,9 +24,9 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from jaxnn._src.pytree import is_prng_key, path_name
+from jaxnn._src.storage import StorageError, quiet_storage_noise, storage_error
 from jaxnn.config import config_differences, first_differences
-from jaxnn.pytree import is_prng_key, path_name
-from jaxnn.storage import StorageError, quiet_storage_noise, storage_error
 
 log = logging.getLogger(__name__)
 

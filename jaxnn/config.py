@@ -51,7 +51,7 @@ def first_differences(diffs: list[str], limit: int = 4) -> str:
 
 
 def _check_mesh(mesh: str, batch_size: int) -> None:
-    from jaxnn.sharding import BATCH_AXES, parse_mesh
+    from jaxnn.parallel.mesh import BATCH_AXES, parse_mesh
 
     try:
         sizes = parse_mesh(mesh)
@@ -113,9 +113,9 @@ class FitConfig:
     guard_nonfinite: (run) stop at the first NaN/Inf loss (fp16: report long runs of skipped steps instead).
     async_checkpoints: (run) write checkpoints in the background while training goes on (orbax's async save).
     name: (run) label for the progress bar and summary.
-    profile_dir: (run) write a `jax.profiler` trace of a few steps after warm-up here (see jaxnn.trace).
+    profile_dir: (run) write a `jax.profiler` trace of a few steps after warm-up here (see jaxnn.profile.trace).
     compile_cache: (run) JAX's persistent compilation cache: "auto" ($JAXNN_COMPILE_CACHE, else
-      ~/.cache/jaxnn/xla), "off", or a directory (see jaxnn.compile_cache).
+      ~/.cache/jaxnn/xla), "off", or a directory (see jaxnn._src.compile_cache).
     check_data: (run) refuse NaN/Inf in float inputs before anything runs: "arrays" checks in-memory arrays (an
       image data set's too) and evaluation batches at setup (one pass on the host), "all" also every training
       batch of a stream or data set as it is drawn, "off" checks nothing.
@@ -295,7 +295,8 @@ class TrainConfig:
 
     `dataset` "auto": text for gpt, else the format found in `data_dir`, else digits. `model_overrides` replaces
     fields of the model's config, as ((field, value), ...), e.g. (("d_model", 128),). `mesh` ("data=2,fsdp=4",
-    see jaxnn.sharding) replaces `fit.devices`; `sharding_rules` is a JSON rule table's path (jaxnn.shard_rules).
+    see jaxnn.parallel.mesh) replaces `fit.devices`; `sharding_rules` is a JSON rule table's path
+    (jaxnn.parallel.rules).
     `schedule`: the learning rate's cosine decay to 0 at the run's last step, or "constant" after the warm-up,
     which lets a finished run be trained on with a larger `steps`.
     `init_from`: start from another run's parameters and optimizer state (`jaxnn.fit`'s `init_from`), or from

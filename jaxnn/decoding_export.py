@@ -21,10 +21,10 @@ import pathlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from jaxnn import pytree
+from jaxnn._src import pytree
+from jaxnn._src.ownership import check_export_dir, export_identity
+from jaxnn._src.storage import check_writable, make_dirs, write_bytes_atomic, write_json_atomic
 from jaxnn.export import STATE_PREFIX, WEIGHTS_FILE, check_platforms, flat_weights, save_safetensors
-from jaxnn.ownership import check_export_dir, export_identity
-from jaxnn.storage import check_writable, make_dirs, write_bytes_atomic, write_json_atomic
 
 if TYPE_CHECKING:
     from jaxnn.layers import Layer

@@ -104,17 +104,18 @@ def _params_of(params_or_state: Any, model_state: Any) -> tuple[Any, Any]:
 
 
 def _mesh_for(mesh: Mesh | str | None, devices: int) -> Mesh:
-    from jaxnn.mesh import make_mesh
+    from jaxnn.parallel.mesh import make_mesh
 
     if isinstance(mesh, str):
-        from jaxnn.sharding import make_sharded_mesh
+        from jaxnn.parallel.mesh import make_mesh
 
-        return make_sharded_mesh(mesh)
+        return make_mesh(mesh)
     return mesh if mesh is not None else make_mesh(devices)
 
 
 def _placement(mesh: Mesh) -> tuple[Callable[[Any], Any], int]:
-    from jaxnn.mesh import batch_devices, shard_batch
+    from jaxnn.parallel.mesh import batch_devices
+    from jaxnn.parallel.placement import shard_batch
 
     return (lambda host: shard_batch(host, mesh)), batch_devices(mesh)
 
@@ -141,7 +142,7 @@ def evaluate(
       split), or an iterable of batch dicts. `batch_size` is rounded up to a multiple of the batch's devices.
     mesh / devices: as in `jaxnn.fit`; the parameters are replicated over the mesh.
     """
-    from jaxnn.mesh import replicate
+    from jaxnn.parallel.placement import replicate
 
     params, state = _params_of(params_or_state, model_state)
     mesh = _mesh_for(mesh, devices)
@@ -188,7 +189,7 @@ def predict(
     rows dropped) or an iterable of batch dicts. Batched by `batch_size`; the last partial batch is padded for
     the compiled program and the padding cut off, so it compiles once.
     """
-    from jaxnn.mesh import replicate, shard_batch
+    from jaxnn.parallel.placement import replicate, shard_batch
 
     params, state = _params_of(params_or_state, model_state)
     mesh = _mesh_for(mesh, devices)

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from jaxnn import pytree
-from jaxnn.ownership import check_export_dir, export_identity
-from jaxnn.storage import check_writable, make_dirs, write_bytes_atomic, write_json_atomic
+from jaxnn._src import pytree
+from jaxnn._src.ownership import check_export_dir, export_identity
+from jaxnn._src.storage import check_writable, make_dirs, write_bytes_atomic, write_json_atomic
 
 if TYPE_CHECKING:
     from jaxnn.layers import Layer

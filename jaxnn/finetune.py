@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxnn.pytree import flatten, matches
+from jaxnn._src.pytree import flatten, matches
 
 
 class LoadReport(NamedTuple):

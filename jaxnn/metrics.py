@@ -17,7 +17,7 @@ import pathlib
 from collections.abc import Iterable
 from typing import Protocol
 
-from jaxnn.storage import PathLike, append_line, repair_jsonl, storage_error
+from jaxnn._src.storage import PathLike, append_line, repair_jsonl, storage_error
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class TensorBoardWriter:
     """Event files under `<run_dir>/tensorboard`, one scalar per metric tagged `<split>/<metric>`."""
 
     def __init__(self, run_dir: PathLike):
-        from jaxnn.optional import require
+        from jaxnn._src.optional import require
 
         try:
             SummaryWriter = require("tensorboardX", "metric writer 'tensorboard'").SummaryWriter

@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxnn._src.pytree import is_prng_key
 from jaxnn.config import SCHEDULES
 from jaxnn.layers.core import Layer, Params, PRNGKey, Shape, State, init_model, run
 from jaxnn.precision import LossScale, Policy, all_finite, get_policy
-from jaxnn.pytree import is_prng_key
 
 # "x" inputs, "y" targets, optionally "mask" and "y_soft" (mixed targets): arrays with a leading batch axis
 Batch: TypeAlias = dict[str, Any]

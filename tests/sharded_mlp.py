@@ -56,7 +56,7 @@ def fit_mlp(mesh, **kwargs):
 
 
 if __name__ == "__main__":
-    from jaxnn.mesh import configure_cpu_devices, initialize_distributed
+    from jaxnn.parallel import configure_cpu_devices, initialize_distributed
 
     configure_cpu_devices(4)
     assert initialize_distributed(heartbeat_timeout_s=10)

@@ -14,13 +14,13 @@ from jax.sharding import PartitionSpec as P
 
 import jaxnn
 from jaxnn import layers as L
+from jaxnn._src.storage import RunDirError
 from jaxnn.augment import Augment, augment_batch, parse_augment
 from jaxnn.augment import normalise as device_normalise
 from jaxnn.callbacks import Callback
 from jaxnn.config import ConfigError
 from jaxnn.data.preprocess import normalise as host_normalise
-from jaxnn.mesh import make_mesh
-from jaxnn.storage import RunDirError
+from jaxnn.parallel import make_mesh
 from jaxnn.train import masked_classification_loss
 
 pytest.importorskip("dm_pix")

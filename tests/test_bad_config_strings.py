@@ -14,8 +14,8 @@ from jaxnn.config import ConfigError, FitConfig, TrainConfig
 from jaxnn.data import PipelineConfig
 from jaxnn.export import write_export
 from jaxnn.layers.core import init_model
+from jaxnn.parallel import parse_mesh
 from jaxnn.precision import Policy, get_policy
-from jaxnn.sharding import parse_mesh
 
 QUIET = {"steps": 2, "batch_size": 8, "progress": False, "plots": False}
 

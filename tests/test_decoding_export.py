@@ -11,10 +11,10 @@ import jax
 import numpy as np
 import pytest
 
+from jaxnn._src.ownership import RunDirError
 from jaxnn.decoding_export import write_decoding_export
 from jaxnn.generate import generate_batch
 from jaxnn.models import GPT, GPTConfig
-from jaxnn.ownership import RunDirError
 
 EXAMPLE = pathlib.Path(__file__).parent.parent / "examples" / "generate_exported.py"
 # The example, run with jaxnn made unimportable: what a consumer of the export has is jax, numpy and safetensors.

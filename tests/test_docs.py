@@ -27,10 +27,10 @@ def test_docs_build_with_no_problem(tmp_path):
 
 @pytest.mark.filterwarnings("ignore:Error parsing type annotation")
 def test_a_missing_docstring_is_reported(monkeypatch):
-    import jaxnn.mesh
+    import jaxnn.parallel.mesh
 
-    monkeypatch.setattr(jaxnn.mesh.replicated, "__doc__", None)
-    assert "no docstring: jaxnn.mesh.replicated" in build_docs.undocumented(build_docs.load_modules())
+    monkeypatch.setattr(jaxnn.parallel.mesh.replicated, "__doc__", None)
+    assert "no docstring: jaxnn.parallel.mesh.replicated" in build_docs.undocumented(build_docs.load_modules())
 
 
 def test_broken_links_and_references_are_reported(tmp_path):

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from jaxnn import cli, pytree
+from jaxnn import cli
+from jaxnn._src import pytree
 from jaxnn.checkpoint import load_params
 from jaxnn.export import STATE_PREFIX, load_safetensors, save_safetensors, write_export
 from jaxnn.layers.core import init_model

@@ -21,7 +21,7 @@ from jaxnn import layers as L
 from jaxnn import precision
 from jaxnn.kernels import onednn
 from jaxnn.layers.core import init_model, run
-from jaxnn.mesh import make_mesh
+from jaxnn.parallel import make_mesh
 
 pytestmark = pytest.mark.skipif(not onednn.available(), reason=onednn.unavailable_reason() or "")
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -15,10 +15,10 @@ import pytest
 
 from jaxnn import cli, fit
 from jaxnn import layers as L
+from jaxnn._src.ownership import OWNER_FILE
+from jaxnn._src.storage import RunDirError
 from jaxnn.checkpoint import load_params, load_train_state
 from jaxnn.export import export_run, write_export
-from jaxnn.ownership import OWNER_FILE
-from jaxnn.storage import RunDirError
 
 SETTINGS = {"steps": 4, "batch_size": 16, "ckpt_every": 2, "keep": 3, "progress": False, "plots": False}
 
@@ -151,7 +151,7 @@ def test_a_run_dir_in_use_names_its_holder_to_fit_and_the_cli(base, data, tmp_pa
         [
             sys.executable,
             "-c",
-            "import time\nfrom jaxnn.rundir import RunLock\n"
+            "import time\nfrom jaxnn.loop.rundir import RunLock\n"
             f"RunLock({str(run)!r}).acquire(); print('held', flush=True); time.sleep(120)",
         ],
         stdout=subprocess.PIPE,

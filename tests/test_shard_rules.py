@@ -13,13 +13,21 @@ from jax.sharding import PartitionSpec as P
 from sharded_mlp import fit_mlp, mlp
 
 import jaxnn.layers as L
-from jaxnn import sharding
+from jaxnn import parallel
 from jaxnn.config import ConfigError
-from jaxnn.mesh import batch_sharding, create_sharded_state, make_mesh, replicated, shard_batch
 from jaxnn.models import GPT, GPTConfig
-from jaxnn.parallel import data_parallel_train_step
-from jaxnn.shard_report import ShardingWarning
-from jaxnn.shard_rules import BUILT_IN, TENSOR, as_rules
+from jaxnn.parallel import (
+    BUILT_IN,
+    TENSOR,
+    ShardingWarning,
+    as_rules,
+    batch_sharding,
+    create_sharded_state,
+    data_parallel_train_step,
+    make_mesh,
+    replicated,
+    shard_batch,
+)
 from jaxnn.train import create_train_state, language_model_loss, train_step_fn
 
 MLP_RULES = sharded_mlp.RULES
@@ -41,7 +49,7 @@ def test_fit_splits_a_dense_mlp_by_a_json_rule_file_and_matches_one_device(tmp_p
     )
     momentum = split.state.opt_state[0].trace  # optimizer moments follow their parameter
     assert momentum["0_dense"]["w"].sharding.spec == P(None, "tensor")
-    held, full = sharding.bytes_per_device(params), sharding.bytes_per_device(one.state.params)
+    held, full = parallel.bytes_per_device(params), parallel.bytes_per_device(one.state.params)
     assert len(held) == 8 and max(held.values()) < 0.25 * max(full.values()), (held, full)
     tol = {"rtol": 1e-5, "atol": 1e-6}
     losses = [[row["loss"] for row in r.history if "loss" in row] for r in (split, one)]
@@ -85,7 +93,7 @@ def train_transformer(mesh, rules=None):
 @pytest.mark.slow
 def test_a_user_built_transformer_splits_over_tensor_by_its_rules_and_matches_one_device():
     one_state, one_losses = train_transformer(make_mesh(1))
-    state, losses = train_transformer(sharding.make_sharded_mesh("tensor=4,fsdp=2"), TRANSFORMER_RULES)
+    state, losses = train_transformer(parallel.make_mesh("tensor=4,fsdp=2"), TRANSFORMER_RULES)
     up = state.params["3_residual"]["1_up"]["w"]
     assert up.sharding.spec == P("fsdp", "tensor"), up.sharding.spec  # fsdp takes the dimension the rule left free
     tol = {"rtol": 1e-4, "atol": 1e-5}
@@ -95,7 +103,7 @@ def test_a_user_built_transformer_splits_over_tensor_by_its_rules_and_matches_on
 
 def test_an_idle_axis_and_an_unused_rule_warn_and_a_rule_that_cannot_apply_fails_before_writing(tmp_path):
     create = lambda: create_train_state(mlp(), optax.sgd(0.1), jax.random.key(0), (8, 16))  # noqa: E731
-    mesh = sharding.make_sharded_mesh("tensor=8")
+    mesh = parallel.make_mesh("tensor=8")
     with pytest.warns(
         ShardingWarning, match=r"mesh axis 'tensor' \(8 devices\) splits no parameter under jaxnn built-in"
     ):
@@ -122,7 +130,7 @@ def test_an_idle_axis_and_an_unused_rule_warn_and_a_rule_that_cannot_apply_fails
 @pytest.mark.slow
 def test_the_sharded_step_pins_the_hidden_width_and_gathers_no_whole_tensor_parallel_weight():
     model, tx = GPT(GPTConfig(seq_len=8, d_model=32, num_layers=1, num_heads=4)), optax.sgd(0.1)
-    mesh = sharding.make_sharded_mesh("tensor=2,fsdp=4")
+    mesh = parallel.make_mesh("tensor=2,fsdp=4")
     state = create_sharded_state(lambda: create_train_state(model, tx, jax.random.key(0), (8, 8)), mesh)
     shardings = jax.tree.map(lambda x: x.sharding, state)
     step = jax.jit(

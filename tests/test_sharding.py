@@ -10,11 +10,10 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxnn import fit, sharding
+from jaxnn import fit, parallel
 from jaxnn.checkpoint import Checkpointer
-from jaxnn.mesh import create_sharded_state, make_mesh
 from jaxnn.models import CNN, GPT, CNNConfig, GPTConfig
-from jaxnn.parallel import data_parallel_train_step
+from jaxnn.parallel import create_sharded_state, data_parallel_train_step, make_mesh
 from jaxnn.train import classification_loss, create_train_state, language_model_loss
 
 GPT_CFG = GPTConfig(seq_len=8, d_model=32, num_layers=1, num_heads=4, drop_prob=0.1)  # dropout: masks by position
@@ -56,11 +55,11 @@ def train(name, precision, mesh):
 
 
 def test_rules_shard_heads_hidden_width_and_large_parameters():
-    mesh = sharding.make_sharded_mesh("tensor=2,fsdp=4")
+    mesh = parallel.make_mesh("tensor=2,fsdp=4")
     params = jax.eval_shape(
         lambda: GPT(GPTConfig(d_model=64, num_layers=1, num_heads=4)).init(jax.random.key(0), (1, 8))[1]
     )
-    specs = sharding.param_specs(params, mesh)
+    specs = parallel.param_specs(params, mesh)
     block = specs["2_block"]
     assert block["0_attn"]["1_attention"]["qkv"]["w"] == P("fsdp", "tensor")  # column-parallel: heads split
     assert block["0_attn"]["1_attention"]["out"]["w"] == P("tensor", "fsdp")  # row-parallel
@@ -70,20 +69,20 @@ def test_rules_shard_heads_hidden_width_and_large_parameters():
     stacked = jax.eval_shape(
         lambda: GPT(GPTConfig(d_model=64, num_layers=3, scan_layers=True)).init(jax.random.key(0), (1, 8))[1]
     )
-    assert sharding.param_specs(stacked, mesh)["2_blocks"]["1_mlp"]["3_proj"]["w"] == P(None, "tensor", "fsdp")
+    assert parallel.param_specs(stacked, mesh)["2_blocks"]["1_mlp"]["3_proj"]["w"] == P(None, "tensor", "fsdp")
     with pytest.raises(ValueError, match=r"axes must be among \('data', 'fsdp', 'tensor'\), got \['model'\]"):
-        sharding.parse_mesh("model=2")
+        parallel.parse_mesh("model=2")
     with pytest.raises(ValueError, match=r"needs 16 devices, 8 available"):
-        sharding.make_sharded_mesh("data=4,fsdp=4")
+        parallel.make_mesh("data=4,fsdp=4")
 
 
 def test_fsdp_holds_an_eighth_of_parameters_and_optimizer_state():
     model, tx = GPT(GPTConfig(seq_len=16, d_model=64, num_layers=2, num_heads=4)), optax.adam(1e-3)
     create = lambda: create_train_state(model, tx, jax.random.key(0), (8, 16))  # noqa: E731
     replicated = create_sharded_state(create, make_mesh(8))
-    sharded = create_sharded_state(create, sharding.make_sharded_mesh("fsdp=8"))
-    full = sharding.bytes_per_device((replicated.params, replicated.opt_state))
-    per_device = sharding.bytes_per_device((sharded.params, sharded.opt_state))
+    sharded = create_sharded_state(create, parallel.make_mesh("fsdp=8"))
+    full = parallel.bytes_per_device((replicated.params, replicated.opt_state))
+    per_device = parallel.bytes_per_device((sharded.params, sharded.opt_state))
     assert len(per_device) == 8 and len(set(full.values())) == 1
     assert max(per_device.values()) <= 0.15 * max(full.values()), (per_device, full)
 
@@ -106,7 +105,7 @@ def test_sharded_training_matches_one_device(name, precision, meshes):
     # bf16 rounds each reduction's partial sums where the devices split them: tolerances follow bf16's 2^-8.
     tol = {"rtol": 1e-4, "atol": 1e-5} if precision == "fp32" else {"rtol": 3e-2, "atol": 3e-3}
     for spec in meshes:
-        state, losses = train(name, precision, sharding.make_sharded_mesh(spec))
+        state, losses = train(name, precision, parallel.make_mesh(spec))
         np.testing.assert_allclose(losses, one_losses, **tol, err_msg=spec)
         for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(one_state.params)):
             np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **tol, err_msg=spec)
@@ -117,13 +116,13 @@ def test_sharded_training_matches_one_device(name, precision, meshes):
 def test_a_checkpoint_crosses_meshes(tmp_path):
     model, tx = GPT(GPT_CFG), optax.sgd(0.1, momentum=0.9)  # as `train` builds it
     create = lambda: create_train_state(model, tx, jax.random.key(0), (16, GPT_CFG.seq_len))  # noqa: E731
-    state = create_sharded_state(create, sharding.make_sharded_mesh("fsdp=8"))
+    state = create_sharded_state(create, parallel.make_mesh("fsdp=8"))
     # Values the freshly built states below do not have, so that a restore that changed nothing would show.
     state = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s))(state._replace(key=None))._replace(key=state.key)
     ckpt = Checkpointer(tmp_path / "ckpt", async_save=False)
     ckpt.save(3, state, data_state={}, config={"model": "gpt"}, force=True)
     ckpt.close()
-    for mesh in (sharding.make_sharded_mesh("data=2"), make_mesh(1)):
+    for mesh in (parallel.make_mesh("data=2"), make_mesh(1)):
         like = create_sharded_state(create, mesh)
         ckpt = Checkpointer(tmp_path / "ckpt")
         restored, _, step = ckpt.restore(like, {"model": "gpt"})
@@ -165,7 +164,7 @@ def test_fit_and_config_take_a_mesh_spec():
             GPT(GPT_CFG),
             language_model_loss,
             optax.sgd(0.1),
-            mesh=sharding.make_sharded_mesh("fsdp=8"),
+            mesh=parallel.make_mesh("fsdp=8"),
             form="shard_map",
         )
 

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the checkout's jaxnn, whichever one the environment has installed
 
-from jaxnn.optional import require  # noqa: E402
+from jaxnn._src.optional import require  # noqa: E402
 
 require("pdoc", "make docs")  # where pdoc is missing: one line naming the extra, not a traceback
 import pdoc  # noqa: E402
@@ -60,11 +60,12 @@ MODULES = (
     "jaxnn.interop.tensors",
     "jaxnn.interop.hf",
     "jaxnn.interop.torchvision",
-    "jaxnn.mesh",
-    "jaxnn.sharding",
-    "jaxnn.shard_rules",
-    "jaxnn.shard_report",
     "jaxnn.parallel",
+    "jaxnn.parallel.mesh",
+    "jaxnn.parallel.placement",
+    "jaxnn.parallel.rules",
+    "jaxnn.parallel.report",
+    "jaxnn.parallel.forms",
     "jaxnn.profile",
     "jaxnn.profile.projection",
 )
@@ -90,13 +91,14 @@ REFERENCE = re.compile(r"`(jaxnn(?:\.[A-Za-z_]\w*)+)")
 
 
 def load_modules() -> dict[str, pdoc.doc.Module]:
-    import jaxnn
-
-    # jaxnn's top-level names are imported lazily (module __getattr__); resolved here, pdoc documents the objects
-    # themselves instead of placeholders.
-    for name in jaxnn.__all__:
-        setattr(jaxnn, name, getattr(jaxnn, name))
-    return {name: pdoc.doc.Module(importlib.import_module(name)) for name in MODULES}
+    modules = {name: importlib.import_module(name) for name in MODULES}
+    # jaxnn's, jaxnn.parallel's and jaxnn.profile's names are imported lazily (module __getattr__); resolved here,
+    # pdoc documents the objects themselves instead of placeholders.
+    for module in modules.values():
+        for name in getattr(module, "__all__", ()):
+            if name not in vars(module):
+                setattr(module, name, getattr(module, name))
+    return {name: pdoc.doc.Module(module) for name, module in modules.items()}
 
 
 def public_filter(modules: dict[str, pdoc.doc.Module]):

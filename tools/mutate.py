@@ -37,14 +37,14 @@ class Mutation(NamedTuple):
 MUTATIONS = (
     Mutation(
         "dropout: same mask on every device",
-        "jaxnn/parallel.py",
+        "jaxnn/parallel/forms.py",
         "device_key = jax.random.fold_in(state.key, lax.axis_index(axis_name))",
         "device_key = state.key",
         ("tests/test_parallel.py",),
     ),
     Mutation(
         "shard_map: gradient all-reduce in bf16",
-        "jaxnn/parallel.py",
+        "jaxnn/parallel/forms.py",
         "lax.psum(g.astype(jnp.float32), axis_name).astype(g.dtype)",
         "lax.psum(g, axis_name)",
         ("tests/test_parallel.py",),
@@ -136,14 +136,14 @@ MUTATIONS = (
     ),
     Mutation(
         "a failed metrics append leaves half a line",
-        "jaxnn/storage.py",
+        "jaxnn/_src/storage.py",
         "                os.ftruncate(fd, size)",
         "                pass",
         ("tests/system/test_faults.py::test_disk_full_while_logging",),
     ),
     Mutation(
         "the lock never refuses",
-        "jaxnn/rundir.py",
+        "jaxnn/loop/rundir.py",
         "                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)",
         "                pass",
         ("tests/system/test_faults.py::test_lock_on_the_same_directory_twice_in_one_process",),

@@ -10,7 +10,7 @@ import traceback
 from collections.abc import Callable
 
 from benchmarks.train_steps import PRECISIONS, SPECS
-from jaxnn.timing import time_fn
+from jaxnn.profile.timing import time_fn
 
 
 def main(library: str, build: Callable[[str, str], Callable[[], object]], argv=None) -> int:

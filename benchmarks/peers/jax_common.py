@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import optax
 
 from benchmarks.train_steps import LEARNING_RATE, SPECS, synthetic_batch
-from jaxnn.timing import stepper
+from jaxnn.profile.timing import stepper
 
 
 def cross_entropy(logits, labels):

@@ -13,7 +13,7 @@ import optax
 from benchmarks.peers.common import main
 from benchmarks.peers.jax_common import cross_entropy, device_batch, spec
 from benchmarks.train_steps import LEARNING_RATE
-from jaxnn.timing import stepper
+from jaxnn.profile.timing import stepper
 
 
 class MLP(eqx.Module):

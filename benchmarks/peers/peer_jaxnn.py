@@ -16,7 +16,7 @@ import optax
 from benchmarks.peers.common import main
 from benchmarks.train_steps import LEARNING_RATE, jaxnn_model, synthetic_batch
 from jaxnn import train
-from jaxnn.timing import stepper
+from jaxnn.profile.timing import stepper
 
 
 def build(name: str, precision: str, *, metrics: bool = False):

@@ -18,12 +18,12 @@ import warnings
 from collections.abc import Callable
 from typing import NoReturn
 
+from jaxnn._src.storage import StorageError
 from jaxnn.callbacks import NonFiniteError
 from jaxnn.cli.profile import add_profile_parser, profile_main
 from jaxnn.cli.runs import add_export_parser, add_generate_parser, export_main, generate_main
 from jaxnn.cli.summary import add_summary_parser, summary_main
 from jaxnn.cli.train import add_train_parser, train_main
-from jaxnn.storage import StorageError
 
 EXIT_OK = 0
 EXIT_FAILED = 1

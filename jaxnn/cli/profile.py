@@ -10,8 +10,8 @@ import pathlib
 import sys
 from typing import Any
 
+from jaxnn._src.storage import check_writable
 from jaxnn.config import MODEL_DEFAULTS, MODELS, ConfigError, parse_model_config
-from jaxnn.storage import check_writable
 
 # One example's shape per model when --in-shape is not given: MNIST-sized images (a format `jaxnn train` reads);
 # the GPT takes --seq-len token ids.

@@ -14,8 +14,8 @@ import pathlib
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+from jaxnn._src.storage import write_json_atomic
 from jaxnn.config import ConfigError, TrainConfig
-from jaxnn.storage import write_json_atomic
 
 if TYPE_CHECKING:
     from jaxnn.callbacks import Callback

@@ -89,7 +89,7 @@ def generate_main(args: argparse.Namespace) -> int:
     if stop is not None and len(stop) != 1:
         raise ValueError(f"--stop must be one byte (a character such as a newline), got {args.stop!r}")
 
-    from jaxnn import compile_cache
+    from jaxnn._src import compile_cache
     from jaxnn.checkpoint import load_params
     from jaxnn.generate import generate_bytes
     from jaxnn.interop.hf import is_hf_folder
@@ -185,6 +185,6 @@ def _tokenizer(folder: Any) -> Any:
     path = folder / "tokenizer.json"
     if not path.is_file():
         return None
-    from jaxnn.optional import require
+    from jaxnn._src.optional import require
 
     return require("tokenizers", "reading a checkpoint's tokenizer.json").Tokenizer.from_file(str(path))

@@ -213,7 +213,7 @@ def add_multiprocess_flags(p: argparse.ArgumentParser) -> None:
 
 def mesh_devices(mesh: str) -> int:
     """The number of devices a mesh spec ("data=2,fsdp=4") spans."""
-    from jaxnn.sharding import parse_mesh
+    from jaxnn.parallel.mesh import parse_mesh
 
     return math.prod(parse_mesh(mesh).values())
 
@@ -221,7 +221,7 @@ def mesh_devices(mesh: str) -> int:
 def set_cpu_devices(n: int) -> None:
     """Asks for `n` CPU devices before jax initialises; later (e.g. in tests) whatever count exists is kept and
     the run checks that it has at least `n`."""
-    from jaxnn.mesh import configure_cpu_devices
+    from jaxnn.parallel.mesh import configure_cpu_devices
 
     with contextlib.suppress(RuntimeError):
         configure_cpu_devices(n)
@@ -356,7 +356,7 @@ def format_summary(s: dict) -> str:
 
 def multi_process_asked(args: argparse.Namespace) -> bool:
     """Whether flags, JAXNN_* variables or --cluster ask for a multi-process run."""
-    from jaxnn import mesh
+    from jaxnn.parallel import mesh
 
     return bool(
         args.cluster
@@ -367,7 +367,7 @@ def multi_process_asked(args: argparse.Namespace) -> bool:
 
 def start_processes(args: argparse.Namespace) -> bool:
     """Joins a multi-process run when one is asked for (`multi_process_asked`; before any jax work)."""
-    from jaxnn import mesh
+    from jaxnn.parallel import mesh
 
     if not multi_process_asked(args):
         return False
@@ -394,9 +394,9 @@ def train_main(args: argparse.Namespace) -> int:
     one_process = not multi_process_asked(args)
     set_cpu_devices(mesh_devices(cfg.mesh) if cfg.mesh and one_process else args.devices)
     if cfg.mesh:  # the layout report (what each mesh axis splits) is printed before training, not only logged
-        logging.getLogger("jaxnn.shard_report").setLevel(logging.INFO)
+        logging.getLogger("jaxnn.parallel.report").setLevel(logging.INFO)
     multi_process = start_processes(args)
-    from jaxnn import compile_cache
+    from jaxnn._src import compile_cache
 
     compile_cache.enable(cfg.fit.compile_cache)  # before the model summary and data set-up compile anything
     from jaxnn.cli.recipes import train

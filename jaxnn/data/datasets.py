@@ -125,7 +125,7 @@ def load_digits() -> ImageDataset:
     """scikit-learn's 1,797 bundled 8x8 handwritten digits (values 0..16), split 80/20 with a fixed seed."""
     found = _digits_from_csv()
     if found is None:
-        from jaxnn.optional import require
+        from jaxnn._src.optional import require
 
         try:
             bunch = require("sklearn.datasets", "the bundled digits data set").load_digits()
@@ -344,7 +344,7 @@ def load_text(directory: StrPath | None = None, *, max_bytes: int = 8 << 20, tes
 def tokenize_corpus(corpus: TextCorpus, tokenizer_file: StrPath) -> TextCorpus:
     """`corpus` as the token ids of a Hugging Face `tokenizer.json` (the `tokenizers` package), int32, for
     fine-tuning a checkpoint on its own vocabulary; the train/test split stays where the bytes had it."""
-    from jaxnn.optional import require
+    from jaxnn._src.optional import require
 
     tokenizers = require("tokenizers", "tokenising text with a tokenizer.json")
     tokenizer = tokenizers.Tokenizer.from_file(os.fspath(tokenizer_file))

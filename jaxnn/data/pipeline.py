@@ -180,7 +180,7 @@ def eval_batches(
 
 def host_iterator(source: BatchSource, cfg: PipelineConfig) -> Iterator[dict[str, np.ndarray]]:
     """Iterates the batches of `source` in order, computed by Grain's workers or inline."""
-    from jaxnn.optional import available
+    from jaxnn._src.optional import available
 
     backend = cfg.backend
     if backend == "grain" and not available("grain", "Grain's worker processes"):

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxnn.optional import require
+from jaxnn._src.optional import require
 
 Path = tuple[str, ...]  # keys from the root of a nested dict: ("params", "0_embed", "table")
 

@@ -15,7 +15,6 @@ from jax import lax
 from jax.nn import initializers
 
 from jaxnn import precision
-from jaxnn.activation_sharding import BATCH, HIDDEN, constrain
 from jaxnn.layers.activation import Dropout, Gelu
 from jaxnn.layers.core import (
     Lambda,
@@ -31,6 +30,7 @@ from jaxnn.layers.core import (
 from jaxnn.layers.core import init_cache as init_cache_of
 from jaxnn.layers.linear import Dense, check_positions
 from jaxnn.layers.norm import LayerNorm, RMSNorm
+from jaxnn.parallel.activations import BATCH, HIDDEN, constrain
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "f32acc")
 
@@ -362,7 +362,7 @@ NORMS = ("layer", "rms")
 MLPS = ("gelu", "swiglu")
 
 
-# Gelu with the MLP's hidden width pinned to `tensor` where a mesh is set (`jaxnn.activation_sharding`): the Megatron
+# Gelu with the MLP's hidden width pinned to `tensor` where a mesh is set (`jaxnn.parallel.activations`): the Megatron
 # layout between the column- and row-parallel projections, which propagation alone does not always keep.
 HiddenGelu = Lambda(lambda x: constrain(Gelu.apply({}, x), (BATCH, None, HIDDEN)), "gelu")
 

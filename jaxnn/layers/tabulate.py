@@ -14,7 +14,7 @@ from jax.typing import DTypeLike
 
 from jaxnn.layers.core import Layer, Params, State, child_keys, run, splits_input
 from jaxnn.precision import Policy, get_policy
-from jaxnn.timing import cost_counts
+from jaxnn.profile.timing import cost_counts
 
 _COLUMNS = ("Layer", "Output shape", "Params", "Param bytes", "FLOPs")
 _FOOTNOTE = (

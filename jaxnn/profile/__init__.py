@@ -8,24 +8,45 @@
 - `projection.py`: an accelerator's lower bound for the same FLOPs and bytes (`Accelerator`, `accelerator`), and
   the GPU model of REPORT.md's projected column (`GpuModel`, `ProgramCost`);
 - `program_cost.py`: a compiled program's cost as that model reads it (FLOPs, bytes, kernels, loop iterations);
-- `plots.py`: the roofline and per-layer time as PNG files (matplotlib).
+- `plots.py`: the roofline and per-layer time as PNG files (matplotlib);
+- `timing.py`: timing that waits for the device, FLOP counts from the compiler, the measured matmul peak (what
+  the benchmarks and experiments time with);
+- `trace.py`: a `jax.profiler` trace of a few training steps (`fit(..., profile_dir=DIR)`).
+
+The names below are imported on first use, so that the layers' summary can read `timing` without loading the
+profiler.
 """
 
-from jaxnn.profile.measure import describe_device, measure_peaks, profile_layers
-from jaxnn.profile.projection import Accelerator, ProjectionError, accelerator
-from jaxnn.profile.results import PASSES, LayerRow, MachinePeaks, Profile, ProfileError, format_profile
+import importlib
+from typing import Any
 
-__all__ = [
-    "PASSES",
-    "Accelerator",
-    "LayerRow",
-    "MachinePeaks",
-    "Profile",
-    "ProfileError",
-    "ProjectionError",
-    "accelerator",
-    "describe_device",
-    "format_profile",
-    "measure_peaks",
-    "profile_layers",
-]
+_NAMES = {
+    "describe_device": "measure",
+    "measure_peaks": "measure",
+    "profile_layers": "measure",
+    "Accelerator": "projection",
+    "ProjectionError": "projection",
+    "accelerator": "projection",
+    "PASSES": "results",
+    "LayerRow": "results",
+    "MachinePeaks": "results",
+    "Profile": "results",
+    "ProfileError": "results",
+    "format_profile": "results",
+}
+SUBMODULES = ("measure", "plots", "program_cost", "projection", "results", "timing", "trace")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NAMES:
+        return getattr(importlib.import_module(f"jaxnn.profile.{_NAMES[name]}"), name)
+    if name in SUBMODULES:
+        return importlib.import_module(f"jaxnn.profile.{name}")
+    raise AttributeError(f"module 'jaxnn.profile' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_NAMES, *SUBMODULES])
+
+
+__all__ = sorted(_NAMES)

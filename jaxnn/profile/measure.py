@@ -29,7 +29,7 @@ from jaxnn.layers.tabulate import guess_input, named_children
 from jaxnn.precision import Policy, get_policy
 from jaxnn.profile.projection import Accelerator
 from jaxnn.profile.results import PASSES, LayerRow, MachinePeaks, Profile, ProfileError
-from jaxnn.timing import cost_counts, measure_copy_bandwidth, measure_matmul_peak, time_fn
+from jaxnn.profile.timing import cost_counts, measure_copy_bandwidth, measure_matmul_peak, time_fn
 
 # The CPU features that decide what XLA can use for products; named next to every CPU figure.
 _CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")

@@ -7,7 +7,7 @@ import pathlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from jaxnn.optional import require
+from jaxnn._src.optional import require
 
 if TYPE_CHECKING:
     from jaxnn.profile.results import Profile

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import jax
 
 from jaxnn.profile.projection import ProgramCost
-from jaxnn.timing import cost_counts
+from jaxnn.profile.timing import cost_counts
 
 # Instructions that launch no kernel of their own on a GPU (bookkeeping, or a loop whose body is counted).
 NO_KERNEL = {

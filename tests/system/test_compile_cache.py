@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from jaxnn import cli, compile_cache
+from jaxnn import cli
+from jaxnn._src import compile_cache
 from jaxnn.cli.train import config_from_args
 from jaxnn.config import ConfigError, FitConfig
 

@@ -19,10 +19,10 @@ import pytest
 from jax import lax
 
 from experiments import common, exp_inference, exp_matmul, exp_parallel, exp_precision, gpu_check, report
+from jaxnn._src.optional import installed
 from jaxnn.models import MLP
-from jaxnn.optional import installed
 from jaxnn.parallel import FORMS
-from jaxnn.timing import time_fn
+from jaxnn.profile.timing import time_fn
 
 EXPERIMENTS = [
     "exp_matmul",

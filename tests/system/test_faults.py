@@ -14,11 +14,12 @@ import custom_model
 import numpy as np
 import pytest
 
-from jaxnn import cli, fit, storage
+from jaxnn import cli, fit
 from jaxnn import layers as L
+from jaxnn._src import storage
 from jaxnn.callbacks import Callback
 from jaxnn.checkpoint import Checkpointer
-from jaxnn.rundir import RunDirError, RunLock, StorageError
+from jaxnn.loop.rundir import RunDirError, RunLock, StorageError
 
 pytestmark = pytest.mark.xdist_group("faults")  # one worker: the undisturbed reference run is computed once
 
@@ -74,7 +75,7 @@ def test_second_run_is_refused_naming_the_holder_and_a_stale_lock_is_taken_over(
         [
             sys.executable,
             "-c",
-            "import sys, time\nfrom jaxnn.rundir import RunLock\n"
+            "import sys, time\nfrom jaxnn.loop.rundir import RunLock\n"
             f"RunLock({str(run)!r}).acquire(); print('held', flush=True); time.sleep(120)",
         ],
         stdout=subprocess.PIPE,

@@ -19,9 +19,8 @@ from jaxnn.checkpoint import Checkpointer
 from jaxnn.cli import multihost
 from jaxnn.cli.recipes import train
 from jaxnn.config import FitConfig, TrainConfig
-from jaxnn.mesh import create_sharded_state, make_mesh
 from jaxnn.models import MLP, MLPConfig
-from jaxnn.sharding import make_sharded_mesh
+from jaxnn.parallel import create_sharded_state, make_mesh
 from jaxnn.train import create_train_state, make_optimizer
 
 ARGS = [
@@ -137,7 +136,7 @@ def test_survivor_stops_with_clear_error_when_a_peer_dies(tmp_path):
 
 def test_configure_cpu_devices_in_fresh_process():
     code = (
-        "from jaxnn.mesh import configure_cpu_devices; configure_cpu_devices(4); import jax; "
+        "from jaxnn.parallel.mesh import configure_cpu_devices; configure_cpu_devices(4); import jax; "
         "print(jax.device_count()); configure_cpu_devices(4)\n"
         "try:\n configure_cpu_devices(2)\nexcept RuntimeError as e: print(e)"
     )
@@ -204,7 +203,7 @@ def test_a_slurm_job_is_detected_and_fsdp_spans_its_processes(tmp_path):
         assert p.returncode == 0, err[-2000:]
     reports = [multihost.RESULT_LINE.search(out) for out, _ in outputs]
     assert [r and (r["process"], r["processes"], r["devices"]) for r in reports] == [("0", "2", "2"), ("1", "2", "2")]
-    assert "jaxnn.shard_report: layout (jaxnn built-in rules)" in outputs[0][1]  # printed before training
+    assert "jaxnn.parallel.report: layout (jaxnn built-in rules)" in outputs[0][1]  # printed before training
     assert reports[0]["params"] == reports[1]["params"]  # one model, gathered from the shards of both
     assert json.loads((run_dir / "summary.json").read_text())["step"] == 12
 
@@ -228,7 +227,7 @@ def test_two_processes_of_four_devices_match_one_device_and_their_checkpoints_re
         assert p.returncode == 0, err[-2000:]
     one = sharded_mlp.fit_mlp(make_mesh(1)).state.params
     create = lambda: create_train_state(sharded_mlp.mlp(), sharded_mlp.optimizer(), jax.random.key(0), (16, 16))  # noqa: E731
-    for run, mesh in (("fsdp", make_sharded_mesh("tensor=2,fsdp=4")), ("dxt", make_mesh(1))):
+    for run, mesh in (("fsdp", make_mesh("tensor=2,fsdp=4")), ("dxt", make_mesh(1))):
         like = create_sharded_state(create, mesh, sharded_mlp.RULES)
         config = json.loads((tmp_path / run / "config.json").read_text())
         restored, _, step = Checkpointer(tmp_path / run / "ckpt").restore(like, config)

@@ -78,7 +78,7 @@ def test_wheel_installs_and_trains_outside_the_checkout(tmp_path):
 
 
 def test_a_missing_extra_is_named_in_one_line(monkeypatch):
-    from jaxnn import optional
+    from jaxnn._src import optional
 
     monkeypatch.setitem(sys.modules, "tensorboardX", None)  # as if not installed
     with pytest.raises(

@@ -6,8 +6,8 @@ import contextlib
 import pathlib
 import threading
 
+from jaxnn._src.storage import PathLike
 from jaxnn.metrics import read_jsonl
-from jaxnn.storage import PathLike
 
 # (file name, metric): the first metric found for a file name wins.
 CURVES = (("loss", "loss"), ("accuracy", "accuracy"), ("accuracy", "bits_per_token"))

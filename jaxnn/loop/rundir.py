@@ -3,8 +3,8 @@
 - `RunLock`: a lock file held for a run's life (`fcntl.flock`, released by the kernel if the process dies); it
   records the holder's host and process id, so a second run is refused with one line naming the holder, and a
   lock left by a crashed run is recognised and taken over with a warning.
-- `RunFiles`: checks, locks and writes one run directory (process 0), through `jaxnn.storage`'s whole-file writes;
-  it records the run's id in the run and checkpoint directories (`jaxnn.ownership`) and never writes into, rotates
+- `RunFiles`: checks, locks and writes one run directory (process 0), through `jaxnn._src.storage`'s whole-file writes;
+  it records the run's id in the run and checkpoint directories (`jaxnn._src.ownership`) and never writes into, rotates
   or removes checkpoints of another run.
 """
 
@@ -20,10 +20,8 @@ import socket
 import time
 from typing import TYPE_CHECKING, Literal
 
-from jaxnn.config import config_differences
-from jaxnn.metrics import make_writers
-from jaxnn.optional import available
-from jaxnn.ownership import (
+from jaxnn._src.optional import available
+from jaxnn._src.ownership import (
     OWNER_FILE,
     check_checkpoint_dir,
     checkpoint_entries,
@@ -31,8 +29,10 @@ from jaxnn.ownership import (
     read_owner,
     write_owner,
 )
-from jaxnn.plots import write_plots
-from jaxnn.storage import PathLike, RunDirError, StorageError, check_writable, make_dirs, write_json_atomic
+from jaxnn._src.storage import PathLike, RunDirError, StorageError, check_writable, make_dirs, write_json_atomic
+from jaxnn.config import config_differences
+from jaxnn.loop.plots import write_plots
+from jaxnn.metrics import make_writers
 
 if TYPE_CHECKING:
     from jaxnn.config import FitConfig

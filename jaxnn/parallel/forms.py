@@ -9,7 +9,7 @@
 All three build on `jaxnn.train.train_step_fn`; `data_parallel_train_step` returns a `DataParallelStep` whose
 `place_state`/`place_batch`/`step` hide the differences, so the training loop is the same for every form and for
 one device, eight devices, or many processes. Meshes, placement and multi-process start-up live in
-`jaxnn.mesh` (re-exported here).
+`jaxnn.parallel.mesh` (re-exported here).
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxnn._src.pytree import is_prng_key
 from jaxnn.config import FIT_FORMS
 from jaxnn.layers.core import Layer
-from jaxnn.mesh import (
+from jaxnn.parallel.mesh import (
     DATA_AXIS,
     ENV_COORDINATOR,
     ENV_NUM_PROCESSES,
@@ -37,19 +38,15 @@ from jaxnn.mesh import (
     batch_sharding,
     check_batch_divisible,
     configure_cpu_devices,
-    create_sharded_state,
     initialize_distributed,
     leading_size,
     make_mesh,
-    place_state,
     process_slice,
-    replicate,
     replicated,
-    shard_batch,
+    shards_state,
 )
+from jaxnn.parallel.placement import create_sharded_state, place_state, replicate, shard_batch
 from jaxnn.precision import Policy
-from jaxnn.pytree import is_prng_key
-from jaxnn.sharding import shards_state
 from jaxnn.train import AugmentFn, Batch, LossFn, Metrics, StepFn, TrainState, train_step_fn
 
 log = logging.getLogger(__name__)
@@ -272,11 +269,11 @@ def data_parallel_train_step(
 
 def _jit_step(body: StepFn, mesh: Mesh, form: str, donate_argnums: tuple[int, ...]) -> DataParallelStep:
     """`body` jitted with the batch split over the batch axes and the state where it lies: replicated, or sharded
-    by the rules (`jaxnn.sharding`). The state's shardings are read from the first state the step gets (the one
-    placed by `place_state` or created by `create_sharded_state`), and the new state keeps them, so parameters and
-    optimizer moments stay where they are from step to step."""
+    by the rules (`jaxnn.parallel.placement`). The state's shardings are read from the first state the step gets
+    (the one placed by `place_state` or created by `create_sharded_state`), and the new state keeps them, so
+    parameters and optimizer moments stay where they are from step to step."""
     compiled: list[Any] = []
-    # The built-in blocks' activation constraints (`jaxnn.activation_sharding`) read the mesh in context; data
+    # The built-in blocks' activation constraints (`jaxnn.parallel.activations`) read the mesh in context; data
     # parallelism needs none, and its tiny models' steps keep their dispatch time.
     context = (lambda: jax.set_mesh(mesh)) if shards_state(mesh) else contextlib.nullcontext
 

@@ -29,7 +29,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jaxnn import compile_cache as xla_cache
+from jaxnn._src import compile_cache as xla_cache
+from jaxnn._src.optional import installed
 from jaxnn.augment import Augment, augment_batch, parse_augment
 from jaxnn.callbacks import Callback, NonFiniteError, NonFiniteGuard, RunInfo
 from jaxnn.checkpoint import Checkpointer, CheckpointError, StopSignal, load_train_state, state_digest
@@ -40,14 +41,13 @@ from jaxnn.data.prefetch import DevicePrefetch
 from jaxnn.data.sources import as_eval_batches, as_train_source
 from jaxnn.evaluation import eval_sums_fn, mean_over, metric_names, padded, round_up
 from jaxnn.layers.core import Layer
-from jaxnn.mesh import batch_devices, check_batch_divisible, create_sharded_state, make_mesh, process_slice
-from jaxnn.optional import installed
+from jaxnn.loop.plots import preload as preload_plotting
+from jaxnn.loop.rundir import RunFiles
 from jaxnn.parallel import data_parallel_train_step
-from jaxnn.plots import preload as preload_plotting
+from jaxnn.parallel.mesh import batch_devices, check_batch_divisible, make_mesh, process_slice
+from jaxnn.parallel.placement import create_sharded_state
+from jaxnn.parallel.rules import RulesLike
 from jaxnn.precision import all_finite, get_policy
-from jaxnn.rundir import RunFiles
-from jaxnn.shard_rules import RulesLike
-from jaxnn.sharding import make_sharded_mesh
 from jaxnn.train import (
     LossFn,
     TrainState,
@@ -137,11 +137,11 @@ def fit(
       takes `value` (`optax.contrib.reduce_on_plateau`) gets the step's training loss.
     callbacks: `jaxnn.callbacks.Callback` instances; a `NonFiniteGuard` is added unless `guard_nonfinite=False`.
     mesh: a `jax.sharding.Mesh` with a `data` axis and optionally `fsdp` and `tensor` axes, or its sizes as text
-      ("data=2,fsdp=4", see `jaxnn.sharding`) (default: `devices` local devices on a `data` axis, or all devices
-      of all processes in a multi-process run).
+      ("data=2,fsdp=4", see `jaxnn.parallel.make_mesh`) (default: `devices` local devices on a `data` axis, or all
+      devices of all processes in a multi-process run).
     sharding_rules: where each parameter (and its optimizer moments and checkpointed arrays) goes on the mesh:
-      (pattern, spec) pairs, a {pattern: spec} mapping, a `jaxnn.shard_rules.ShardingRules` or a JSON file's
-      path (see `jaxnn.shard_rules`; default: the built-in models' table).
+      (pattern, spec) pairs, a {pattern: spec} mapping, a `jaxnn.parallel.rules.ShardingRules` or a JSON file's
+      path (see `jaxnn.parallel.rules`; default: the built-in models' table).
     pipeline: a `PipelineConfig` for jaxnn data sets (workers, host-side augmentation).
     augment: a `jaxnn.augment.Augment` (or its text, "crop,flip,mixup"): random augmentation inside the step, on
       the device, keyed by (seed, step, example index); evaluation sees the data unaugmented. Mixup and cutmix add
@@ -176,7 +176,7 @@ def fit(
     tx = optimizer if optimizer is not None else make_optimizer(1e-3, total_steps=cfg.steps)
     aug = _augmentation(augment, model, cfg, example)
     if isinstance(mesh, str):
-        mesh = make_sharded_mesh(mesh)
+        mesh = make_mesh(mesh)
     elif mesh is None:
         mesh = make_mesh(None if jax.process_count() > 1 else _devices(cfg.devices))
     check_batch_divisible(batch_size, mesh)
@@ -237,7 +237,7 @@ def _train(model, loss, tx, cfg, source, evals, mesh, state, record, files, call
     if cfg.guard_nonfinite and not any(isinstance(c, NonFiniteGuard) for c in callbacks):
         callbacks = [NonFiniteGuard(), *callbacks]
     if cfg.profile_dir:
-        from jaxnn.trace import TraceSteps
+        from jaxnn.profile.trace import TraceSteps
 
         callbacks = [*callbacks, TraceSteps(cfg.profile_dir)]
     tracker = _Tracker(cfg, files, callbacks, run, _batch_size(source.example()))
@@ -334,7 +334,7 @@ def fresh_run_dir(root: str | os.PathLike[str] = "runs") -> str:
 def _devices(n: int) -> int:
     if n > jax.local_device_count():
         hint = (
-            f"; call jaxnn.mesh.configure_cpu_devices({n}) before jax starts, or run `jaxnn train --devices {n}`"
+            f"; call jaxnn.parallel.configure_cpu_devices({n}) before jax starts, or run `jaxnn train --devices {n}`"
             if jax.default_backend() == "cpu"
             else ""
         )
@@ -355,8 +355,8 @@ def _starting_point(model: Layer, in_shape: Any, params: Any, model_state: Any) 
     """Checks given starting params/state against the model's own; their digest for the run's record."""
     if params is None and model_state is None:
         return {}
+    from jaxnn._src.pytree import shapes
     from jaxnn.layers.core import init_model
-    from jaxnn.pytree import shapes
 
     _, init_params, init_state = jax.eval_shape(lambda k: init_model(model, k, in_shape), jax.random.key(0))
     record = {}
@@ -722,7 +722,7 @@ class _Tracker:
     """Metrics one step late, interval averages, skipped fp16 steps, rows, progress bar and callbacks."""
 
     def __init__(self, cfg: FitConfig, files: RunFiles, callbacks: list[Callback], run: RunInfo, batch_size: int):
-        from jaxnn.optional import available
+        from jaxnn._src.optional import available
 
         self.cfg, self.files, self.callbacks, self.run, self.batch_size = cfg, files, callbacks, run, batch_size
         self.pending: tuple[int, dict] | None = None

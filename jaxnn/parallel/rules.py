@@ -1,6 +1,6 @@
 """Sharding rules: an ordered table of parameter-path patterns -> partition specs over the mesh axes.
 
-A rule is `(pattern, spec)`. The pattern is matched against a parameter's dotted name (`jaxnn.pytree.path_name`,
+A rule is `(pattern, spec)`. The pattern is matched against a parameter's dotted name (`jaxnn._src.pytree.path_name`,
 e.g. `"2_block.1_mlp.1_fc.w"`): a shell-style glob (`"*fc.w"`, `*` crosses dots), or a regular expression when it
 starts with `re:` (`"re:(.*\\.)?(\\d+_)?fc\\.w"`), which must match the whole name. The first rule that matches
 decides; a parameter no rule matches is whole along every axis but fsdp.

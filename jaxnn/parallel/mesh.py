@@ -1,16 +1,21 @@
-"""Devices, meshes, shardings and placement: where arrays live, from one CPU to many processes.
+"""Devices and meshes: simulated CPU devices, the one mesh builder, the batch's axes, and joining a multi-process run.
 
-This module imports nothing else from jaxnn but `jaxnn.sharding` and the rule modules below it, so every part
-of the library (the training loop, the data-parallel forms, checkpoints, benchmarks) can place arrays the same way
-without import cycles. A mesh may carry `fsdp` and `tensor` axes besides `data` (`jaxnn.sharding`): the batch is
-then split over data x fsdp and the train state by the sharding rules.
+A mesh has up to three named axes, always in this order:
+- `data`: the batch is split over it; parameters are replicated along it (data parallelism).
+- `fsdp`: the batch is split over it too, and so is every parameter and optimizer moment large enough, along one
+  dimension (fully sharded data parallelism, ZeRO-3): each device stores 1/fsdp of the state, and XLA gathers a
+  layer's parameters when the step uses them and reduce-scatters their gradients.
+- `tensor`: tensor parallelism, where a rule table (`jaxnn.parallel.rules`) says which parameter dimensions it
+  splits.
+Where arrays go on a mesh is `jaxnn.parallel.placement`'s.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -18,13 +23,74 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxnn import sharding
-from jaxnn.pytree import is_prng_key
-from jaxnn.shard_rules import RulesLike
+from jaxnn.parallel.rules import AXES, DATA, FSDP, TENSOR
 
 log = logging.getLogger(__name__)
 
-DATA_AXIS = "data"
+DATA_AXIS = DATA
+
+BATCH_AXES = (DATA, FSDP)  # the axes the batch is split over
+
+
+def parse_mesh(spec: str | Mapping[str, int]) -> dict[str, int]:
+    """`"data=2,fsdp=4"` (or a mapping) -> {"data": 2, "fsdp": 4}.
+
+    Strict, one line per mistake naming the item: an axis outside (data, fsdp, tensor), an axis given twice, a
+    size that is not a positive integer, an empty item or an empty spec.
+    """
+    items = _mesh_items(spec) if isinstance(spec, str) else list(_mapping_items(spec))
+    unknown = [name for name, _ in items if name not in AXES]
+    if unknown:
+        raise ValueError(f"mesh {spec!r}: axes must be among {AXES}, got {unknown}")
+    sizes: dict[str, int] = {}
+    for name, size in items:
+        if name in sizes:
+            raise ValueError(f"mesh {spec!r}: axis {name!r} is given twice")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"mesh {spec!r}: the size of {name!r} must be a positive integer, got {size!r}")
+        sizes[name] = size
+    if not sizes:
+        raise ValueError(f"mesh {spec!r}: no axes given; expected AXIS=SIZE items, e.g. data=2,fsdp=4")
+    return sizes
+
+
+def _mesh_items(spec: str) -> list[tuple[str, Any]]:
+    items: list[tuple[str, Any]] = []
+    if not spec.strip():
+        return items
+    for part in spec.split(","):
+        name, sep, value = (s.strip() for s in part.partition("="))
+        if not sep or not name:
+            raise ValueError(f"mesh {spec!r}: item {part.strip()!r} is not AXIS=SIZE, e.g. data=2,fsdp=4")
+        # int() would also take "+2", "2_0" and non-ASCII digits; a mesh size is plain decimal digits.
+        items.append((name, int(value) if value.isascii() and value.isdigit() else value))
+    return items
+
+
+def _mapping_items(spec: Any) -> list[tuple[Any, Any]]:
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"mesh: expected 'AXIS=SIZE,...' text or a mapping of axis sizes, got {type(spec).__name__}")
+    return list(spec.items())
+
+
+def axis_size(mesh: Mesh, axis: str) -> int:
+    """How many devices the mesh has along `axis` (1 when it has no such axis)."""
+    return mesh.shape[axis] if axis in mesh.axis_names else 1
+
+
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh's axes the batch is split over (data, fsdp), in that order."""
+    return tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+
+
+def mesh_sizes(mesh: Mesh) -> dict[str, int]:
+    """{axis: size} of a mesh."""
+    return dict(zip(mesh.axis_names, mesh.devices.shape))
+
+
+def shards_state(mesh: Mesh) -> bool:
+    """Whether the mesh shards parameters (an fsdp or tensor axis of size > 1), not only the batch."""
+    return axis_size(mesh, FSDP) > 1 or axis_size(mesh, TENSOR) > 1
 
 
 # --------------------------------------------------------------------------------------------------------- devices
@@ -54,26 +120,40 @@ def configure_cpu_devices(num_devices: int) -> None:
         )
 
 
-def make_mesh(num_devices: int | None = None) -> Mesh:
-    """A 1-D mesh named `data` over the first `num_devices` devices (all of them by default, across processes)."""
-    available = jax.device_count()
-    n = available if num_devices is None else num_devices
-    if not 1 <= n <= available:
-        raise ValueError(f"make_mesh: asked for {num_devices} devices, {available} available")
-    # Auto (not the Explicit default): data parallelism leaves sharding propagation to XLA, so model code such as
-    # embedding gathers never needs sharding annotations.
-    return jax.make_mesh((n,), (DATA_AXIS,), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+def make_mesh(shape: int | str | Mapping[str, int] | None = None, devices: list | None = None) -> Mesh:
+    """The one mesh builder: `shape` is a device count, a 1-D mesh named `data` over the first `shape` devices
+    (all of them when None, across processes), or axis sizes ("data=2,fsdp=4" or {"data": 2, "fsdp": 4}; see
+    `parse_mesh`), a mesh with axes (data, fsdp, tensor) (missing axes have size 1) over the first
+    product-of-sizes devices. Devices come in process order, so each process holds one contiguous share of a
+    batch; `devices` replaces `jax.devices()`."""
+    devices = jax.devices() if devices is None else list(devices)
+    if shape is None or isinstance(shape, int):
+        n = len(devices) if shape is None else int(shape)
+        if isinstance(shape, bool):
+            raise ValueError(f"make_mesh: expected a device count or axis sizes, got {shape!r}")
+        if not 1 <= n <= len(devices):
+            raise ValueError(f"make_mesh: asked for {shape} devices, {len(devices)} available")
+        # Auto (not the Explicit default): data parallelism leaves sharding propagation to XLA, so model code such
+        # as embedding gathers never needs sharding annotations.
+        return jax.make_mesh((n,), (DATA_AXIS,), axis_types=(AxisType.Auto,), devices=devices[:n])
+    sizes = parse_mesh(shape)
+    dims = tuple(sizes.get(axis, 1) for axis in AXES)
+    needed = math.prod(dims)
+    if needed > len(devices):
+        raise ValueError(f"mesh {dict(zip(AXES, dims))} needs {needed} devices, {len(devices)} available")
+    # Auto axes: the rules fix the shardings of parameters and batches; XLA propagates the rest.
+    return jax.make_mesh(dims, AXES, axis_types=(AxisType.Auto,) * 3, devices=devices[:needed])
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Leading (batch) axis split over `data` (and `fsdp`, where the mesh has it), every other axis whole."""
-    axes = sharding.batch_axes(mesh)
+    axes = batch_axes(mesh)
     return NamedSharding(mesh, P(axes[0] if len(axes) == 1 else axes))
 
 
 def batch_devices(mesh: Mesh) -> int:
     """How many ways the batch is split: the product of the batch axes' sizes."""
-    return int(np.prod([mesh.shape[a] for a in sharding.batch_axes(mesh)]))
+    return int(np.prod([mesh.shape[a] for a in batch_axes(mesh)]))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -85,7 +165,7 @@ def check_batch_divisible(global_batch: int, mesh: Mesh) -> None:
     """Refuses a global batch the batch axes cannot split evenly."""
     n = batch_devices(mesh)
     if global_batch % n:
-        axes = " x ".join(sharding.batch_axes(mesh))
+        axes = " x ".join(batch_axes(mesh))
         raise ValueError(f"batch size {global_batch} is not divisible by the {n} devices of the {axes} axis")
 
 
@@ -98,58 +178,6 @@ def leading_size(batch: Any) -> int:
             f"batch leaves must share one leading (batch) axis, got leading sizes {sorted(map(str, sizes))}"
         )
     return size
-
-
-# --------------------------------------------------------------------------------------------------- placement
-
-
-def shard_batch(batch: Any, mesh: Mesh) -> Any:
-    """Places this process's part of a global batch straight onto the `data` sharding of `mesh`.
-
-    With one process `batch` is the whole global batch; with several, each passes its own equal slice (the
-    global batch is their concatenation in process order). Each device receives only its shard: nothing is
-    gathered on one device first.
-    """
-    local = leading_size(batch)
-    check_batch_divisible(local * jax.process_count(), mesh)
-    sharding = batch_sharding(mesh)
-    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch)
-
-
-def _put_leaf(x: Any, sharding: NamedSharding) -> Any:
-    if is_prng_key(x):
-        data = _put_leaf(jax.random.key_data(x), sharding)
-        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-    if isinstance(x, jax.Array) and x.is_fully_addressable and not sharding.is_fully_addressable:
-        x = np.asarray(x)  # a process-local array must come through the host to join a multi-process array
-    return jax.device_put(x, sharding)
-
-
-def replicate(tree: Any, mesh: Mesh) -> Any:
-    """Copies `tree` (every process passing the same values) onto every device of `mesh`."""
-    sharding = replicated(mesh)
-    return jax.tree.map(lambda x: _put_leaf(x, sharding), tree)
-
-
-def create_sharded_state(create: Callable[[], Any], mesh: Mesh, rules: RulesLike | None = None) -> Any:
-    """Runs `create()` (e.g. `lambda: create_train_state(model, tx, key, in_shape)`) straight into replicated arrays
-    (or into the sharding rules' shards, on a mesh with fsdp or tensor axes).
-
-    The one way jaxnn creates a train state for a mesh (the loop, experiments and benchmarks alike): compiled
-    with `out_shardings`, so every device builds its copy in place, and every process runs the same computation,
-    so no process sends its copy to the others. `rules` (see `jaxnn.shard_rules`; default the built-in table) say
-    where each parameter goes; given rules are applied (and reported on) on any mesh.
-    """
-    if sharding.shards_state(mesh) or rules is not None:
-        return sharding.create_state(create, mesh, rules)
-    return jax.jit(create, out_shardings=replicated(mesh))()
-
-
-def place_state(state: Any, mesh: Mesh, rules: RulesLike | None = None) -> Any:
-    """`state` on `mesh`: replicated, or sharded by the rules when the mesh shards the state or rules are given."""
-    if sharding.shards_state(mesh) or rules is not None:
-        return sharding.place_state(state, mesh, rules)
-    return replicate(state, mesh)
 
 
 # ------------------------------------------------------------------------------------------------------ many hosts

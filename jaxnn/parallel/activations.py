@@ -1,7 +1,7 @@
 """Sharding constraints on activations inside the built-in blocks, by logical axis: the batch over the mesh's batch
 axes, a block's hidden width (the MLP's 4 x D) over `tensor`.
 
-Parameters get their layout from the rule tables (`jaxnn.shard_rules`); XLA propagates it to the activations, and
+Parameters get their layout from the rule tables (`jaxnn.parallel.rules`); XLA propagates it to the activations, and
 where propagation has a choice (a batch-split input meeting a column-split weight) it may pick one that moves a
 whole activation or weight. A constraint pins the Megatron layout at the points where it matters. Active only
 while a mesh is set (`jax.set_mesh`, which the sharded training step does); one device, the data-parallel
@@ -16,7 +16,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxnn.shard_rules import DATA, FSDP, TENSOR
+from jaxnn.parallel.rules import DATA, FSDP, TENSOR
 
 BATCH, HIDDEN = "batch", "hidden"
 LOGICAL_AXES = {BATCH: (DATA, FSDP), HIDDEN: (TENSOR,)}

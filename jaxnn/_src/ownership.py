@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 
-from jaxnn.storage import PathLike, RunDirError, write_json_atomic
+from jaxnn._src.storage import PathLike, RunDirError, write_json_atomic
 
 OWNER_FILE = "jaxnn-owner.json"
 
@@ -139,5 +139,5 @@ def check_export_dir(out: pathlib.Path, identity: str, files: Iterable[str], rea
 
 
 def _is_temporary(path: pathlib.Path, known: set[str]) -> bool:
-    # jaxnn.storage's whole-file writes leave `.<name>.tmp-<pid>` only when a crash came between write and rename.
+    # jaxnn._src.storage's whole-file writes leave `.<name>.tmp-<pid>` only when a crash came between write and rename.
     return path.name.startswith(".") and path.name.partition(".tmp-")[0][1:] in known

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxnn.pytree import flatten
-from jaxnn.shard_rules import FSDP, TENSOR, ShardingRules
+from jaxnn._src.pytree import flatten
+from jaxnn.parallel.rules import FSDP, TENSOR, ShardingRules
 
 log = logging.getLogger(__name__)
 
