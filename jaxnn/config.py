@@ -8,6 +8,7 @@ before anything is written; each field is checked once, by the dataclass that ho
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -222,6 +223,28 @@ class FitConfig:
         if unknown:
             raise ConfigError(f"fit: unknown setting(s) {unknown}; known: {sorted(known)}")
         return cls(**settings)
+
+    def resolved(
+        self, *, steps: int | None = None, batch_size: int | None = None, name: str | None = None
+    ) -> FitConfig:
+        """This config with what only the data can say filled in: the step count of `epochs`, an iterable's own
+        batch size, a label naming the data. The other fields were checked when the config was built and are not
+        checked again; these three are checked here."""
+        fields: dict[str, Any] = {}
+        if steps is not None:
+            _positive_int("fit", "steps", steps)
+            fields["steps"] = steps
+        if batch_size is not None:
+            _positive_int("fit", "batch_size", batch_size)
+            if batch_size % self.accumulate:
+                raise ConfigError(f"fit: accumulate {self.accumulate} does not divide batch_size {batch_size}")
+            fields["batch_size"] = batch_size
+        if name is not None:
+            fields["name"] = str(name)
+        new = copy.copy(self)
+        for field, value in fields.items():
+            object.__setattr__(new, field, value)
+        return new
 
     def record(self) -> dict:
         """The fields that fix a run's results, as saved in config.json and compared on resume."""

@@ -10,6 +10,8 @@ import jaxnn
 
 def public_callables():
     for info in pkgutil.walk_packages(jaxnn.__path__, "jaxnn."):
+        if info.name.rsplit(".", 1)[-1].startswith("_") and info.name.rsplit(".", 1)[-1] != "_src":
+            continue  # a package's private module (jaxnn.loop._setup): its helpers are not API
         module = importlib.import_module(info.name)
         for name, obj in vars(module).items():
             if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:

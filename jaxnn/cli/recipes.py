@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import pathlib
 from collections.abc import Callable, Iterable
@@ -102,7 +101,7 @@ def train(
     from jaxnn.data import PipelineConfig, TextCorpus
     from jaxnn.data.pipeline import TrainBatches
     from jaxnn.layers import summary as model_summary
-    from jaxnn.loop import FitInterrupted, fit
+    from jaxnn.loop import FitInputs, FitInterrupted, run_fit
     from jaxnn.models import get_model
     from jaxnn.train import make_optimizer, make_schedule
 
@@ -114,7 +113,7 @@ def train(
             f"the data's {data.vocab_size} token ids do not fit the model's vocabulary of {mcfg.vocab_size}"
         )
     model = get_model(cfg.model, mcfg)
-    run = dataclasses.replace(cfg.fit, name=f"{cfg.model}/{data.name}")
+    run = cfg.fit.resolved(name=f"{cfg.model}/{data.name}")  # the FitConfig the flags made, handed on whole
     batch_size = int(run.batch_size or 0)  # TrainConfig refuses None
     pipeline = PipelineConfig(
         batch_size=batch_size,
@@ -126,7 +125,6 @@ def train(
         workers=cfg.workers,
     )
     total = run.steps if run.epochs is None else run.epochs * TrainBatches(data, pipeline, 0, 1).steps_per_epoch
-    _refuse_training_on_a_decayed_schedule(cfg, total)
     schedule = make_schedule(cfg.lr, total_steps=total, warmup_steps=cfg.warmup, decay=cfg.schedule)
     tx = make_optimizer(
         cfg.lr, total_steps=total, warmup_steps=cfg.warmup, weight_decay=cfg.weight_decay, decay=cfg.schedule
@@ -134,27 +132,22 @@ def train(
     example = (cfg.seq_len,) if isinstance(data, TextCorpus) else data.image_shape
     if print_summary is not None and jax.process_index() == 0:
         model_summary(model, (batch_size, *example), policy=run.precision, print_fn=print_summary)
-    # The cosine schedule decays to 0 at the last step, so the step count is part of what the run computes.
-    fixed = {"steps": total} if cfg.schedule == "cosine" else {}
-    settings = {f.name: getattr(run, f.name) for f in dataclasses.fields(run)}
-    if run.epochs is not None:
-        settings["steps"] = None  # fit counts the epochs' steps itself
+    inputs = FitInputs(
+        loss=_loss(cfg, is_text),
+        optimizer=tx,
+        eval_data=data,
+        pipeline=pipeline,
+        callbacks=[LearningRateLogger(schedule), *callbacks],
+        config={**cfg.trajectory(), "model_config": dataclasses.asdict(mcfg)},
+        mesh=cfg.mesh,
+        sharding_rules=cfg.sharding_rules,
+        augment=cfg.augment or None,
+        # The cosine schedule decays to 0 at the last step, so the step count is part of what the run computes.
+        schedule_decays=cfg.schedule == "cosine",
+        **_starting_point(cfg, model, mcfg, example),
+    )
     try:
-        result = fit(
-            model,
-            data,
-            loss=_loss(cfg, is_text),
-            optimizer=tx,
-            eval_data=data,
-            pipeline=pipeline,
-            callbacks=[LearningRateLogger(schedule), *callbacks],
-            config={**cfg.trajectory(), **fixed, "model_config": dataclasses.asdict(mcfg)},
-            mesh=cfg.mesh,
-            sharding_rules=cfg.sharding_rules,
-            augment=cfg.augment or None,
-            **_starting_point(cfg, model, mcfg, example),
-            **settings,
-        )
+        result = run_fit(model, data, run, inputs)
     except FitInterrupted as stopped:  # Ctrl-C: the checkpoint is written; `jaxnn train` exits 130 after the summary
         result = stopped.result
     summary = {"model": cfg.model, "dataset": data.name, **result.summary}
@@ -216,24 +209,6 @@ def _loss(cfg: TrainConfig, is_text: bool) -> Any:
     if cfg.label_smoothing:
         return functools.partial(masked_classification_loss, label_smoothing=cfg.label_smoothing)
     return masked_classification_loss
-
-
-def _refuse_training_on_a_decayed_schedule(cfg: TrainConfig, total: int) -> None:
-    """A resume asking for another step count than a cosine-decayed run was made for would not continue it: its
-    learning rate reached 0 at the old last step. One line says so before anything is done."""
-    if not (cfg.fit.resume and cfg.schedule == "cosine" and cfg.fit.run_dir):
-        return
-    path = pathlib.Path(cfg.fit.run_dir) / "config.json"
-    try:
-        saved = json.loads(path.read_text()).get("steps") if path.is_file() else None
-    except (OSError, ValueError):
-        return  # a damaged config.json is the run directory's own check to report
-    if isinstance(saved, int) and saved != total:
-        raise ConfigError(
-            f"--steps {total}: the run in {cfg.fit.run_dir} was made for {saved} steps with the cosine schedule, "
-            f"whose learning rate decays to 0 at step {saved}; resume with --steps {saved}, or train with "
-            "--schedule constant from the start to be able to train on"
-        )
 
 
 def _sample(model, state, cfg: TrainConfig) -> str:

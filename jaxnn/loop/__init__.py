@@ -1,10 +1,14 @@
 """The public training loop: `jaxnn.fit(model, data, ...)` trains any Layer with any loss and optax optimizer.
 
-- `fit.py`: `fit` (the keyword API) and the loop itself: steps, evaluation, checkpoints, signals;
+- `fit.py`: `fit`, the keyword API: its keywords become one `FitConfig` and one `FitInputs` for `run_fit`;
 - `rundir.py`: the run directory: its lock, config.json, metrics, summary.json (`RunFiles`, `fresh_run_dir`);
 - `plots.py`: the training curves as PNG files at the end of a run.
+
+Internal to the package: `_run.py` (`run_fit` and the loop: steps, evaluation, checkpoints, signals),
+`_setup.py` (the checks made before anything is written, and the one probe of the model's output) and
+`_bookkeeping.py` (metrics one step late, the progress bar, callbacks, the summary).
 """
 
-from jaxnn.loop.fit import FitInterrupted, FitResult, TrainData, fit, fresh_run_dir
+from jaxnn.loop.fit import FitInputs, FitInterrupted, FitResult, TrainData, fit, fresh_run_dir, run_fit
 
-__all__ = ["FitInterrupted", "FitResult", "TrainData", "fit", "fresh_run_dir"]
+__all__ = ["FitInputs", "FitInterrupted", "FitResult", "TrainData", "fit", "fresh_run_dir", "run_fit"]

@@ -387,3 +387,19 @@ def _all_processes_agree(ok: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(multihost_utils.broadcast_one_to_all(np.int32(ok)))
+
+
+def fresh_run_dir(root: str | os.PathLike[str] = "runs") -> str:
+    """A new, not yet existing run directory `<root>/<YYYYmmdd-HHMMSS>` (with `-2`, `-3`, ... when taken).
+
+    For a script run again and again: `fit(..., run_dir=jaxnn.fresh_run_dir("runs/mine"))` writes each run
+    beside the last instead of being refused by the run directory the previous one left (`resume=True` with a
+    fixed run_dir continues one run instead).
+    """
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    base = pathlib.Path(root) / stamp
+    candidate, n = base, 1
+    while candidate.exists():
+        n += 1
+        candidate = base.with_name(f"{stamp}-{n}")
+    return str(candidate)

@@ -107,10 +107,10 @@ def test_lock_on_the_same_directory_twice_in_one_process(tmp_path):
 
 
 def test_signals_during_the_final_save_do_not_interrupt_it(tmp_path, data, reference, monkeypatch, capfd):
-    from jaxnn import loop
+    from jaxnn.loop._bookkeeping import Tracker
 
     run = tmp_path / "run"
-    real_save, real_log = Checkpointer.save, loop._Tracker.log
+    real_save, real_log = Checkpointer.save, Tracker.log
 
     def log(self, step, wait):
         if step == 14:
@@ -123,7 +123,7 @@ def test_signals_during_the_final_save_do_not_interrupt_it(tmp_path, data, refer
             os.kill(os.getpid(), signal.SIGTERM)
         return real_save(self, step, state, force=force, **kw)
 
-    monkeypatch.setattr(loop._Tracker, "log", log)
+    monkeypatch.setattr(Tracker, "log", log)
     monkeypatch.setattr(Checkpointer, "save", save)
     code = cli.main([*CLI_RUN, "--log-every", "7", "--run-dir", str(run)])
     assert code == 128 + signal.SIGTERM  # the exit status names the signal that stopped the run
@@ -134,7 +134,7 @@ def test_signals_during_the_final_save_do_not_interrupt_it(tmp_path, data, refer
     steps = sorted(p.name for p in (run / "ckpt").iterdir() if p.name != "jaxnn-owner.json")
     assert steps == ["10", "14"]  # complete, no temporary folder
     monkeypatch.setattr(Checkpointer, "save", real_save)
-    monkeypatch.setattr(loop._Tracker, "log", real_log)
+    monkeypatch.setattr(Tracker, "log", real_log)
     assert cli.main([*CLI_RUN, "--run-dir", str(run), "--resume"]) == 0
     assert cli.main([*CLI_RUN, "--run-dir", str(tmp_path / "undisturbed")]) == 0
     resumed, undisturbed = (json.loads((d / "summary.json").read_text()) for d in (run, tmp_path / "undisturbed"))
