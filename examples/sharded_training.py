@@ -30,7 +30,7 @@ def main() -> None:
     tokens = np.random.default_rng(0).integers(0, 256, (256, cfg.seq_len + 1)).astype(np.int32)
     data = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
     meshes = ("data=8", "fsdp=8", "tensor=2,fsdp=4", "data=2,fsdp=4")
-    # The smoke run (make test) proves the script on two layouts; tests/test_sharding.py checks every layout
+    # The smoke run (make test-all) proves the script on two layouts; tests/test_sharding.py checks every layout
     # against one device.
     for mesh in meshes[::2] if args.smoke else meshes:
         result = jaxnn.fit(
