@@ -365,12 +365,13 @@ class TrainConfig:
     def trajectory(self) -> dict:
         """This config's own fields that determine the computed parameters (what a resumed run must share);
         `fit` adds the FitConfig's (`FitConfig.record`). Fields added after runs were made are left out at their
-        defaults, so that those runs' records still match and they can be resumed."""
-        d = self.as_dict()
+        defaults, so that those runs' records still match and they can be resumed. The values are the fields' own
+        (tuples stay tuples): the loop serialises the run's whole record once, this part with it."""
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "fit"}
         return {
             k: v
-            for k, v in d.items()
-            if k not in RUN_ONLY_FIELDS and k != "fit" and not (k in LATER_DEFAULTS and v == LATER_DEFAULTS[k])
+            for k, v in own.items()
+            if k not in RUN_ONLY_FIELDS and not (k in LATER_DEFAULTS and v == LATER_DEFAULTS[k])
         }
 
 

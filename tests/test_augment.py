@@ -87,6 +87,7 @@ def test_colour_jitter_matches_dm_pix_per_example_and_stays_in_its_range():
     np.testing.assert_allclose(_augmented(Augment(saturation=0.5), gray)["x"], gray, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_mixup_and_cutmix_labels_sum_to_one_and_match_the_pixels():
     B, classes = 64, 5
     y = np.arange(B) % classes

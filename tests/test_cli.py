@@ -143,6 +143,7 @@ def test_gpt_prints_a_sample(capsys, tmp_path):
     assert "no such run" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_constant_schedule_run_trains_on_as_if_asked_for_more_steps(capsys, tmp_path):
     quick = ["--model", "mlp", "--size", "small", "--batch-size", "16", "--no-progress", "--no-summary", "--no-plots"]
     quick += ["--schedule", "constant", "--warmup", "2"]
@@ -183,6 +184,7 @@ def write_idx(root, n, seed):
             )
 
 
+@pytest.mark.slow
 def test_resume_past_a_damaged_checkpoint_and_refuse_changed_data(capsys, caplog, tmp_path):
     data, run = tmp_path / "idx", tmp_path / "run"
     data.mkdir()

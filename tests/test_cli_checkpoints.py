@@ -39,6 +39,7 @@ def _logits(folder, ids):
         return model(torch.tensor(ids)).logits.numpy()
 
 
+@pytest.mark.slow
 def test_summary_of_a_large_preset_prints_its_published_count_without_allocating(capsys):
     assert cli.main(["summary", "--model", "llama-3-8b", "--depth", "0"]) == 0
     assert "8,030,261,248 parameters, equal to the published 8,030,261,248" in capsys.readouterr().out

@@ -120,6 +120,7 @@ def test_predict_returns_every_row_in_order_on_one_or_many_devices(data, state):
 # ---------------------------------------------------------------------------------------- resuming, epochs
 
 
+@pytest.mark.slow
 def test_resume_with_more_steps_trains_on_bitwise(tmp_path, data):
     run = dict(optimizer=optax.adam(1e-2), **{**TINY, "ckpt_every": 3})
     straight = jaxnn.fit(mlp(), data, run_dir=str(tmp_path / "straight"), **{**run, "steps": 12})

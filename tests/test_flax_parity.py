@@ -87,7 +87,7 @@ def test_batch_norm(train, key):
         np.testing.assert_allclose(new_state[name], expected_state[name], **TOL)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "f32acc"])
+@pytest.mark.parametrize("implementation", ["xla", pytest.param("f32acc", marks=pytest.mark.slow)])
 def test_multi_head_attention(implementation, key):
     B, T, D, N = 2, 6, 8, 2
     H = D // N

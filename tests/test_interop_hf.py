@@ -102,6 +102,7 @@ def test_jaxnn_params_saved_as_a_folder_load_in_transformers_with_the_same_logit
     assert err[mask].max() == 0.0, f"{kind}: round trip changed the logits by {err[mask].max():.3g}"
 
 
+@pytest.mark.slow
 def test_a_model_trained_in_jaxnn_saves_as_llama_and_transformers_agrees(tmp_path):
     cfg = dataclasses.replace(PRESETS["tinyllama-1.1b"].config, vocab_size=64, d_model=32, num_layers=1,
                               num_heads=4, num_kv_heads=2, mlp_hidden=24)  # fmt: skip

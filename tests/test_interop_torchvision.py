@@ -105,6 +105,7 @@ def test_safetensors_file_loads_the_same(checkpoint, torch_model, tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_bottleneck_resnet_gives_torchvisions_eval_logits():
     """ResNet-50's blocks (v1.5 strides, a projection in the first stage too), one per stage to stay small."""
     from torchvision.models.resnet import Bottleneck, ResNet
@@ -168,3 +169,17 @@ def test_wrong_shape_is_named(state_dict):
 def test_a_state_dict_that_is_no_resnet_is_refused():
     with pytest.raises(TensorMismatchError, match=r"not a torchvision ResNet state dict: no 'conv1.weight'"):
         load_torchvision_resnet({"weight": np.zeros(3, np.float32)})
+
+
+def test_shapes_read_from_headers_match_the_tensors_and_give_the_same_config(checkpoint, torch_model, tmp_path):
+    from safetensors.numpy import save_file
+
+    from jaxnn.interop.tensors import read_tensor_shapes, read_tensors
+
+    path = tmp_path / "resnet18.safetensors"
+    save_file({k: v.numpy() for k, v in torch_model.state_dict().items()}, str(path))
+    for source in (checkpoint, path):
+        shapes, tensors = read_tensor_shapes(source), read_tensors(source)
+        assert {k: np.shape(v) for k, v in shapes.items()} == {k: np.shape(v) for k, v in tensors.items()}
+        assert all(v.nbytes == 0 or v.strides == (0,) * v.ndim for v in shapes.values())  # no data was read
+        assert resnet_config_from_state_dict(shapes) == resnet_config_from_state_dict(tensors) == RESNET18

@@ -93,6 +93,7 @@ def setup(name, key, dtype=jnp.float32):
 # every other layer.
 SLOW_CASES = {
     "attention_causal",
+    "attention_gqa_rope",
     "bidirectional",
     "conv1d_causal",
     "conv2d_explicit_padding",

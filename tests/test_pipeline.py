@@ -68,7 +68,7 @@ def test_batches_are_pure_functions_of_index(data):
     np.testing.assert_array_equal(offset[0]["x"], a[5]["x"])
 
 
-@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("workers", [0, pytest.param(1, marks=pytest.mark.system)])  # 1: a Grain worker process
 def test_grain_matches_inline(data, workers):
     cfg = PipelineConfig(batch_size=8, seed=4, crop_pad=1, flip=True, workers=workers)
     src = TrainBatches(data, cfg, start=3, stop=13)

@@ -84,6 +84,7 @@ def test_projection_uses_the_larger_of_compute_and_memory_time():
     assert a.peak("float32") == 67e12 and "given: bf16 100" in a.source
 
 
+@pytest.mark.slow
 def test_cli_profile_writes_table_json_and_plots(tmp_path, capsys):
     from jaxnn.cli import main
 

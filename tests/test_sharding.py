@@ -76,6 +76,7 @@ def test_rules_shard_heads_hidden_width_and_large_parameters():
         parallel.make_mesh("data=4,fsdp=4")
 
 
+@pytest.mark.slow
 def test_fsdp_holds_an_eighth_of_parameters_and_optimizer_state():
     model, tx = GPT(GPTConfig(seq_len=16, d_model=64, num_layers=2, num_heads=4)), optax.adam(1e-3)
     create = lambda: create_train_state(model, tx, jax.random.key(0), (8, 16))  # noqa: E731

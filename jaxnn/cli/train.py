@@ -241,7 +241,7 @@ def model_and_base_fields(name: str | None, init_from: str | None) -> tuple[str,
     `init_from` names (a transformers folder, a torchvision ResNet file), or a preset's, or None (the family's
     `jaxnn train` defaults). jax is imported, not started: the device count is set after this."""
     from jaxnn.interop.hf import config_from_hf, is_hf_folder, read_hf_config
-    from jaxnn.interop.tensors import is_tensor_file, read_tensors
+    from jaxnn.interop.tensors import is_tensor_file, read_tensor_shapes
     from jaxnn.interop.torchvision import resnet_config_from_state_dict
     from jaxnn.models.presets import PRESETS
 
@@ -256,7 +256,7 @@ def model_and_base_fields(name: str | None, init_from: str | None) -> tuple[str,
             raise ConfigError(f"--init-from {init_from} is {kind}: it trains as {wanted}, not {name!r}")
         if wanted == "gpt":
             return "gpt", dataclasses.asdict(config_from_hf(read_hf_config(init_from)))
-        family, fields = wanted, dataclasses.asdict(resnet_config_from_state_dict(read_tensors(init_from)))
+        family, fields = wanted, dataclasses.asdict(resnet_config_from_state_dict(read_tensor_shapes(init_from)))
     elif name in PRESETS:
         fields = dataclasses.asdict(PRESETS[name].config)
     else:

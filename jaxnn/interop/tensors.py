@@ -108,6 +108,48 @@ def read_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     raise ValueError(f"{path}: not a checkpoint jaxnn reads (.safetensors, .pt, .pth, .bin or a folder)")
 
 
+def read_tensor_shapes(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Every tensor's name and shape, as zero-strided arrays of that shape (no memory; `np.shape` works),
+    read from a checkpoint's headers rather than its data: what a config is inferred from before the weights are
+    read once (`read_tensors`). A safetensors file or folder is read from its header; a PyTorch file is memory-mapped
+    (its data pages are not read), or loaded whole where its format cannot be mapped."""
+    path = os.fspath(path)
+    if os.path.isdir(path) or not path.endswith((".safetensors", ".pt", ".pth", ".bin")):
+        return {name: _shape_only(np.asarray(t)) for name, t in read_tensors(path).items()}
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    if path.endswith(".safetensors"):
+        return _safetensors_shapes(path)
+    torch = require("torch", "reading a PyTorch .pt/.pth/.bin checkpoint")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # an old (non-zip) file cannot be mapped: read it whole
+        return {name: _shape_only(t) for name, t in _read_torch(path).items()}
+    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: holds a {type(state).__name__}, not a state dict of tensors")
+    return {
+        name: np.broadcast_to(np.zeros((), np.float32), tuple(t.shape))
+        for name, t in state.items()
+        if hasattr(t, "shape")
+    }
+
+
+def _safetensors_shapes(path: str) -> dict[str, np.ndarray]:
+    from safetensors import safe_open
+
+    with safe_open(path, framework="numpy") as f:
+        return {
+            name: np.broadcast_to(np.zeros((), np.float32), tuple(f.get_slice(name).get_shape()))
+            for name in f.keys()  # noqa: SIM118 - a safetensors file, not a dict
+        }
+
+
+def _shape_only(array: np.ndarray) -> np.ndarray:
+    return np.broadcast_to(np.zeros((), array.dtype), array.shape)
+
+
 def _read_folder(folder: str) -> dict[str, np.ndarray]:
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -217,6 +259,7 @@ __all__ = [
     "concatenated",
     "from_jaxnn",
     "is_tensor_file",
+    "read_tensor_shapes",
     "read_tensors",
     "same",
     "to_jaxnn",
