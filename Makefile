@@ -44,7 +44,7 @@ test: lint
 	$(PY) -m pytest -n 2 --dist loadgroup --durations=10 -m "$(FAST_TIER)" tests
 
 test-all: lint typecheck
-	@echo "== every test: the fast tier, then the slow and system tiers"
+	@echo "== every test: the fast, slow and system tiers together"
 	$(PY) -m pytest -n 2 --dist loadgroup --durations=15 tests
 
 # The same checks as .pre-commit-config.yaml, from the pinned versions in .venv.

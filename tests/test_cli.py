@@ -107,6 +107,30 @@ def test_train_writes_metrics_plots_summary_and_refuses_reuse(capsys, tmp_path):
     assert "test accuracy" in capsys.readouterr().out
 
 
+def test_a_run_validates_its_fit_config_once_and_the_loop_takes_it_whole(monkeypatch, tmp_path):
+    import dataclasses
+
+    import jaxnn.loop
+    from jaxnn.config import FitConfig
+
+    built, handed = [], []
+    check = FitConfig.__post_init__
+    monkeypatch.setattr(FitConfig, "__post_init__", lambda self: (built.append(self), check(self))[1])
+    run_fit = jaxnn.loop.run_fit
+    monkeypatch.setattr(
+        jaxnn.loop,
+        "run_fit",
+        lambda model, data, cfg, inputs: (handed.append(cfg), run_fit(model, data, cfg, inputs))[1],
+    )
+    argv = ["train", "--model", "mlp", *QUICK, "--steps", "2", "--no-plots", "--run-dir", str(tmp_path / "run")]
+    assert cli.main(argv) == 0
+    assert len(built) == 1 and len(handed) == 1  # built once from the flags, validated once, handed on whole
+    parsed, given = dataclasses.asdict(built[0]), dataclasses.asdict(handed[0])
+    assert given.pop("name") == "mlp/digits" and parsed.pop("name") == "fit" and given == parsed
+    record = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert record["steps"] == 2 and record["batch_size"] == 16 and record["model_config"]["num_classes"] == 10
+
+
 @pytest.mark.slow
 def test_gpt_prints_a_sample(capsys, tmp_path):
     # A small text folder instead of the default standard-library corpus, which takes seconds to gather.

@@ -98,3 +98,15 @@ def test_every_public_submodule_is_an_attribute_of_jaxnn_and_the_cli_starts_with
         "import inspect; assert 'steps' in inspect.signature(jaxnn.fit).parameters"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_package_keeps_few_root_modules_and_marks_its_internals():
+    root = sorted(p.stem for p in ROOT.glob("*.py") if p.stem != "__init__")
+    assert len(root) <= 20, root
+    internal = {name for name in module_names() if any(part.startswith("_") for part in name.split(".")[1:])}
+    assert {name.split(".")[1] for name in internal if name.startswith("jaxnn._src")} == {"_src"}
+    # Nothing a user imports (jaxnn's public modules, the API reference's modules) is internal.
+    public = {f"jaxnn.{name}" for name in jaxnn.SUBMODULES}
+    assert not public & internal
+    docs = (ROOT.parent / "tools" / "build_docs.py").read_text()
+    assert not [name for name in internal if f'"{name}"' in docs]

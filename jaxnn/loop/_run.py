@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 from collections.abc import Iterable
 from typing import Any, NamedTuple, TypeAlias
@@ -98,7 +99,7 @@ class FitInputs(NamedTuple):
     config: dict | None = None
     params: Any = None
     model_state: Any = None
-    init_from: Any = None
+    init_from: str | os.PathLike[str] | None = None
     schedule_decays: bool | None = None
 
 
@@ -125,16 +126,16 @@ def run_fit(model: Layer, data: TrainData, cfg: FitConfig, inputs: FitInputs | N
     check_accumulate(cfg, mesh)
     decays = inputs.optimizer is None if inputs.schedule_decays is None else inputs.schedule_decays
     refuse_resume_with_other_steps(cfg, decays, default_optimizer=inputs.optimizer is None)
+    if inputs.init_from is not None and (inputs.params is not None or inputs.model_state is not None):
+        raise ConfigError("fit: init_from and params/model_state exclude each other")
     in_shape = example["x"].shape
+    start_from = starting_point(model, in_shape, inputs.params, inputs.model_state)  # given params fit the model
     create = lambda: initial_state(model, tx, cfg, in_shape, inputs.params, inputs.model_state)  # noqa: E731
     output = output_spec(model, cfg.precision, jax.eval_shape(create), batch_spec(example))  # the probe
     aug = augmentation(inputs.augment, output)
     base = {**cfg.record(), **({"steps": cfg.steps} if decays else {}), **(inputs.config or {})}
     files = RunFiles(cfg, json_record({**base, **({"augment": aug.record()} if aug else {})}), is_main=_main())
     files.precheck()  # a run dir in use is refused now, before anything is compiled
-    if inputs.init_from is not None and (inputs.params is not None or inputs.model_state is not None):
-        raise ConfigError("fit: init_from and params/model_state exclude each other")
-    start_from = starting_point(model, in_shape, inputs.params, inputs.model_state)
     state = create_sharded_state(create, mesh, inputs.sharding_rules)
     if inputs.init_from is not None:
         state, start_from = state_from(inputs.init_from, state)
