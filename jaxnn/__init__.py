@@ -8,8 +8,7 @@ first use, so that `import jaxnn.cli` stays light and leaves jax's device set-up
 is internal: what it holds may change without notice.
 """
 
-import importlib
-from typing import Any
+from jaxnn._src.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -50,16 +49,6 @@ SUBMODULES = (
 )
 
 
-def __getattr__(name: str) -> Any:
-    if name in _NAMES:
-        return getattr(importlib.import_module(_NAMES[name]), name)
-    if name in SUBMODULES:
-        return importlib.import_module(f"jaxnn.{name}")
-    raise AttributeError(f"module 'jaxnn' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_NAMES, *SUBMODULES])
-
+__getattr__, __dir__ = lazy_exports("jaxnn", _NAMES, SUBMODULES)
 
 __all__ = ["FitConfig", "FitInterrupted", "FitResult", "evaluate", "fit", "fresh_run_dir", "predict"]

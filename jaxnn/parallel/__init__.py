@@ -14,8 +14,7 @@ Every name below is reachable as `jaxnn.parallel.<name>`; the submodules are imp
 layers can import `activations` without loading the training step.
 """
 
-import importlib
-from typing import Any
+from jaxnn._src.lazy import lazy_exports
 
 _HOMES = {
     "mesh": (
@@ -70,16 +69,6 @@ _NAMES = {name: module for module, names in _HOMES.items() for name in names}
 SUBMODULES = tuple(_HOMES)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _NAMES:
-        return getattr(importlib.import_module(f"jaxnn.parallel.{_NAMES[name]}"), name)
-    if name in SUBMODULES:
-        return importlib.import_module(f"jaxnn.parallel.{name}")
-    raise AttributeError(f"module 'jaxnn.parallel' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_NAMES, *SUBMODULES])
-
+__getattr__, __dir__ = lazy_exports("jaxnn.parallel", _NAMES, SUBMODULES)
 
 __all__ = sorted(_NAMES)

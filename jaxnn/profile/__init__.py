@@ -17,8 +17,7 @@ The names below are imported on first use, so that the layers' summary can read 
 profiler.
 """
 
-import importlib
-from typing import Any
+from jaxnn._src.lazy import lazy_exports
 
 _NAMES = {
     "describe_device": "measure",
@@ -37,16 +36,6 @@ _NAMES = {
 SUBMODULES = ("measure", "plots", "program_cost", "projection", "results", "timing", "trace")
 
 
-def __getattr__(name: str) -> Any:
-    if name in _NAMES:
-        return getattr(importlib.import_module(f"jaxnn.profile.{_NAMES[name]}"), name)
-    if name in SUBMODULES:
-        return importlib.import_module(f"jaxnn.profile.{name}")
-    raise AttributeError(f"module 'jaxnn.profile' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_NAMES, *SUBMODULES])
-
+__getattr__, __dir__ = lazy_exports("jaxnn.profile", _NAMES, SUBMODULES)
 
 __all__ = sorted(_NAMES)
