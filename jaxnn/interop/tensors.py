@@ -114,8 +114,10 @@ def read_tensor_shapes(path: str | os.PathLike) -> dict[str, np.ndarray]:
     read once (`read_tensors`). A safetensors file or folder is read from its header; a PyTorch file is memory-mapped
     (its data pages are not read), or loaded whole where its format cannot be mapped."""
     path = os.fspath(path)
-    if os.path.isdir(path) or not path.endswith((".safetensors", ".pt", ".pth", ".bin")):
-        return {name: _shape_only(np.asarray(t)) for name, t in read_tensors(path).items()}
+    if os.path.isdir(path):
+        return {name: t for file in _folder_files(path) for name, t in read_tensor_shapes(file).items()}
+    if not path.endswith((".safetensors", ".pt", ".pth", ".bin")):
+        raise ValueError(f"{path}: not a checkpoint jaxnn reads (.safetensors, .pt, .pth, .bin or a folder)")
     if not os.path.exists(path):
         raise FileNotFoundError(f"no checkpoint at {path}")
     if path.endswith(".safetensors"):
@@ -124,16 +126,8 @@ def read_tensor_shapes(path: str | os.PathLike) -> dict[str, np.ndarray]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except RuntimeError:  # an old (non-zip) file cannot be mapped: read it whole
-        return {name: _shape_only(t) for name, t in _read_torch(path).items()}
-    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict):
-        raise ValueError(f"{path}: holds a {type(state).__name__}, not a state dict of tensors")
-    return {
-        name: np.broadcast_to(np.zeros((), np.float32), tuple(t.shape))
-        for name, t in state.items()
-        if hasattr(t, "shape")
-    }
+        return {name: _shape_only(np.shape(t)) for name, t in _read_torch(path).items()}
+    return {name: _shape_only(tuple(t.shape)) for name, t in _state_dict(state, path).items() if hasattr(t, "shape")}
 
 
 def _safetensors_shapes(path: str) -> dict[str, np.ndarray]:
@@ -141,35 +135,46 @@ def _safetensors_shapes(path: str) -> dict[str, np.ndarray]:
 
     with safe_open(path, framework="numpy") as f:
         return {
-            name: np.broadcast_to(np.zeros((), np.float32), tuple(f.get_slice(name).get_shape()))
+            name: _shape_only(tuple(f.get_slice(name).get_shape()))
             for name in f.keys()  # noqa: SIM118 - a safetensors file, not a dict
         }
 
 
-def _shape_only(array: np.ndarray) -> np.ndarray:
-    return np.broadcast_to(np.zeros((), array.dtype), array.shape)
+def _shape_only(shape: tuple[int, ...]) -> np.ndarray:
+    """An array of `shape` that holds no memory (one zero, broadcast)."""
+    return np.broadcast_to(np.zeros((), np.float32), shape)
 
 
 def _read_folder(folder: str) -> dict[str, np.ndarray]:
+    return {name: t for file in _folder_files(folder) for name, t in read_tensors(file).items()}
+
+
+def _folder_files(folder: str) -> list[str]:
+    """The tensor files of a checkpoint folder: a sharded index's shards, or its one weights file."""
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
             shards = sorted(set(json.load(f)["weight_map"].values()))
-        return {name: t for shard in shards for name, t in read_tensors(os.path.join(folder, shard)).items()}
+        return [os.path.join(folder, shard) for shard in shards]
     for candidate in ("model.safetensors", "pytorch_model.bin"):
         if os.path.exists(os.path.join(folder, candidate)):
-            return read_tensors(os.path.join(folder, candidate))
+            return [os.path.join(folder, candidate)]
     raise FileNotFoundError(f"{folder}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
 
 
 def _read_torch(path: str) -> dict[str, np.ndarray]:
     torch = require("torch", "reading a PyTorch .pt/.pth/.bin checkpoint")
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = _state_dict(torch.load(path, map_location="cpu", weights_only=True), path)
+    return {name: torch_to_numpy(t) for name, t in state.items() if hasattr(t, "detach")}
+
+
+def _state_dict(state: Any, path: str) -> dict:
+    """What torch.load gave, as the state dict (a training checkpoint wraps it under "state_dict")."""
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
-        state = state["state_dict"]  # a training checkpoint that wraps the state dict
+        state = state["state_dict"]
     if not isinstance(state, dict):
         raise ValueError(f"{path}: holds a {type(state).__name__}, not a state dict of tensors")
-    return {name: torch_to_numpy(t) for name, t in state.items() if hasattr(t, "detach")}
+    return state
 
 
 def torch_to_numpy(tensor: Any) -> np.ndarray:

@@ -195,7 +195,7 @@ def _train(model, loss, tx, cfg, source, evals, mesh, state, record, files, call
     state, start = _restore(ckpt, state, record, source, cfg, files)
     if start >= cfg.steps:
         return _already_finished(ckpt, state, start, files), False
-    place = _placer(dp, mesh, batch_size_of(source.example()))
+    place = _placer(dp, mesh, cfg.batch_size)
     batches = DevicePrefetch(source.iterator(start, cfg.steps), place=place, size=cfg.prefetch)
     evaluate = _evaluator(model, loss, cfg, mesh, dp, evals)
     run = RunInfo(cfg.steps, cfg.run_dir, files.is_main, start, start, state, get_policy(cfg.precision).loss_scaling)
@@ -205,7 +205,7 @@ def _train(model, loss, tx, cfg, source, evals, mesh, state, record, files, call
         from jaxnn.profile.trace import TraceSteps
 
         callbacks = [*callbacks, TraceSteps(cfg.profile_dir)]
-    tracker = Tracker(cfg, files, callbacks, run, batch_size_of(source.example()))
+    tracker = Tracker(cfg, files, callbacks, run, cfg.batch_size)
     if cfg.plots and files.run_dir and files.is_main and installed("matplotlib"):
         preload_plotting()
     for c in callbacks:

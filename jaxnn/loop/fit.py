@@ -110,8 +110,9 @@ def fit(
     Ctrl-C (SIGINT) saves a checkpoint and summary.json, then raises `FitInterrupted` (a KeyboardInterrupt);
     SIGTERM does the same and returns normally.
     """
-    # Long only in its signature and docstring: every FitConfig field is a keyword so that help() and editors list
-    # them; the settings become one FitConfig, validated once here, and the loop (jaxnn.loop._run) takes it whole.
+    # Over 80 lines only through its signature and docstring, and kept whole: every FitConfig field is a keyword so
+    # that help() and editors list them. The body is three lines: one FitConfig, validated once here, and the
+    # objects, handed to the loop (jaxnn.loop._run) whole.
     values = dict(locals())
     inputs = FitInputs(**{name: values[name] for name in FitInputs._fields if name in values})
     return run_fit(model, data, _fit_config(values, unknown), inputs)
