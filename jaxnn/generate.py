@@ -13,6 +13,7 @@ gives the same tokens both ways. `generate` is the rectangular call (prompt plus
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -24,6 +25,8 @@ from jax import lax
 from jaxnn.config import check_seed
 from jaxnn.layers.core import Layer, LayerError, Params, PRNGKey, State, run, run_cached
 from jaxnn.precision import Policy, get_policy
+
+log = logging.getLogger(__name__)
 
 MIN_BUCKET = 8
 
@@ -474,6 +477,58 @@ def _decode_uncached(model, sampler, policy, slots, params, state, ids_BT, mask_
     return rows.out_BN, rows.count_B
 
 
+def generate_tokens(
+    model: Layer,
+    params: Params,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    *,
+    context_len: int | None = None,
+    stop: int | None = None,
+    key: PRNGKey | int | None = None,
+    temperature: float = 0.8,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    model_state: State = None,
+    policy: Policy | str = "fp32",
+    empty_prompt: int = 0,
+) -> list[int]:
+    """Continues one row of token ids by up to `max_new_tokens` ids, or up to and including the id `stop`; returns
+    the new ids only.
+
+    `context_len`: the longest sequence the model takes (a learned position table's length; None: unlimited). A
+    longer text is generated in windows: when the window is full, generation restarts from its last half. An empty
+    prompt starts from `empty_prompt` (e.g. a tokenizer's beginning-of-text id).
+    """
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+        raise ValueError(f"generate: the number of new tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if context_len is not None and context_len < 2:
+        raise ValueError(f"generate: context_len must be >= 2, got {context_len!r}")
+    key = _as_key(key)
+    tokens = [int(t) for t in prompt] or [empty_prompt]
+    out: list[int] = []
+    while len(out) < max_new_tokens and not (out and out[-1] == stop):
+        context = tokens[-(context_len // 2) :] if context_len and len(tokens) >= context_len else tokens
+        room = max_new_tokens - len(out) if context_len is None else context_len - len(context)
+        new = generate_batch(
+            model,
+            params,
+            [context],
+            min(max_new_tokens - len(out), room),
+            stop_tokens=stop,
+            key=jax.random.fold_in(key, len(out)),
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            model_state=model_state,
+            policy=policy,
+        )
+        chunk = [int(t) for t in new.tokens[0, : new.lengths[0]]]
+        out += chunk
+        tokens += chunk
+    return out
+
+
 def generate_bytes(
     model: Layer,
     params: Params,
@@ -490,37 +545,53 @@ def generate_bytes(
     policy: Policy | str = "fp32",
 ) -> bytes:
     """Continues a byte string with a byte-level model (vocabulary 256), e.g. the built-in GPT, by `num_bytes`
-    bytes or up to and including the byte `stop`; returns the continuation only (`generate_batch`'s tokens).
-
-    `context_len`: the longest sequence the model takes (a learned position table's length; None: unlimited). A
-    longer text is generated in windows: when the window is full, generation restarts from its last half.
-    """
+    bytes or up to and including the byte `stop`; returns the continuation only (`generate_tokens` on bytes)."""
     if isinstance(prompt, str):
         raise TypeError(f"generate_bytes: prompt must be bytes, got str {prompt[:20]!r}; encode it, e.g. .encode()")
     if not isinstance(num_bytes, int) or isinstance(num_bytes, bool) or num_bytes < 0:
         raise ValueError(f"generate_bytes: num_bytes must be an integer >= 0, got {num_bytes!r}")
-    if context_len is not None and context_len < 2:
-        raise ValueError(f"generate_bytes: context_len must be >= 2, got {context_len!r}")
-    key = _as_key(key)
-    tokens = list(prompt) or [0]
-    out: list[int] = []
-    while len(out) < num_bytes and not (out and out[-1] == stop):
-        context = tokens[-(context_len // 2) :] if context_len and len(tokens) >= context_len else tokens
-        room = num_bytes - len(out) if context_len is None else context_len - len(context)
-        new = generate_batch(
-            model,
-            params,
-            [context],
-            min(num_bytes - len(out), room),
-            stop_tokens=stop,
-            key=jax.random.fold_in(key, len(out)),
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            model_state=model_state,
-            policy=policy,
-        )
-        chunk = [int(t) for t in new.tokens[0, : new.lengths[0]]]
-        out += chunk
-        tokens += chunk
-    return bytes(out)
+    new = generate_tokens(
+        model, params, list(prompt), num_bytes, context_len=context_len, stop=stop, key=key,
+        temperature=temperature, top_k=top_k, top_p=top_p, model_state=model_state, policy=policy,
+    )  # fmt: skip
+    return bytes(new)
+
+
+def generate_text(
+    model: Layer,
+    params: Params,
+    prompt: str,
+    max_new_tokens: int,
+    *,
+    tokenizer: Any = None,
+    stop: str | None = None,
+    bos_id: int | None = None,
+    **sampling: Any,
+) -> str:
+    """The prompt and its continuation as text: encoded and decoded with `tokenizer` (a `tokenizers.Tokenizer`,
+    e.g. the one a fine-tuned checkpoint recorded), else as UTF-8 bytes for a byte-level model. `stop`: one
+    token's text (a single byte without a tokenizer) that ends generation. Other keywords: `generate_tokens`'."""
+    if tokenizer is None:
+        stop_id = None if stop is None else _one_byte(stop)
+        ids = list(prompt.encode())
+    else:
+        stop_id = None if stop is None else tokenizer.token_to_id(stop)
+        if stop is not None and stop_id is None:
+            raise ValueError(f"generate: stop {stop!r} is not one token of the tokenizer")
+        ids = tokenizer.encode(prompt).ids
+    new = generate_tokens(model, params, ids, max_new_tokens, stop=stop_id, empty_prompt=bos_id or 0, **sampling)
+    if tokenizer is None:
+        return bytes(ids + new).decode("utf-8", "replace")
+    vocab = tokenizer.get_vocab_size()
+    unknown = sum(t >= vocab for t in new)
+    if unknown:
+        log.warning("generate: %d of %d new ids are outside the tokenizer's %d tokens; they print as nothing",
+                    unknown, len(new), vocab)  # fmt: skip
+    return tokenizer.decode(ids + new)
+
+
+def _one_byte(stop: str) -> int:
+    encoded = stop.encode()
+    if len(encoded) != 1:
+        raise ValueError(f"generate: stop must be one byte (a character such as a newline), got {stop!r}")
+    return encoded[0]

@@ -65,6 +65,60 @@ def test_fine_tune_a_transformers_folder_on_its_tokens_and_export_it_back(capsys
     # Two steps at a learning rate of 1e-9 leave the weights where the folder had them: the import is the start.
     err = np.abs(_logits(tmp_path / "hf", ids) - _logits(gpt2_folder, ids)).max()
     assert err < 1e-4, f"fine-tuned export differs from the imported folder by {err:.3g}"
+    # The tokenizer travels with the run and its export, and generation decodes with it, not as bytes.
+    assert (run / "tokenizer" / "tokenizer.json").read_bytes() == (gpt2_folder / "tokenizer.json").read_bytes()
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (gpt2_folder / "tokenizer.json").read_bytes()
+    greedy = ["--prompt", "def main", "--length", "5", "--temperature", "0"]
+    capsys.readouterr()
+    assert cli.main(["generate", "--run-dir", str(run), *greedy]) == 0
+    from_run = capsys.readouterr().out
+    assert cli.main(["generate", "--run-dir", str(gpt2_folder), *greedy]) == 0
+    assert from_run == capsys.readouterr().out and from_run.startswith("def main")
+
+
+@pytest.mark.slow
+def test_a_run_whose_tokenizer_is_gone_or_changed_refuses_to_decode(capsys, tmp_path, gpt2_folder):
+    import shutil
+
+    folder = tmp_path / "ckpt-folder"
+    shutil.copytree(gpt2_folder, folder)
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "a.py").write_text("def main():\n    return 0\n" * 80)
+    run = tmp_path / "run"
+    argv = ["train", "--init-from", str(folder), "--data", str(text), "--steps", "1", "--batch-size", "2"]
+    assert cli.main([*argv, "--run-dir", str(run), "--no-progress", "--no-plots", "--no-summary"]) == 0
+    capsys.readouterr()
+    shutil.rmtree(run / "tokenizer")
+    assert cli.main(["generate", "--run-dir", str(run), "--length", "2"]) == 0  # the folder's copy is unchanged
+    (folder / "tokenizer.json").write_text((folder / "tokenizer.json").read_text().replace('"main"', '"mane"'))
+    capsys.readouterr()
+    for command in (["generate", "--run-dir", str(run)], ["export", "--run-dir", str(run), "--format", "hf"]):
+        extra = ["--out", str(tmp_path / "hf")] if command[0] == "export" else []
+        assert cli.main([*command, *extra]) == 2
+        err = capsys.readouterr().err
+        assert "tokenised with a tokenizer.json of digest" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "hf").exists()
+
+
+def test_the_window_follows_the_checkpoints_positions(capsys, tmp_path, gpt2_folder):
+    from jaxnn.cli.main import build_parser
+    from jaxnn.cli.train import config_from_args
+
+    def config(*flags):
+        return config_from_args(build_parser().parse_args(["train", "--init-from", str(gpt2_folder), *flags]))
+
+    assert config().seq_len == 64  # the folder's n_positions, not the default window
+    assert config("--seq-len", "16").seq_len == 16
+    assert cli.main(["train", "--init-from", str(gpt2_folder), "--seq-len", "128", "--run-dir", str(tmp_path / "r")]) == 2
+    assert "longer than" in capsys.readouterr().err and not (tmp_path / "r").exists()
+
+
+def test_a_preset_that_disagrees_with_the_checkpoint_is_refused_naming_both(capsys, tmp_path, gpt2_folder):
+    assert cli.main(["train", "--model", "gpt2", "--init-from", str(gpt2_folder), "--run-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "--model gpt2 and --init-from" in err and "different architectures" in err and "d_model 768 against 32" in err
+    assert not (tmp_path / "r").exists()
 
 
 def test_generate_from_a_transformers_folder_uses_its_tokenizer(capsys, gpt2_folder):
@@ -102,6 +156,8 @@ def test_fine_tune_a_torchvision_resnet_on_grayscale_digits(capsys, caplog, tmp_
     assert "7-class head, the data 10 classes: it starts afresh" in caplog.text
     assert cli.main(["train", "--model", "gpt2", "--init-from", str(tmp_path / "narrow.safetensors")]) == 2
     assert "is a torchvision ResNet: it trains as imagenet_resnet, not 'gpt2'" in capsys.readouterr().err
+    assert cli.main(["train", "--model", "resnet50", "--init-from", str(tmp_path / "narrow.safetensors")]) == 2
+    assert "--model resnet50 and --init-from" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -42,6 +42,18 @@ CONFIGS = {
         max_position_embeddings=32,
         tie_word_embeddings=True,
     ),  # fmt: skip
+    "llama-biases-untied": lambda: transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=False,
+    ),  # fmt: skip
 }
 
 
@@ -112,6 +124,30 @@ def test_a_model_trained_in_jaxnn_saves_as_llama_and_transformers_agrees(tmp_pat
     ids = ids % 64
     err = np.abs(_reference_logits(tmp_path / "mine", ids, mask) - _jaxnn_logits(cfg, params, ids, mask))[mask].max()
     assert err < 2e-5, f"max abs error {err:.3g}"
+
+
+def test_every_parameter_of_an_export_has_a_rule_or_the_export_is_refused(tmp_path):
+    cfg = dataclasses.replace(PRESETS["gpt2"].config, vocab_size=64, seq_len=16, d_model=32, num_layers=1,
+                              num_heads=2, tie_embeddings=False, logits_bias=True)  # fmt: skip
+    _, params = GPT(cfg).init(jax.random.key(0), (1, 8))
+    with pytest.raises(ValueError, match="bias on its logits"):
+        save_hf(tmp_path / "a", cfg, params)
+    plain = dataclasses.replace(cfg, logits_bias=False)
+    _, params = GPT(plain).init(jax.random.key(0), (1, 8))
+    params["2_block"]["1_mlp"]["1_fc"]["extra"] = np.zeros(3, np.float32)  # a parameter no rule knows
+    with pytest.raises(TensorMismatchError, match="2_block/1_mlp/1_fc/extra has no place in a transformers gpt2"):
+        save_hf(tmp_path / "b", plain, params)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_run_saved_before_logits_bias_rebuilds_with_its_bias():
+    from jaxnn.models.factory import model_from_record
+
+    record = {"model": "gpt", "model_config": {"vocab_size": 32, "d_model": 16, "num_layers": 1, "num_heads": 2}}
+    _, cfg = model_from_record(record)
+    assert cfg.logits_bias and cfg.bias
+    _, cfg = model_from_record({**record, "model_config": {**record["model_config"], "bias": False}})
+    assert not cfg.logits_bias
 
 
 def test_a_bf16_load_gives_bf16_params_close_to_fp32(folders):

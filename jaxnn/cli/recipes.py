@@ -63,14 +63,23 @@ def load_data(cfg: TrainConfig) -> ImageDataset | TextCorpus:
 
 
 def _checkpoint_tokenizer(cfg: TrainConfig) -> pathlib.Path | None:
-    """The tokenizer.json of the transformers folder the run starts from, if it has one: a checkpoint is
-    fine-tuned on its own vocabulary, not on bytes."""
-    from jaxnn.interop.hf import is_hf_folder
+    """The tokenizer.json of the transformers folder the run starts from: a checkpoint is fine-tuned on its own
+    vocabulary, not on bytes. A folder without one is refused unless its vocabulary is bytes (256 ids)."""
+    from jaxnn.interop.hf import is_hf_folder, read_hf_config
+    from jaxnn.interop.tokenizer import TOKENIZER_FILE
 
     if cfg.init_from is None or not is_hf_folder(cfg.init_from):
         return None
-    path = pathlib.Path(cfg.init_from) / "tokenizer.json"
-    return path if path.is_file() else None
+    path = pathlib.Path(cfg.init_from) / TOKENIZER_FILE
+    if path.is_file():
+        return path
+    vocab = read_hf_config(cfg.init_from).get("vocab_size")
+    if vocab != 256:
+        raise ConfigError(
+            f"--init-from {cfg.init_from}: no {TOKENIZER_FILE}, and its {vocab}-token vocabulary cannot read text as "
+            "bytes; save the tokenizer into the folder (transformers' AutoTokenizer.save_pretrained writes one)"
+        )
+    return None
 
 
 def model_config(cfg: TrainConfig, data: ImageDataset | TextCorpus) -> Any:
@@ -107,6 +116,7 @@ def train(
 
     data = load_data(cfg)
     is_text = isinstance(data, TextCorpus)
+    tokenizer_folder = _tokenizer_folder(cfg) if is_text else None
     mcfg = model_config(cfg, data)
     if isinstance(data, TextCorpus) and data.vocab_size > mcfg.vocab_size:
         raise ConfigError(
@@ -137,8 +147,8 @@ def train(
         optimizer=tx,
         eval_data=data,
         pipeline=pipeline,
-        callbacks=[LearningRateLogger(schedule), *callbacks],
-        config={**cfg.trajectory(), "model_config": dataclasses.asdict(mcfg)},
+        callbacks=[LearningRateLogger(schedule), *_tokenizer_keeper(tokenizer_folder), *callbacks],
+        config={**cfg.trajectory(), "model_config": dataclasses.asdict(mcfg), **_tokenizer_entry(tokenizer_folder)},
         mesh=cfg.mesh,
         sharding_rules=cfg.sharding_rules,
         augment=cfg.augment or None,
@@ -152,12 +162,41 @@ def train(
         result = stopped.result
     summary = {"model": cfg.model, "dataset": data.name, **result.summary}
     finished_now = not (summary.get("interrupted_by") or summary.get("already_finished"))
-    # A sample is bytes: only a byte-level vocabulary reads as text (an imported one needs its tokenizer).
-    if is_text and cfg.sample_bytes and finished_now and getattr(mcfg, "vocab_size", 0) == 256:
-        summary["sample"] = _sample(model, result.state, cfg)
+    # A sample reads as text through the run's tokenizer, or as bytes for a byte-level vocabulary.
+    byte_level = getattr(mcfg, "vocab_size", 0) == 256 and tokenizer_folder is None
+    if is_text and cfg.sample_bytes and finished_now and (byte_level or tokenizer_folder is not None):
+        summary["sample"] = _sample(model, result.state, cfg, tokenizer_folder)
         if jax.process_index() == 0 and run.run_dir:
             write_json_atomic(pathlib.Path(run.run_dir) / "summary.json", summary)
     return summary
+
+
+def _tokenizer_folder(cfg: TrainConfig) -> pathlib.Path | None:
+    path = _checkpoint_tokenizer(cfg)
+    return None if path is None else path.parent
+
+
+def _tokenizer_entry(folder: pathlib.Path | None) -> dict[str, Any]:
+    """The run record's "tokenizer": the digest `jaxnn generate` and `export` check their copy against."""
+    from jaxnn.interop.tokenizer import tokenizer_record
+
+    return {} if folder is None else {"tokenizer": tokenizer_record(folder)}
+
+
+def _tokenizer_keeper(folder: pathlib.Path | None) -> list[Callback]:
+    """A callback that copies the tokenizer files into the run directory once it is opened (process 0), so the
+    run decodes its text wherever it is moved."""
+    if folder is None:
+        return []
+    from jaxnn.callbacks import Callback
+    from jaxnn.interop.tokenizer import copy_tokenizer
+
+    class KeepTokenizer(Callback):
+        def on_start(self, run: Any) -> None:
+            if run.is_main and run.run_dir:
+                copy_tokenizer(folder, run.run_dir)
+
+    return [KeepTokenizer()]
 
 
 def _starting_point(cfg: TrainConfig, model: Any, mcfg: Any, example_shape: tuple[int, ...]) -> dict[str, Any]:
@@ -211,20 +250,19 @@ def _loss(cfg: TrainConfig, is_text: bool) -> Any:
     return masked_classification_loss
 
 
-def _sample(model, state, cfg: TrainConfig) -> str:
-    import jax
+def _sample(model, state, cfg: TrainConfig, tokenizer_folder: pathlib.Path | None) -> str:
+    from jaxnn.generate import generate_text
+    from jaxnn.interop.tokenizer import TOKENIZER_FILE, load_tokenizer
 
-    from jaxnn.generate import generate_bytes
-
-    prompt = b"def "
-    text = generate_bytes(
+    tokenizer = None if tokenizer_folder is None else load_tokenizer(tokenizer_folder / TOKENIZER_FILE)
+    return generate_text(
         model,
         state.params,
-        prompt,
+        "def ",
         cfg.sample_bytes,
+        tokenizer=tokenizer,
         context_len=cfg.seq_len,
-        key=jax.random.key(cfg.fit.seed),
+        key=cfg.fit.seed,
         model_state=state.model_state,
         policy=cfg.fit.precision,
     )
-    return (prompt + text).decode("utf-8", "replace")

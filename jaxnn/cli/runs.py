@@ -57,7 +57,7 @@ def add_generate_parser(sub: Any) -> None:
     p.add_argument("--top-p", type=float, default=None, help="sample among the most likely bytes of this total mass")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest readable one)")
-    p.add_argument("--stop", default=None, metavar="CHAR", help="end after this one-byte character (e.g. a newline)")
+    p.add_argument("--stop", default=None, metavar="CHAR", help="end after this one-byte character (e.g. a newline), or this token with a tokenizer")
     p.add_argument(
         "--compile-cache",
         default="auto",
@@ -85,54 +85,69 @@ def generate_main(args: argparse.Namespace) -> int:
     """Runs `jaxnn generate`; errors go to `jaxnn.cli.main`'s exit-status table."""
     if args.length < 1:
         raise ValueError(f"--length must be positive, got {args.length}")
-    stop = None if args.stop is None else args.stop.encode()
-    if stop is not None and len(stop) != 1:
-        raise ValueError(f"--stop must be one byte (a character such as a newline), got {args.stop!r}")
-
     from jaxnn._src import compile_cache
-    from jaxnn.checkpoint import load_params
-    from jaxnn.generate import generate_bytes
     from jaxnn.interop.hf import is_hf_folder
-    from jaxnn.models.factory import model_from_record
 
     if is_hf_folder(args.run_dir):
         compile_cache.enable(args.compile_cache)
         return _generate_hf(args)
+    from jaxnn.checkpoint import load_params
+    from jaxnn.interop.tokenizer import run_tokenizer
+    from jaxnn.models.factory import model_from_record
+
     loaded = load_params(args.run_dir, step=args.step)
     if loaded.config.get("model") != "gpt":
         what = f"a {loaded.config['model']!r} run" if loaded.config.get("model") else "not a run of `jaxnn train`"
         raise ValueError(f"{args.run_dir}: {what}; generate needs a GPT run of `jaxnn train`")
     model, mcfg = model_from_record(loaded.config)
+    tokenizer = run_tokenizer(loaded.config, loaded.directory)  # the one the run was trained with, checked
+    if tokenizer is None and mcfg.vocab_size != 256:
+        raise ValueError(
+            f"{args.run_dir}: the model has {mcfg.vocab_size} token ids and the run recorded no tokenizer; "
+            "generate reads text as bytes only for a 256-id vocabulary"
+        )
     compile_cache.enable(args.compile_cache)  # most of a short generation is compiling its programs
-    text = generate_bytes(
-        model,
-        loaded.params,
-        args.prompt.encode(),
-        args.length,
-        context_len=mcfg.seq_len if mcfg.position == "learned" else None,
-        stop=None if stop is None else stop[0],
-        key=args.seed,  # checked by generate: an integer in [0, 2**32)
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        model_state=loaded.model_state,
-        policy=loaded.config.get("precision", "fp32"),
-    )
-    print((args.prompt.encode() + text).decode("utf-8", "replace"))
+    _print_generation(args, model, loaded.params, loaded.model_state, tokenizer, mcfg,
+                      policy=loaded.config.get("precision", "fp32"))  # fmt: skip
     return 0
+
+
+def _print_generation(args, model, params, model_state, tokenizer, mcfg, *, policy="fp32", bos_id=None) -> None:
+    from jaxnn.generate import generate_text
+
+    print(
+        generate_text(
+            model,
+            params,
+            args.prompt,
+            args.length,
+            tokenizer=tokenizer,
+            stop=args.stop,
+            bos_id=bos_id,
+            context_len=mcfg.seq_len if mcfg.position == "learned" else None,
+            key=args.seed,  # checked by generate: an integer in [0, 2**32)
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            model_state=model_state,
+            policy=policy,
+        )
+    )
 
 
 def _export_hf(args: argparse.Namespace) -> int:
     """`jaxnn export --format hf`: a GPT run's checkpoint as a folder `transformers` loads."""
     from jaxnn.checkpoint import load_params
     from jaxnn.interop.hf import save_hf
+    from jaxnn.interop.tokenizer import run_tokenizer_folder
     from jaxnn.models.factory import model_from_record
 
     loaded = load_params(args.run_dir, step=args.step)
     if loaded.config.get("model") != "gpt":
         raise ValueError(f"{args.run_dir}: --format hf writes GPT runs, not a {loaded.config.get('model')!r} run")
     _, cfg = model_from_record(loaded.config)
-    out = save_hf(args.out, cfg, loaded.params)
+    tokenizer = run_tokenizer_folder(loaded.config, loaded.directory)  # refused before anything is written
+    out = save_hf(args.out, cfg, loaded.params, tokenizer_from=tokenizer)
     print(f"jaxnn: exported {args.run_dir} as a transformers folder -> {out}")
     return 0
 
@@ -140,51 +155,21 @@ def _export_hf(args: argparse.Namespace) -> int:
 def _generate_hf(args: argparse.Namespace) -> int:
     """`jaxnn generate` from a transformers GPT-2/Llama folder, tokenised with its tokenizer.json if it has one."""
     import pathlib
-    import sys
 
     import jax
 
-    from jaxnn.generate import generate_batch
     from jaxnn.interop.hf import load_hf, read_hf_config
+    from jaxnn.interop.tokenizer import TOKENIZER_FILE, load_tokenizer
     from jaxnn.models import GPT
 
     folder = pathlib.Path(args.run_dir)
     cfg, params = load_hf(folder)
-    tokenizer = _tokenizer(folder)
-    ids = tokenizer.encode(args.prompt).ids if tokenizer else list(args.prompt.encode())
-    eos = read_hf_config(folder).get("eos_token_id")
-    stop = args.stop and (tokenizer.token_to_id(args.stop) if tokenizer else ord(args.stop))
-    new = generate_batch(
-        GPT(cfg),
-        jax.tree.map(jax.numpy.asarray, params),
-        [ids or [eos if isinstance(eos, int) else 0]],
-        args.length,
-        stop_tokens=stop if isinstance(stop, int) else None,
-        key=args.seed,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-    )
-    tokens = [int(t) for t in new.tokens[0][: int(new.lengths[0])]]
-    if tokenizer is not None:
-        unknown = sum(t >= tokenizer.get_vocab_size() for t in tokens)
-        if unknown:
-            print(
-                f"jaxnn: {unknown} of {len(tokens)} new ids are outside tokenizer.json's {tokenizer.get_vocab_size()} "
-                f"tokens (the model has {cfg.vocab_size}): they print as nothing",
-                file=sys.stderr,
-            )
-        print(tokenizer.decode(ids + tokens))
-    else:  # a byte-level reading: ids past 255 are not bytes
-        print(bytes(t for t in ids + tokens if t < 256).decode("utf-8", "replace"))
+    tokenizer = load_tokenizer(folder / TOKENIZER_FILE) if (folder / TOKENIZER_FILE).is_file() else None
+    if tokenizer is None and cfg.vocab_size != 256:
+        raise ValueError(
+            f"{folder}: no {TOKENIZER_FILE}, and its {cfg.vocab_size}-token vocabulary cannot read text as bytes"
+        )
+    eos = read_hf_config(folder).get("bos_token_id")
+    _print_generation(args, GPT(cfg), jax.tree.map(jax.numpy.asarray, params), None, tokenizer, cfg,
+                      bos_id=eos if isinstance(eos, int) else None)  # fmt: skip
     return 0
-
-
-def _tokenizer(folder: Any) -> Any:
-    """The folder's `tokenizers` tokenizer (tokenizer.json), or None: the prompt is then read as bytes."""
-    path = folder / "tokenizer.json"
-    if not path.is_file():
-        return None
-    from jaxnn._src.optional import require
-
-    return require("tokenizers", "reading a checkpoint's tokenizer.json").Tokenizer.from_file(str(path))

@@ -239,33 +239,79 @@ def default_run_dir(model: str, data: str | None, resume: bool) -> str:
 def model_and_base_fields(name: str | None, init_from: str | None) -> tuple[str, dict[str, Any] | None]:
     """The model family `jaxnn train` builds, and the config fields it starts from: those of the checkpoint
     `init_from` names (a transformers folder, a torchvision ResNet file), or a preset's, or None (the family's
-    `jaxnn train` defaults). jax is imported, not started: the device count is set after this."""
-    from jaxnn.interop.hf import config_from_hf, is_hf_folder, read_hf_config
-    from jaxnn.interop.tensors import is_tensor_file, read_tensor_shapes
-    from jaxnn.interop.torchvision import resnet_config_from_state_dict
+    `jaxnn train` defaults). A preset `name` that disagrees with the checkpoint's architecture is refused, naming
+    both. jax is imported, not started: the device count is set after this."""
+    from jaxnn.interop.hf import is_hf_folder
+    from jaxnn.interop.tensors import is_tensor_file
     from jaxnn.models.presets import PRESETS
 
     family = PRESETS[name].family if name in PRESETS else name
     if init_from is not None and (is_hf_folder(init_from) or is_tensor_file(init_from)):
         kind, wanted = (
-            ("a transformers decoder", "gpt")
-            if is_hf_folder(init_from)
-            else ("a torchvision ResNet", "imagenet_resnet")
+            ("a transformers decoder", "gpt") if is_hf_folder(init_from) else ("a torchvision ResNet", "imagenet_resnet")
         )
         if family is not None and family != wanted:
             raise ConfigError(f"--init-from {init_from} is {kind}: it trains as {wanted}, not {name!r}")
-        if wanted == "gpt":
-            return "gpt", dataclasses.asdict(config_from_hf(read_hf_config(init_from)))
-        family, fields = wanted, dataclasses.asdict(resnet_config_from_state_dict(read_tensor_shapes(init_from)))
+        saved = _checkpoint_config(init_from, wanted)
+        if name in PRESETS:
+            _refuse_other_architecture(name, PRESETS[name].config, init_from, saved)
+        family, fields = wanted, dataclasses.asdict(saved)
     elif name in PRESETS:
         fields = dataclasses.asdict(PRESETS[name].config)
     else:
         return name or "cnn", None
     # What the data decide (recipes.model_config sets them): an ImageNet head and image size are not the bundled
     # digits'; recipes replaces a checkpoint's head when the counts differ. A --model-config still sets them.
-    for data_field in ("num_classes", "image_size"):
+    for data_field in _DATA_FIELDS:
         fields.pop(data_field, None)
     return str(family), fields
+
+
+# Config fields that follow the data (or that change how a model computes, not what it is).
+_DATA_FIELDS = ("num_classes", "image_size")
+_NOT_ARCHITECTURE = (*_DATA_FIELDS, "attention_implementation", "drop_prob", "scan_layers", "remat")
+
+
+def _checkpoint_config(path: str, family: str) -> Any:
+    """The config of the model a transformers folder or a torchvision file holds (headers only for the latter)."""
+    from jaxnn.interop.hf import config_from_hf, read_hf_config
+    from jaxnn.interop.tensors import read_tensor_shapes
+    from jaxnn.interop.torchvision import resnet_config_from_state_dict
+
+    if family == "gpt":
+        return config_from_hf(read_hf_config(path))
+    return resnet_config_from_state_dict(read_tensor_shapes(path))
+
+
+def _refuse_other_architecture(name: str, preset: Any, path: str, saved: Any) -> None:
+    """`--model PRESET --init-from CHECKPOINT` must name the checkpoint's own architecture: training silently
+    on the checkpoint's would make a model of another size than the one asked for."""
+    fields = [f.name for f in dataclasses.fields(preset) if f.name not in _NOT_ARCHITECTURE]
+    differ = [f"{f} {getattr(preset, f)!r} against {getattr(saved, f)!r}" for f in fields
+              if getattr(preset, f) != getattr(saved, f)]  # fmt: skip
+    if differ:
+        raise ConfigError(
+            f"--model {name} and --init-from {path} are different architectures ({', '.join(differ[:3])}"
+            f"{', ...' if len(differ) > 3 else ''}); drop --model to train the checkpoint's own, or name its preset"
+        )
+
+
+def _window(args: argparse.Namespace, fields: dict[str, Any], defaults: dict[str, Any]) -> int:
+    """The text window: --seq-len, else a checkpoint's own context length, else the model's default. A window
+    longer than a checkpoint's learned position table is refused (it has no rows for those positions)."""
+    from jaxnn.interop.hf import is_hf_folder
+
+    from_checkpoint = args.init_from is not None and "seq_len" in fields and is_hf_folder(args.init_from)
+    if not from_checkpoint:
+        return args.seq_len if args.seq_len is not None else defaults.get("seq_len", 128)
+    table = int(fields["seq_len"])
+    if args.seq_len is None:
+        return table
+    if args.seq_len > table and fields.get("position", "learned") == "learned":
+        raise ConfigError(
+            f"--seq-len {args.seq_len} is longer than {args.init_from}'s {table} learned positions; use at most {table}"
+        )
+    return args.seq_len
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -321,7 +367,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         weight_decay=args.weight_decay,
         crop_pad=args.crop_pad,
         flip=args.flip,
-        seq_len=pick("seq_len", 128),
+        seq_len=_window(args, overrides if base is not None else {}, defaults),
         mesh=args.mesh,
         sharding_rules=args.sharding_rules,
         backend=args.backend,

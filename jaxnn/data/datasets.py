@@ -344,10 +344,9 @@ def load_text(directory: StrPath | None = None, *, max_bytes: int = 8 << 20, tes
 def tokenize_corpus(corpus: TextCorpus, tokenizer_file: StrPath) -> TextCorpus:
     """`corpus` as the token ids of a Hugging Face `tokenizer.json` (the `tokenizers` package), int32, for
     fine-tuning a checkpoint on its own vocabulary; the train/test split stays where the bytes had it."""
-    from jaxnn._src.optional import require
+    from jaxnn.interop.tokenizer import load_tokenizer
 
-    tokenizers = require("tokenizers", "tokenising text with a tokenizer.json")
-    tokenizer = tokenizers.Tokenizer.from_file(os.fspath(tokenizer_file))
+    tokenizer = load_tokenizer(tokenizer_file)
 
     def ids(part: np.ndarray) -> np.ndarray:
         return np.asarray(tokenizer.encode(part.tobytes().decode("utf-8", "replace")).ids, np.int32)

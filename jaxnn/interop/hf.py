@@ -116,7 +116,13 @@ def _llama_config(hf: dict[str, Any]) -> GPTConfig:
 
 
 def hf_config(cfg: GPTConfig) -> dict[str, Any]:
-    """The transformers config.json of a jaxnn GPTConfig: GPT-2 for learned positions, Llama for rotary ones."""
+    """The transformers config.json of a jaxnn GPTConfig: GPT-2 for learned positions, Llama for rotary ones.
+    A ValueError names what the transformers class cannot hold."""
+    if cfg.logits_bias and not cfg.tie_embeddings:
+        raise ValueError(
+            "the GPT has a bias on its logits (logits_bias=True), which transformers' GPT-2 and Llama heads do not "
+            "have; train with logits_bias=false (the default for new GPTs) to export"
+        )
     if cfg.position == "learned":
         if cfg.mlp != "gelu" or cfg.norm != "layer" or not cfg.bias or cfg.num_kv_heads not in (None, cfg.num_heads):
             raise ValueError("a GPT-2 checkpoint has a GELU MLP, LayerNorm, biases and one key/value head per head")
@@ -257,17 +263,30 @@ def load_hf(folder: str | os.PathLike, *, dtype: Any = None) -> tuple[GPTConfig,
     return cfg, params
 
 
-def save_hf(folder: str | os.PathLike, cfg: GPTConfig, params: Any, *, dtype: Any = None) -> str:
+def save_hf(
+    folder: str | os.PathLike,
+    cfg: GPTConfig,
+    params: Any,
+    *,
+    dtype: Any = None,
+    tokenizer_from: str | os.PathLike | None = None,
+) -> str:
     """Writes `params` of a jaxnn GPT as a transformers folder (config.json, model.safetensors) that
     `AutoModelForCausalLM.from_pretrained` loads; returns the folder. `dtype`: the stored dtype (None: keep).
-    The folder must be new or empty: nothing already in it is replaced."""
+    `tokenizer_from`: a folder whose tokenizer files (tokenizer.json and its side files) are copied beside the
+    weights, so `AutoTokenizer` reads the vocabulary the model was trained on. LoRA adapters in `params` are
+    merged into their weights first. The folder must be new or empty: nothing already in it is replaced."""
     from safetensors.numpy import save_file
 
+    from jaxnn.interop.tokenizer import copy_tokenizer
+    from jaxnn.lora import merge
+
+    params = merge(params)
     folder = os.fspath(folder)
     if os.path.isdir(folder) and os.listdir(folder):
         raise FileExistsError(f"{folder}: not empty; save_hf writes into a new or empty folder")
     config = hf_config(cfg)
-    tensors = from_jaxnn(params, rules_for(cfg))
+    tensors = from_jaxnn(params, rules_for(cfg), target=f"a transformers {config['model_type']} checkpoint")
     if dtype is not None:
         tensors = {name: np.asarray(t).astype(dtype) for name, t in tensors.items()}
     stored = {str(t.dtype) for t in tensors.values()}
@@ -278,6 +297,8 @@ def save_hf(folder: str | os.PathLike, cfg: GPTConfig, params: Any, *, dtype: An
         os.path.join(folder, "model.safetensors"),
         metadata={"format": "pt"},
     )
+    if tokenizer_from is not None:
+        copy_tokenizer(tokenizer_from, folder, subdir="")
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return folder

@@ -224,8 +224,19 @@ def to_jaxnn(
     return tree
 
 
-def from_jaxnn(tree: Mapping[str, Any], rules: Iterable[Rule]) -> dict[str, np.ndarray]:
-    """The other library's named tensors from a jaxnn tree, by the same `rules` run backwards."""
+def from_jaxnn(tree: Mapping[str, Any], rules: Iterable[Rule], *, target: str = "the checkpoint") -> dict[str, np.ndarray]:
+    """The other library's named tensors from a jaxnn tree, by the same `rules` run backwards. Every array of
+    `tree` must have a rule: one without is a TensorMismatchError naming it (`target` names the format), never
+    silently left out of the export."""
+    rules = list(rules)
+    covered = {rule.target for rule in rules}
+    orphans = ["/".join(path) for path in _paths(tree) if path not in covered]
+    if orphans:
+        raise TensorMismatchError(
+            f"jaxnn parameter {orphans[0]} has no place in {target} (no conversion rule)"
+            + (f", nor {len(orphans) - 1} more" if len(orphans) > 1 else "")
+            + "; exporting without it would change the model's outputs"
+        )
     out: dict[str, np.ndarray] = {}
     for rule in rules:
         parts = rule.from_jaxnn(np.asarray(_lookup(tree, rule.target, "jaxnn params")))

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import itertools
 import math
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -53,11 +57,44 @@ def Dense(
             raise shape_error(name, "of rank >= 1", x.shape)
         check_params(name, params, {"w": (x.shape[-1], features), **({"b": (features,)} if use_bias else {})})
         y = precision.dense(x, params["w"], policy)
+        if "lora_a" in params:  # LoRA adapters (jaxnn.lora): the low-rank update on the input's path
+            y = y + _low_rank_update(x, params, policy).astype(y.dtype)
         if use_bias:
             y = y + along_last_axis(params["b"].astype(y.dtype), y.ndim)
         return y.astype(x.dtype)
 
     return Layer(init, apply, name)
+
+
+# (dropout rate, PRNG key, counter) while a LoRA model trains with adapter dropout; see `adapter_dropout`.
+_ADAPTER_DROPOUT: contextvars.ContextVar[tuple[float, jax.Array, Iterator[int]] | None] = contextvars.ContextVar(
+    "jaxnn_adapter_dropout", default=None
+)
+
+
+@contextlib.contextmanager
+def adapter_dropout(rate: float, key: jax.Array) -> Iterator[None]:
+    """While tracing a model's apply inside this block, every Dense with LoRA adapters drops its adapter input
+    with probability `rate` (each Dense its own key, folded from `key`); the base product is untouched.
+    A context, not a keyword: the adapters sit inside layers (attention, MLPs) that pass no key to their Dense."""
+    token = _ADAPTER_DROPOUT.set((rate, key, itertools.count()))
+    try:
+        yield
+    finally:
+        _ADAPTER_DROPOUT.reset(token)
+
+
+def _low_rank_update(x: jax.Array, params: dict, policy) -> jax.Array:
+    """`scale * (x @ a) @ b`: the adapters' share of a LoRA Dense (`a` (in, r), `b` (r, out)), never the
+    (in, out) product `a @ b`, so the backward pass holds (batch, r) activations rather than a weight gradient."""
+    dropout = _ADAPTER_DROPOUT.get()
+    if dropout is not None:
+        rate, key, counter = dropout
+        keep = jax.random.bernoulli(jax.random.fold_in(key, next(counter)), 1.0 - rate, x.shape)
+        x = jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+    low = precision.dense(x, params["lora_a"], policy)
+    update = precision.dense(low.astype(x.dtype), params["lora_b"], policy)
+    return update * params["lora_scale"].astype(update.dtype)
 
 
 def _check_ids(name: str, ids: jax.Array, num_embeddings: int) -> None:

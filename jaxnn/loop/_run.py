@@ -45,6 +45,7 @@ from jaxnn.loop._setup import (
     checked_devices,
     initial_state,
     json_record,
+    lora_start,
     model_record,
     output_spec,
     refuse_resume_with_other_steps,
@@ -101,6 +102,7 @@ class FitInputs(NamedTuple):
     model_state: Any = None
     init_from: str | os.PathLike[str] | None = None
     schedule_decays: bool | None = None
+    lora: Any = None  # a jaxnn.lora.LoRA or its text
 
 
 def run_fit(model: Layer, data: TrainData, cfg: FitConfig, inputs: FitInputs | None = None) -> FitResult:
@@ -130,6 +132,9 @@ def run_fit(model: Layer, data: TrainData, cfg: FitConfig, inputs: FitInputs | N
         raise ConfigError("fit: init_from and params/model_state exclude each other")
     in_shape = example["x"].shape
     start_from = starting_point(model, in_shape, inputs.params, inputs.model_state)  # given params fit the model
+    if inputs.lora is not None:  # the base becomes the given params with adapters; tx trains the adapters alone
+        model, tx, inputs, lora_record = lora_start(model, tx, cfg, inputs, batch_spec(example)["x"])
+        start_from = {**start_from, **lora_record}
     create = lambda: initial_state(model, tx, cfg, in_shape, inputs.params, inputs.model_state)  # noqa: E731
     output = output_spec(model, cfg.precision, jax.eval_shape(create), batch_spec(example))  # the probe
     aug = augmentation(inputs.augment, output)

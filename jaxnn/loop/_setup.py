@@ -82,6 +82,45 @@ def starting_point(model: Layer, in_shape: Any, params: Any, model_state: Any) -
     return record
 
 
+def lora_start(model: Layer, tx: Any, cfg: FitConfig, inputs: Any, x_spec: Any) -> tuple[Layer, Any, Any, dict]:
+    """fit's `lora`: the starting params (given, `init_from`'s, or the model's initialisation) with adapters
+    added, an optimizer that trains them alone, the model with adapter dropout, and the record's entries.
+    Adapters that the model would never read (a pattern matching a convolution's or a custom layer's weight)
+    are refused, naming them."""
+    from jaxnn import lora as lora_lib
+    from jaxnn.checkpoint import load_params
+    from jaxnn.layers.core import init_model, run
+
+    try:
+        settings = lora_lib.as_lora(inputs.lora)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"fit: {err}") from None
+    params, model_state, record = inputs.params, inputs.model_state, {"lora": settings.record()}
+    if inputs.init_from is not None:  # another run's parameters: the base, under new adapters and a new optimizer
+        loaded = load_params(inputs.init_from)
+        params, model_state = loaded.params, loaded.model_state or None
+        record.update(starting_point(model, x_spec.shape, params, model_state))
+        record["init_from"] = record.pop("initial_params")
+    if params is None or (model.stateful and model_state is None):
+        _, fresh, fresh_state = init_model(model, jax.random.key(cfg.seed), x_spec.shape)
+        params = fresh if params is None else params
+        model_state = fresh_state if model_state is None else model_state
+    try:
+        params = lora_lib.add_adapters(params, settings, jax.random.fold_in(jax.random.key(cfg.seed), 0x10AA))
+    except ValueError as err:
+        raise ConfigError(f"fit: {err}") from None
+    unused = lora_lib.unused_adapters(lambda p, x: run(model, p, x, state=model_state)[0], params, x_spec)
+    if unused:
+        raise ConfigError(
+            f"fit: LoRA targets {unused[0]}{f' and {len(unused) - 1} more' if len(unused) > 1 else ''}, which no "
+            "Dense layer multiplies (a convolution's or a custom layer's weight): its adapters would never train; "
+            "narrow the targets"
+        )
+    model = lora_lib.with_adapter_dropout(model, settings)
+    inputs = inputs._replace(params=params, model_state=model_state, init_from=None)
+    return model, lora_lib.train_adapters_only(tx), inputs, record
+
+
 def initial_state(model: Layer, tx: Any, cfg: FitConfig, in_shape: Any, params: Any, model_state: Any) -> Any:
     state = create_train_state(model, tx, jax.random.key(cfg.seed), in_shape, cfg.precision)
     if params is not None:

@@ -23,6 +23,7 @@ from jaxnn.callbacks import Callback
 from jaxnn.config import ConfigError, FitConfig
 from jaxnn.data.pipeline import PipelineConfig
 from jaxnn.layers.core import Layer
+from jaxnn.lora import LoRA
 from jaxnn.loop._run import FitInputs, FitInterrupted, FitResult, TrainData, run_fit
 from jaxnn.loop.rundir import fresh_run_dir
 from jaxnn.parallel.rules import RulesLike
@@ -45,6 +46,7 @@ def fit(
     params: Any = None,
     model_state: Any = None,
     init_from: str | os.PathLike[str] | None = None,
+    lora: LoRA | str | None = None,
     steps: int | None = None,
     epochs: int | None = None,
     batch_size: int | None = 64,
@@ -101,6 +103,10 @@ def fit(
       model's initialisation; they must have the shapes the model's init gives, and their digest joins the record.
     init_from: a run directory or checkpoint of the same model and optimizer: this new run starts from its
       parameters, model state and optimizer state (at step 0 of its own, with its own seed and data order).
+    lora: train low-rank adapters instead of the model's weights: a `jaxnn.lora.LoRA` or its text
+      ("r=8,alpha=16,targets=*attention*.w"). Adapters join the starting params (from `params`, `init_from`'s
+      parameters, or the initialisation); the rest is frozen, with no optimizer state; `optimizer` then updates
+      the adapters alone. The final state holds both (`jaxnn.lora.merge` folds them, `save_adapters` keeps them).
     steps, epochs, batch_size, ...: the fields of `jaxnn.config.FitConfig`, which documents and validates them;
       give `steps` or `epochs`, not both. Any other keyword is refused with the list of known ones.
 

@@ -161,7 +161,9 @@ class RunLock:
 
 # ------------------------------------------------------------------------------------------------- a run's files
 
-RUN_FILES = ("config.json", "summary.json", "metrics.jsonl", "loss.png", "accuracy.png", "tensorboard", OWNER_FILE)
+RUN_FILES = (
+    "config.json", "summary.json", "metrics.jsonl", "loss.png", "accuracy.png", "tensorboard", "tokenizer", OWNER_FILE,
+)  # fmt: skip
 
 
 class RunFiles:

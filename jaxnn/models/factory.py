@@ -92,6 +92,8 @@ def model_from_record(record: Mapping[str, Any]) -> tuple[Layer, Any]:
             "the run config needs 'model' (a built-in model name) and 'model_config' (a dict); "
             f"got keys {sorted(record)}"
         )
+    if family(name) == "gpt" and "logits_bias" not in saved:  # saved before the field: the bias followed `bias`
+        saved = {**saved, "logits_bias": saved.get("bias", True)}
     return build_model(name, saved)
 
 

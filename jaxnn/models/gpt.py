@@ -45,7 +45,10 @@ class GPTConfig:
     tie_embeddings: bool = False  # next-token logits from the embedding table (no separate output layer)
     mlp: str = "gelu"  # "gelu" (fc, tanh-GELU, proj) or "swiglu" (gate, up, down)
     mlp_hidden: int | None = None  # the MLP's hidden width; None: 4 * d_model
-    bias: bool = True  # biases in the attention, MLP and output projections
+    bias: bool = True  # biases in the attention and MLP projections
+    # A bias on the next-token logits: GPT-2, Llama and most LMs have none (their export formats have no place for
+    # one). Runs saved before this field existed had one exactly when `bias` was set (see `model_from_record`).
+    logits_bias: bool = False
     norm_eps: float = 1e-6
     rope_base: float = 10000.0  # the rotary embeddings' wavelength base (Llama 2: 1e4, Llama 3: 5e5)
     head_dim: int | None = None  # None: d_model // num_heads
@@ -74,7 +77,7 @@ class GPTConfig:
         else:
             mlp = (d * hidden + b * hidden) + (hidden * d + b * d)
         positions = self.seq_len * d if self.position == "learned" else 0
-        logits = 0 if self.tie_embeddings else self.vocab_size * d + b * self.vocab_size
+        logits = 0 if self.tie_embeddings else self.vocab_size * (d + int(self.logits_bias))
         return self.vocab_size * d + positions + self.num_layers * (2 * norm + attention + mlp) + norm + logits
 
 
@@ -113,7 +116,7 @@ def GPT(cfg: GPTConfig = GPTConfig()) -> Layer:
     ]
     if cfg.tie_embeddings:
         return tied_logits(serial(*body, name="gpt"))
-    return serial(*body, Dense(cfg.vocab_size, use_bias=cfg.bias, name="logits"), name="gpt")
+    return serial(*body, Dense(cfg.vocab_size, use_bias=cfg.logits_bias, name="logits"), name="gpt")
 
 
 def tied_logits(body: Layer) -> Layer:
