@@ -91,7 +91,7 @@ def test_a_run_whose_tokenizer_is_gone_or_changed_refuses_to_decode(capsys, tmp_
     capsys.readouterr()
     shutil.rmtree(run / "tokenizer")
     assert cli.main(["generate", "--run-dir", str(run), "--length", "2"]) == 0  # the folder's copy is unchanged
-    (folder / "tokenizer.json").write_text((folder / "tokenizer.json").read_text().replace('"main"', '"mane"'))
+    (folder / "tokenizer.json").write_text((folder / "tokenizer.json").read_text() + "\n")  # edited: another digest
     capsys.readouterr()
     for command in (["generate", "--run-dir", str(run)], ["export", "--run-dir", str(run), "--format", "hf"]):
         extra = ["--out", str(tmp_path / "hf")] if command[0] == "export" else []

@@ -34,11 +34,17 @@ def _sha256(path: pathlib.Path) -> str:
 
 
 def tokenizer_record(folder: str | os.PathLike) -> dict[str, Any] | None:
-    """What a run records of `folder`'s tokenizer.json (its digest and vocabulary size), or None without one."""
+    """What a run records of `folder`'s tokenizer.json (its digest, vocabulary size and where it came from), or
+    None without one."""
     path = pathlib.Path(folder) / TOKENIZER_FILE
     if not path.is_file():
         return None
-    return {"file": TOKENIZER_FILE, "sha256": _sha256(path), "vocab_size": load_tokenizer(path).get_vocab_size()}
+    return {
+        "file": TOKENIZER_FILE,
+        "sha256": _sha256(path),
+        "vocab_size": load_tokenizer(path).get_vocab_size(),
+        "source": str(pathlib.Path(folder).absolute()),
+    }
 
 
 def load_tokenizer(path: str | os.PathLike) -> Any:
@@ -80,15 +86,15 @@ def run_tokenizer_folder(config: dict, checkpoint_dir: str | os.PathLike) -> pat
         return None
     ckpt = pathlib.Path(checkpoint_dir)
     candidates = [ckpt.parent / RUN_SUBDIR, ckpt / RUN_SUBDIR]
-    if config.get("init_from"):
-        candidates.append(pathlib.Path(config["init_from"]))
+    if recorded.get("source"):
+        candidates.append(pathlib.Path(recorded["source"]))
     for folder in candidates:
         path = folder / TOKENIZER_FILE
         if path.is_file() and _sha256(path) == recorded["sha256"]:
             return folder
     raise TokenizerError(
         f"{ckpt}: the run's text was tokenised with a tokenizer.json of digest {recorded['sha256'][:12]}, which is "
-        f"neither in the run's {RUN_SUBDIR}/ folder nor, unchanged, in {config.get('init_from')}; put that file back"
+        f"neither in the run's {RUN_SUBDIR}/ folder nor, unchanged, in {recorded.get('source')}; put that file back"
     )
 
 
