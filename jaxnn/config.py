@@ -326,6 +326,7 @@ class TrainConfig:
     the weights of a transformers GPT-2/Llama folder (its tokenizer.json, where it has one, tokenises the text).
     `augment`: random augmentation in the train step on the device, as `jaxnn.augment.parse_augment` reads it
     ("crop,flip,mixup"); `crop_pad` and `flip` are the host pipeline's.
+    `lora`: train LoRA adapters alone, as `jaxnn.lora.parse_lora` reads them ("r=8,alpha=16,targets=*qkv.w").
     """
 
     model: str = "cnn"
@@ -348,6 +349,7 @@ class TrainConfig:
     label_smoothing: float = 0.0
     init_from: str | None = None
     augment: str = ""
+    lora: str = ""
     fit: FitConfig = dataclasses.field(default_factory=_quick_fit)
 
     def __post_init__(self):
@@ -371,7 +373,8 @@ class TrainConfig:
         return {
             k: v
             for k, v in own.items()
-            if k not in RUN_ONLY_FIELDS and not (k in LATER_DEFAULTS and v == LATER_DEFAULTS[k])
+            # `lora` is recorded by fit itself, as the parsed settings
+            if k not in (*RUN_ONLY_FIELDS, "lora") and not (k in LATER_DEFAULTS and v == LATER_DEFAULTS[k])
         }
 
 
@@ -404,6 +407,13 @@ def _validate(cfg: TrainConfig) -> None:
             raise ConfigError(str(err)) from None
         if cfg.model == "gpt":
             raise ConfigError(f"augment {cfg.augment!r}: augmentation is for the image models, not {cfg.model!r}")
+    if cfg.lora:
+        from jaxnn.lora import parse_lora
+
+        try:
+            parse_lora(cfg.lora)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     if cfg.backend not in BACKENDS:
         raise ConfigError(f"unknown backend {cfg.backend!r}; choose one of {list(BACKENDS)}")
     if cfg.fit.batch_size % cfg.fit.devices:

@@ -352,11 +352,14 @@ def export_run(
     safetensors_only: bool = False,
 ) -> pathlib.Path:
     """Exports the newest (or `step`'s) checkpoint of a `jaxnn train` run: `write_export`, or with
-    `safetensors_only` just `weights.safetensors`. Bad input (no run, not a built-in model) raises ValueError."""
+    `safetensors_only` just `weights.safetensors`; LoRA adapters are merged into their weights. Bad input (no run,
+    not a built-in model) raises ValueError."""
     from jaxnn.checkpoint import load_params
+    from jaxnn.lora import merge
     from jaxnn.models.factory import model_from_record
 
     loaded = load_params(run_dir, step=step)
+    loaded = loaded._replace(params=merge(loaded.params))
     config = {**loaded.config, "step": loaded.step}  # the run config, and which checkpoint this is
     out = pathlib.Path(out_dir)
     check_out_dir(out, config)

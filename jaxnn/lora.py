@@ -152,7 +152,7 @@ def add_adapters(params: Any, lora: LoRA, key: jax.Array) -> Any:
 
 
 def adapter_labels(params: Any) -> Any:
-    """"adapter" for every `lora_a`/`lora_b`, "base" for everything else (`lora_scale` included: it is fixed)."""
+    """ "adapter" for every `lora_a`/`lora_b`, "base" for everything else (`lora_scale` included: it is fixed)."""
     flat = {name: ("adapter" if name.rsplit(".", 1)[-1] in TRAINED else "base") for name in flatten(params)}
     return jax.tree.unflatten(jax.tree.structure(params), list(flat.values()))
 
@@ -255,7 +255,9 @@ def unused_adapters(apply: Any, params: Any, x: Any) -> list[str]:
     jaxpr = jax.make_jaxpr(apply)(params, x).jaxpr
     used = _used_inputs(jaxpr)  # the params' leaves are the program's first inputs
     assert len(leaves) == len(names) <= len(jaxpr.invars)
-    return [name[: -len(".lora_a")] + ".w" for i, name in enumerate(names) if name.endswith(".lora_a") and i not in used]
+    return [
+        name[: -len(".lora_a")] + ".w" for i, name in enumerate(names) if name.endswith(".lora_a") and i not in used
+    ]
 
 
 def _used_inputs(jaxpr: Any) -> set[int]:

@@ -101,6 +101,41 @@ def test_a_run_whose_tokenizer_is_gone_or_changed_refuses_to_decode(capsys, tmp_
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.slow
+def test_lora_fine_tune_from_the_command_line_generates_and_exports_merged(capsys, tmp_path, gpt2_folder):
+    from jaxnn.checkpoint import load_params
+    from jaxnn.interop.hf import load_hf
+    from jaxnn.lora import load_adapters
+    from jaxnn.models.factory import model_from_record
+
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "a.py").write_text("import numpy as np\n\ndef main():\n    return np.zeros(3)\n" * 40)
+    run = tmp_path / "run"
+    argv = ["train", "--init-from", str(gpt2_folder), "--data", str(text), "--steps", "4", "--batch-size", "4"]
+    argv += ["--seq-len", "16", "--lr", "3e-2", "--lora", "r=4,alpha=8,targets=*qkv.w,*fc.w"]
+    assert cli.main([*argv, "--run-dir", str(run), "--no-progress", "--no-plots", "--no-summary"]) == 0
+    assert cli.main(["export", "--run-dir", str(run), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    assert cli.main(["export", "--run-dir", str(run), "--format", "lora", "--out", str(tmp_path / "ad")]) == 0
+    loaded = load_params(run)
+    ids = np.random.default_rng(0).integers(0, VOCAB, (2, 10))
+    model, _ = model_from_record(loaded.config)
+    ours = np.asarray(model.apply(loaded.params, ids))
+    assert np.abs(_logits(tmp_path / "hf", ids) - ours).max() < 1e-4
+    assert np.abs(_logits(tmp_path / "hf", ids) - _logits(gpt2_folder, ids)).max() > 1e-3  # it did train
+    _, folder_params = load_hf(gpt2_folder)
+    again, _ = load_adapters(tmp_path / "ad" / "adapters.safetensors", folder_params)
+    assert np.abs(np.asarray(model.apply(again, ids)) - ours).max() < 1e-5
+    adapter_bytes = (tmp_path / "ad" / "adapters.safetensors").stat().st_size
+    assert adapter_bytes < 0.2 * (tmp_path / "hf" / "model.safetensors").stat().st_size
+    greedy = ["--prompt", "def main", "--length", "5", "--temperature", "0"]
+    capsys.readouterr()
+    assert cli.main(["generate", "--run-dir", str(run), *greedy]) == 0
+    unmerged = capsys.readouterr().out
+    assert cli.main(["generate", "--run-dir", str(tmp_path / "hf"), *greedy]) == 0
+    assert unmerged == capsys.readouterr().out
+
+
 def test_the_window_follows_the_checkpoints_positions(capsys, tmp_path, gpt2_folder):
     from jaxnn.cli.main import build_parser
     from jaxnn.cli.train import config_from_args
@@ -110,14 +145,20 @@ def test_the_window_follows_the_checkpoints_positions(capsys, tmp_path, gpt2_fol
 
     assert config().seq_len == 64  # the folder's n_positions, not the default window
     assert config("--seq-len", "16").seq_len == 16
-    assert cli.main(["train", "--init-from", str(gpt2_folder), "--seq-len", "128", "--run-dir", str(tmp_path / "r")]) == 2
+    assert (
+        cli.main(["train", "--init-from", str(gpt2_folder), "--seq-len", "128", "--run-dir", str(tmp_path / "r")]) == 2
+    )
     assert "longer than" in capsys.readouterr().err and not (tmp_path / "r").exists()
 
 
 def test_a_preset_that_disagrees_with_the_checkpoint_is_refused_naming_both(capsys, tmp_path, gpt2_folder):
-    assert cli.main(["train", "--model", "gpt2", "--init-from", str(gpt2_folder), "--run-dir", str(tmp_path / "r")]) == 2
+    assert (
+        cli.main(["train", "--model", "gpt2", "--init-from", str(gpt2_folder), "--run-dir", str(tmp_path / "r")]) == 2
+    )
     err = capsys.readouterr().err
-    assert "--model gpt2 and --init-from" in err and "different architectures" in err and "d_model 768 against 32" in err
+    assert (
+        "--model gpt2 and --init-from" in err and "different architectures" in err and "d_model 768 against 32" in err
+    )
     assert not (tmp_path / "r").exists()
 
 

@@ -150,6 +150,26 @@ def test_a_run_saved_before_logits_bias_rebuilds_with_its_bias():
     assert not cfg.logits_bias
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "llama-gqa"])
+def test_a_lora_fine_tune_exports_merged_and_transformers_gives_jaxnns_logits(folders, kind, tmp_path):
+    import optax
+
+    import jaxnn
+    from jaxnn.train import lm_loss
+
+    cfg, params = load_hf(folders[kind])
+    x = np.random.default_rng(2).integers(0, VOCAB, (16, 12))
+    result = jaxnn.fit(GPT(cfg), {"x": x, "y": np.roll(x, -1, axis=1)}, loss=lm_loss, params=params, steps=3,
+                       batch_size=8, optimizer=optax.adam(3e-2), lora="r=4,alpha=8", progress=False)  # fmt: skip
+    trained = result.state.params
+    save_hf(tmp_path / "out", cfg, trained)
+    ids, mask = _batch()
+    ours = _jaxnn_logits(cfg, trained, ids, mask)
+    assert np.abs(ours - _jaxnn_logits(cfg, params, ids, mask))[mask].max() > 1e-3  # the adapters trained
+    err = np.abs(_reference_logits(tmp_path / "out", ids, mask) - ours)[mask].max()
+    assert err < 1e-4, f"{kind}: transformers' logits of the merged export differ by {err:.3g}"
+
+
 def test_a_bf16_load_gives_bf16_params_close_to_fp32(folders):
     cfg, params = load_hf(folders["llama-gqa"], dtype=jnp.bfloat16)
     assert {str(a.dtype) for a in jax.tree.leaves(params)} == {"bfloat16"}

@@ -154,6 +154,7 @@ def train(
         augment=cfg.augment or None,
         # The cosine schedule decays to 0 at the last step, so the step count is part of what the run computes.
         schedule_decays=cfg.schedule == "cosine",
+        lora=cfg.lora or None,
         **_starting_point(cfg, model, mcfg, example),
     )
     try:

@@ -29,9 +29,10 @@ def add_export_parser(sub: Any) -> None:
     p.add_argument(
         "--format",
         default="jax",
-        choices=("jax", "hf"),
+        choices=("jax", "hf", "lora"),
         help="jax: a jax.export program and its weights; hf: a Hugging Face transformers folder (GPT runs: GPT-2 "
-        "for learned positions, Llama for rotary ones)",
+        "for learned positions, Llama for rotary ones, with the run's tokenizer); both merge LoRA adapters into "
+        "their weights. lora: a LoRA run's adapters alone, as adapters.safetensors (jaxnn.lora.load_adapters)",
     )
 
 
@@ -57,7 +58,12 @@ def add_generate_parser(sub: Any) -> None:
     p.add_argument("--top-p", type=float, default=None, help="sample among the most likely bytes of this total mass")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest readable one)")
-    p.add_argument("--stop", default=None, metavar="CHAR", help="end after this one-byte character (e.g. a newline), or this token with a tokenizer")
+    p.add_argument(
+        "--stop",
+        default=None,
+        metavar="CHAR",
+        help="end after this one-byte character (e.g. a newline), or this token with a tokenizer",
+    )
     p.add_argument(
         "--compile-cache",
         default="auto",
@@ -71,6 +77,8 @@ def export_main(args: argparse.Namespace) -> int:
     """Runs `jaxnn export`; errors go to `jaxnn.cli.main`'s exit-status table."""
     if args.format == "hf":
         return _export_hf(args)
+    if args.format == "lora":
+        return _export_adapters(args)
     from jaxnn.export import export_run
 
     out = export_run(
@@ -149,6 +157,25 @@ def _export_hf(args: argparse.Namespace) -> int:
     tokenizer = run_tokenizer_folder(loaded.config, loaded.directory)  # refused before anything is written
     out = save_hf(args.out, cfg, loaded.params, tokenizer_from=tokenizer)
     print(f"jaxnn: exported {args.run_dir} as a transformers folder -> {out}")
+    return 0
+
+
+def _export_adapters(args: argparse.Namespace) -> int:
+    """`jaxnn export --format lora`: the adapters of a LoRA run (not its base) as one small file."""
+    import pathlib
+
+    from jaxnn.checkpoint import load_params
+    from jaxnn.lora import as_lora, save_adapters
+
+    loaded = load_params(args.run_dir, step=args.step)
+    if "lora" not in loaded.config:
+        raise ValueError(f"{args.run_dir}: not a LoRA run (trained without --lora): it has no adapters to export")
+    out = pathlib.Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out}: not an empty folder; --format lora writes into a new or empty one")
+    out.mkdir(parents=True, exist_ok=True)
+    path = save_adapters(out / "adapters.safetensors", loaded.params, as_lora(loaded.config["lora"]))
+    print(f"jaxnn: exported the LoRA adapters of {args.run_dir} -> {path}")
     return 0
 
 

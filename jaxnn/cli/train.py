@@ -133,6 +133,13 @@ def add_run_dir_flags(p: argparse.ArgumentParser) -> None:
         help="start from another run's parameters and optimizer state, a transformers GPT-2/Llama folder (its "
         "tokenizer.json tokenises the text) or a torchvision ResNet .pth/.safetensors file",
     )
+    a(
+        "--lora",
+        default="",
+        metavar="SETTINGS",
+        help="train LoRA adapters alone, the weights frozen: r=RANK,alpha=A,dropout=P,targets=PATTERN,PATTERN... "
+        "(default targets: every attention and MLP weight; see docs/bring-a-checkpoint.md)",
+    )
 
 
 def add_optimizer_flags(p: argparse.ArgumentParser) -> None:
@@ -248,7 +255,9 @@ def model_and_base_fields(name: str | None, init_from: str | None) -> tuple[str,
     family = PRESETS[name].family if name in PRESETS else name
     if init_from is not None and (is_hf_folder(init_from) or is_tensor_file(init_from)):
         kind, wanted = (
-            ("a transformers decoder", "gpt") if is_hf_folder(init_from) else ("a torchvision ResNet", "imagenet_resnet")
+            ("a transformers decoder", "gpt")
+            if is_hf_folder(init_from)
+            else ("a torchvision ResNet", "imagenet_resnet")
         )
         if family is not None and family != wanted:
             raise ConfigError(f"--init-from {init_from} is {kind}: it trains as {wanted}, not {name!r}")
@@ -376,6 +385,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         label_smoothing=args.label_smoothing,
         init_from=args.init_from,
         augment=args.augment,
+        lora=args.lora,
         fit=fit,
     )
 

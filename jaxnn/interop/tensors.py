@@ -224,7 +224,9 @@ def to_jaxnn(
     return tree
 
 
-def from_jaxnn(tree: Mapping[str, Any], rules: Iterable[Rule], *, target: str = "the checkpoint") -> dict[str, np.ndarray]:
+def from_jaxnn(
+    tree: Mapping[str, Any], rules: Iterable[Rule], *, target: str = "the checkpoint"
+) -> dict[str, np.ndarray]:
     """The other library's named tensors from a jaxnn tree, by the same `rules` run backwards. Every array of
     `tree` must have a rule: one without is a TensorMismatchError naming it (`target` names the format), never
     silently left out of the export."""

@@ -97,8 +97,8 @@ def lora_start(model: Layer, tx: Any, cfg: FitConfig, inputs: Any, x_spec: Any) 
         raise ConfigError(f"fit: {err}") from None
     params, model_state, record = inputs.params, inputs.model_state, {"lora": settings.record()}
     if inputs.init_from is not None:  # another run's parameters: the base, under new adapters and a new optimizer
-        loaded = load_params(inputs.init_from)
-        params, model_state = loaded.params, loaded.model_state or None
+        loaded = load_params(inputs.init_from)  # a LoRA run's adapters are folded in: the new ones start afresh
+        params, model_state = lora_lib.merge(loaded.params), loaded.model_state or None
         record.update(starting_point(model, x_spec.shape, params, model_state))
         record["init_from"] = record.pop("initial_params")
     if params is None or (model.stateful and model_state is None):

@@ -23,9 +23,9 @@ from jaxnn.callbacks import Callback
 from jaxnn.config import ConfigError, FitConfig
 from jaxnn.data.pipeline import PipelineConfig
 from jaxnn.layers.core import Layer
-from jaxnn.lora import LoRA
 from jaxnn.loop._run import FitInputs, FitInterrupted, FitResult, TrainData, run_fit
 from jaxnn.loop.rundir import fresh_run_dir
+from jaxnn.lora import LoRA
 from jaxnn.parallel.rules import RulesLike
 from jaxnn.train import LossFn, masked_classification_loss
 
