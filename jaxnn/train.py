@@ -109,14 +109,23 @@ def masked_classification_loss(
 
 
 def language_model_loss(logits_BTV: jax.Array, batch: Batch) -> tuple[jax.Array, Metrics]:
-    """Next-token cross-entropy: `batch["y"]` holds the inputs shifted by one; reports bits per byte too."""
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits_BTV.astype(jnp.float32), batch["y"]).mean()
+    """Next-token cross-entropy: `batch["y"]` holds the inputs shifted by one; reports bits per token too. With
+    `batch["loss_mask"]` (B, T), the mean over the targets it weighs (e.g. a completion's, not its prompt's)."""
+    per_token = optax.softmax_cross_entropy_with_integer_labels(logits_BTV.astype(jnp.float32), batch["y"])
+    if "loss_mask" in batch:
+        mask = batch["loss_mask"].astype(jnp.float32)
+        loss = (per_token * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+    else:
+        loss = per_token.mean()
     return loss, {"bits_per_token": loss / jnp.log(2.0)}
 
 
 def lm_loss(logits_BTV: jax.Array, batch: Batch) -> tuple[jax.Array, Metrics]:
-    """`language_model_loss` with `count` (the sequences in the batch) for evaluation's weighting."""
+    """`language_model_loss` with `count` for evaluation's weighting: the sequences in the batch, or the
+    counted targets under a `loss_mask` (so evaluation is the exact mean over every counted token)."""
     loss, metrics = language_model_loss(logits_BTV, batch)
+    if "loss_mask" in batch:
+        return loss, {**metrics, "count": batch["loss_mask"].astype(jnp.float32).sum()}
     return loss, {**metrics, "count": jnp.asarray(batch["y"].shape[0], jnp.float32)}
 
 

@@ -103,18 +103,21 @@ def test_a_run_whose_tokenizer_is_gone_or_changed_refuses_to_decode(capsys, tmp_
 
 @pytest.mark.slow
 def test_lora_fine_tune_from_the_command_line_generates_and_exports_merged(capsys, tmp_path, gpt2_folder):
+    import json
+
     from jaxnn.checkpoint import load_params
     from jaxnn.interop.hf import load_hf
     from jaxnn.lora import load_adapters
     from jaxnn.models.factory import model_from_record
 
-    text = tmp_path / "text"
-    text.mkdir()
-    (text / "a.py").write_text("import numpy as np\n\ndef main():\n    return np.zeros(3)\n" * 40)
+    records = tmp_path / "qa.jsonl"  # prompt/completion pairs: the loss on the completions alone
+    pairs = [{"prompt": f"def f{i}():", "completion": f"\n    return np.zeros({i})\n"} for i in range(30)]
+    records.write_text("".join(json.dumps(p) + "\n" for p in pairs))
     run = tmp_path / "run"
-    argv = ["train", "--init-from", str(gpt2_folder), "--data", str(text), "--steps", "4", "--batch-size", "4"]
+    argv = ["train", "--init-from", str(gpt2_folder), "--data", str(records), "--steps", "4", "--batch-size", "4"]
     argv += ["--seq-len", "16", "--lr", "3e-2", "--lora", "r=4,alpha=8,targets=*qkv.w,*fc.w"]
     assert cli.main([*argv, "--run-dir", str(run), "--no-progress", "--no-plots", "--no-summary"]) == 0
+    assert "gpt on qa-tokens" in capsys.readouterr().out
     assert cli.main(["export", "--run-dir", str(run), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
     assert cli.main(["export", "--run-dir", str(run), "--format", "lora", "--out", str(tmp_path / "ad")]) == 0
     loaded = load_params(run)

@@ -48,14 +48,18 @@ def resolve_dataset(cfg: TrainConfig) -> str:
 def load_data(cfg: TrainConfig) -> ImageDataset | TextCorpus:
     """The data set the config names, checked against the format (a DataError names the file otherwise)."""
     from jaxnn.data import DataError, TextCorpus, detect_format, load_dataset, tokenize_corpus
+    from jaxnn.data.records import is_record_source, load_text_records
+    from jaxnn.interop.tokenizer import load_tokenizer
 
     name = resolve_dataset(cfg)
     if cfg.data_dir and name in ("mnist", "fashion_mnist", "cifar10"):
         found = detect_format(cfg.data_dir)
         if found != ("cifar10" if name == "cifar10" else "mnist"):
             raise DataError(f"{cfg.data_dir}: holds {found} files, not the {name} format")
-    data = load_dataset(name, cfg.data_dir)
     tokenizer = _checkpoint_tokenizer(cfg)
+    if name == "text" and cfg.data_dir and is_record_source(cfg.data_dir):  # JSONL: text or prompt/completion
+        return load_text_records(cfg.data_dir, None if tokenizer is None else load_tokenizer(tokenizer))
+    data = load_dataset(name, cfg.data_dir)
     if tokenizer is not None and isinstance(data, TextCorpus):
         log.info("train: text tokenised with %s", tokenizer)
         return tokenize_corpus(data, tokenizer)

@@ -47,8 +47,9 @@ def add_train_parser(sub: Any) -> None:
         "--data",
         default=None,
         metavar="DIR",
-        help="directory of MNIST/Fashion-MNIST IDX, CIFAR-10 binary or text "
-        "files (default: the bundled digits, or the Python stdlib source for gpt)",
+        help="directory of MNIST/Fashion-MNIST IDX, CIFAR-10 binary or text files, or a .jsonl file (or folder) of "
+        '{"text": ...} or {"prompt": ..., "completion": ...} records, the loss on completions only (default: the '
+        "bundled digits, or the Python stdlib source for gpt)",
     )
     a("--dataset", default="auto", help="data format: auto, digits, mnist, fashion_mnist, cifar10, text, synthetic")
     a("--size", default="base", help="model size: base (the model's default config) or small (for quick runs)")

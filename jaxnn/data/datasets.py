@@ -77,6 +77,10 @@ class TextCorpus:
     test: np.ndarray
     num_files: int
     vocab_size: int = 256
+    # Per-token weights as prediction targets (1: its prediction counts in the loss), aligned with train and
+    # test; None: every token counts. Prompt/completion records weigh only the completions (jaxnn.data.records).
+    train_targets: np.ndarray | None = None
+    test_targets: np.ndarray | None = None
 
 
 def make_image_dataset(
@@ -389,13 +393,16 @@ def _check_dir(directory: StrPath) -> pathlib.Path:
 
 
 def detect_format(directory: StrPath) -> str:
-    """'mnist' for IDX files, 'cifar10' for CIFAR binary batches, 'text' for text files; else a DataError."""
+    """'mnist' for IDX files, 'cifar10' for CIFAR binary batches, 'text' for text files or JSON Lines records (a
+    .jsonl file too); else a DataError."""
+    if pathlib.Path(directory).is_file() and pathlib.Path(directory).suffix == ".jsonl":
+        return "text"
     directory = _check_dir(directory)
     if _find_idx(directory, "t10k", "images") or _find_idx(directory, "train", "images"):
         return "mnist"
     if any(_cifar_dir(directory).glob("data_batch_[0-9].bin")):
         return "cifar10"
-    if any(p.suffix in TEXT_SUFFIXES for p in directory.rglob("*")):
+    if any(p.suffix in (*TEXT_SUFFIXES, ".jsonl") for p in directory.rglob("*")):
         return "text"
     raise DataError(f"{directory}: holds no MNIST/Fashion-MNIST IDX files, CIFAR-10 binary batches or text files")
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxnn.config import check_seed
 from jaxnn.data.datasets import ImageDataset, TextCorpus
-from jaxnn.data.preprocess import normalise, random_crop, random_flip, text_windows
+from jaxnn.data.preprocess import normalise, random_crop, random_flip, text_batch
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,8 @@ class TrainBatches(CachedPermutations):
     """Training batch number -> batch dict, for batches `start .. stop-1`; Grain's random-access source protocol.
 
     Image batches: `x` float32 (B, H, W, C) normalised and augmented, `y` int32 (B,), `mask` float32 (B,).
-    Text batches: `x`, `y` int32 (B, T), random windows of the training bytes.
+    Text batches: `x`, `y` int32 (B, T), random windows of the training tokens, and `loss_mask` (B, T) where the
+    corpus weighs its tokens (prompt/completion records).
     """
 
     def __init__(
@@ -144,8 +145,7 @@ class TrainBatches(CachedPermutations):
         rng = np.random.default_rng([cfg.seed, 1, step])
         d = self.data
         if isinstance(d, TextCorpus):
-            x, y = text_windows(d.train, rng, cfg.batch_size, cfg.seq_len)
-            return {"x": x, "y": y}
+            return text_batch(d.train, rng, cfg.batch_size, cfg.seq_len, d.train_targets)
         epoch, j = divmod(step, self.steps_per_epoch)
         perm = self.permutation(epoch)
         idx = perm[j * cfg.batch_size : (j + 1) * cfg.batch_size]
@@ -167,7 +167,7 @@ def eval_batches(
     if isinstance(data, TextCorpus):
         rng = np.random.default_rng([seed, 2])
         n = min(max_text_batches, max(len(data.test) // (batch_size * seq_len), 1))
-        return [dict(zip(("x", "y"), text_windows(data.test, rng, batch_size, seq_len))) for _ in range(n)]
+        return [text_batch(data.test, rng, batch_size, seq_len, data.test_targets) for _ in range(n)]
     x = normalise(data.x_test, data.scale, data.mean, data.std)
     batches = []
     for lo in range(0, len(x), batch_size):

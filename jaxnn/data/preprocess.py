@@ -46,3 +46,21 @@ def text_windows(
     starts = rng.integers(0, len(corpus) - seq_len - 1, size=batch)
     windows = corpus[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
     return windows[:, :-1], windows[:, 1:]
+
+
+def text_batch(
+    corpus: np.ndarray, rng: np.random.Generator, batch: int, seq_len: int, targets: np.ndarray | None = None
+) -> dict[str, np.ndarray]:
+    """`text_windows` as a batch dict; with `targets` (one weight per token of `corpus`: whether predicting that
+    token counts, e.g. 0 for a prompt, 1 for its completion) also `loss_mask` (B, T) float32, the weights of
+    `y`. A weighted corpus shorter than a window is padded with tokens that never count."""
+    if targets is None:
+        x, y = text_windows(corpus, rng, batch, seq_len)
+        return {"x": x, "y": y}
+    short = seq_len + 2 - len(corpus)
+    if short > 0:
+        corpus, targets = np.pad(corpus, (0, short)), np.pad(targets, (0, short))
+    starts = rng.integers(0, len(corpus) - seq_len - 1, size=batch)
+    index = starts[:, None] + np.arange(seq_len + 1)
+    windows = corpus[index].astype(np.int32)
+    return {"x": windows[:, :-1], "y": windows[:, 1:], "loss_mask": targets[index[:, 1:]].astype(np.float32)}

@@ -1,0 +1,120 @@
+"""Fine-tuning text as users have it: JSON Lines of `{"text": ...}` documents or `{"prompt": ..., "completion":
+...}` pairs, tokenised with a checkpoint's tokenizer (or read as bytes), as a `TextCorpus` whose completions alone
+count in the loss.
+
+    corpus = load_text_records("train.jsonl", tokenizer)     # or a folder of *.jsonl files
+    jaxnn.fit(model, corpus, loss=jaxnn.train.lm_loss, ...)    # batches carry a `loss_mask` for prompts
+
+Each record ends with a separator (the tokenizer's end-of-text token, or a newline for bytes), which counts as a
+target: the model learns where a completion stops. The last `test_fraction` of the records (at least one) is the
+test split. Windows are cut from the records' concatenation, as for any text corpus.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from jaxnn.data.datasets import DataError, TextCorpus
+
+RECORD_SUFFIX = ".jsonl"
+# End-of-text tokens of the tokenizers people fine-tune (GPT-2, Llama 2/3, Mistral, Qwen).
+END_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>")
+
+
+def is_record_source(path: str | os.PathLike) -> bool:
+    """A .jsonl file, or a folder holding one."""
+    path = pathlib.Path(path)
+    if path.is_file():
+        return path.suffix == RECORD_SUFFIX
+    return path.is_dir() and any(path.rglob(f"*{RECORD_SUFFIX}"))
+
+
+def _files(path: pathlib.Path) -> list[pathlib.Path]:
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise DataError(f"{path}: no such file or folder")
+    return sorted(path.rglob(f"*{RECORD_SUFFIX}"))
+
+
+def read_records(path: str | os.PathLike) -> Iterator[tuple[str, str]]:
+    """(prompt, completion) per record in file order; a `text` record is ("", text). Anything else is one
+    DataError naming the file and line."""
+    for file in _files(pathlib.Path(path)):
+        with open(file, encoding="utf-8", errors="strict") as f:
+            try:
+                lines = list(f)
+            except UnicodeDecodeError as err:
+                raise DataError(f"{file}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+        for number, line in enumerate(lines, 1):
+            if line.strip():
+                yield _record(json_line(file, number, line), file, number)
+
+
+def json_line(file: pathlib.Path, number: int, line: str) -> Any:
+    try:
+        return json.loads(line)
+    except ValueError as err:
+        raise DataError(f"{file}:{number}: not a JSON object ({err.msg})") from None
+
+
+def _record(obj: Any, file: pathlib.Path, number: int) -> tuple[str, str]:
+    where = f"{file}:{number}"
+    if isinstance(obj, dict) and isinstance(obj.get("text"), str) and not {"prompt", "completion"} & set(obj):
+        return "", obj["text"]
+    if isinstance(obj, dict) and isinstance(obj.get("prompt"), str) and isinstance(obj.get("completion"), str):
+        return obj["prompt"], obj["completion"]
+    keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+    raise DataError(f'{where}: expected {{"text": str}} or {{"prompt": str, "completion": str}}, got {keys}')
+
+
+def end_token(tokenizer: Any) -> int | None:
+    """The tokenizer's end-of-text id, if it has one of the usual ones."""
+    for token in END_TOKENS:
+        found = tokenizer.token_to_id(token)
+        if found is not None:
+            return int(found)
+    return None
+
+
+def _encoder(tokenizer: Any, end_id: int | None) -> tuple[Any, list[int]]:
+    if tokenizer is None:
+        return (lambda text: list(text.encode())), [ord("\n")]
+    end = end_id if end_id is not None else end_token(tokenizer)
+    return (lambda text: tokenizer.encode(text, add_special_tokens=False).ids), ([] if end is None else [end])
+
+
+def load_text_records(
+    path: str | os.PathLike, tokenizer: Any = None, *, test_fraction: float = 0.1, end_id: int | None = None
+) -> TextCorpus:
+    """The records under `path` (a .jsonl file or a folder of them) as token ids with per-token loss weights:
+    prompts weigh 0, completions, `text` records and each record's end token 1. `tokenizer`: a
+    `tokenizers.Tokenizer` (None: UTF-8 bytes, vocabulary 256); `end_id`: the separator (default: the
+    tokenizer's end-of-text token)."""
+    encode, separator = _encoder(tokenizer, end_id)
+    pieces = []
+    for prompt, completion in read_records(path):
+        asked, answered = (encode(prompt) if prompt else []), encode(completion) + separator
+        pieces.append((np.asarray(asked + answered, np.int32), np.r_[np.zeros(len(asked)), np.ones(len(answered))]))
+    if len(pieces) < 2:
+        raise DataError(f"{path}: {len(pieces)} record(s); expected at least 2 (one for the test split)")
+    n_test = min(max(1, round(len(pieces) * test_fraction)), len(pieces) - 1)
+    train, test = pieces[:-n_test], pieces[-n_test:]
+
+    def joined(part: list, k: int) -> np.ndarray:
+        return np.concatenate([p[k] for p in part])
+
+    vocab = 256 if tokenizer is None else tokenizer.get_vocab_size()
+    name = pathlib.Path(path).stem + ("-tokens" if tokenizer is not None else "")
+    return TextCorpus(name, joined(train, 0), joined(test, 0), len(_files(pathlib.Path(path))), vocab,
+                      train_targets=joined(train, 1).astype(np.float32),
+                      test_targets=joined(test, 1).astype(np.float32))  # fmt: skip
+
+
+__all__ = ["END_TOKENS", "end_token", "is_record_source", "load_text_records", "read_records"]
