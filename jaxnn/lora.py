@@ -246,6 +246,18 @@ def with_adapter_dropout(model: Layer, lora: LoRA) -> Layer:
     return model._replace(apply=apply)
 
 
+def with_adapters(model: Layer, lora: LoRA) -> Layer:
+    """`model` whose init adds adapters to its fresh params (and whose training applies drop the adapters' input
+    at `lora.dropout`): for building a LoRA model from scratch, e.g. to size it. `fit(..., lora=)` adds the
+    adapters to the params it starts from instead."""
+
+    def init(key, in_shape):
+        out_shape, params = model.init(key, in_shape)
+        return out_shape, add_adapters(params, lora, jax.random.fold_in(key, 0x10AA))
+
+    return with_adapter_dropout(model, lora)._replace(init=init)
+
+
 def unused_adapters(apply: Any, params: Any, x: Any) -> list[str]:
     """The adapters (by weight name) that `apply(params, x)` (e.g. a model's forward pass) never reads: weights
     matched by a pattern but used by a layer other than Dense (a convolution, a custom layer), whose adapters
@@ -304,4 +316,5 @@ __all__ = [
     "train_adapters_only",
     "unused_adapters",
     "with_adapter_dropout",
+    "with_adapters",
 ]

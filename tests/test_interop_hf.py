@@ -150,6 +150,7 @@ def test_a_run_saved_before_logits_bias_rebuilds_with_its_bias():
     assert not cfg.logits_bias
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt2", "llama-gqa"])
 def test_a_lora_fine_tune_exports_merged_and_transformers_gives_jaxnns_logits(folders, kind, tmp_path):
     import optax

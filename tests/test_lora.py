@@ -32,7 +32,7 @@ def _moved(params, seed=1, size=0.1):
     return unflatten(flat)
 
 
-@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_zero_adapters_give_exactly_the_base_logits_and_merging_matches_the_adapted_model(scan):
     model = GPT(dataclasses.replace(CFG, scan_layers=scan))
     _, params = model.init(jax.random.key(0), (1, 8))
@@ -71,6 +71,7 @@ def test_fit_with_lora_trains_the_adapters_alone_and_keeps_no_optimizer_state_fo
     assert result.summary.get("final_loss", 0) == result.summary.get("final_loss", 0)
 
 
+@pytest.mark.slow
 def test_a_lora_run_resumes_bitwise(tmp_path):
     _, base = GPT(CFG).init(jax.random.key(0), (1, 8))
     straight = _fit(base, steps=4, lora="r=4,dropout=0.1", run_dir=str(tmp_path / "a"))

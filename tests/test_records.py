@@ -48,6 +48,7 @@ def test_the_masked_loss_ignores_prompt_tokens_and_counts_the_targets():
     assert lm_loss(changed, {"y": y, "loss_mask": mask})[0] == loss
 
 
+@pytest.mark.slow
 def test_fit_on_records_trains_the_completions_and_evaluates_exactly(tmp_path):
     corpus = load_text_records(_write(tmp_path / "qa.jsonl", RECORDS), test_fraction=0.25)
     model = GPT(GPTConfig(vocab_size=256, seq_len=16, d_model=32, num_layers=1, num_heads=2))
