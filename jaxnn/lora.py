@@ -232,13 +232,21 @@ def _fits(kind: str, shape: tuple[int, ...], weight: tuple[int, ...]) -> bool:
     return shape == stack
 
 
-def with_adapter_dropout(model: Layer, lora: LoRA) -> Layer:
-    """`model` whose training applies (train=True with a key) drop the adapters' inputs at `lora.dropout`."""
-    if lora.dropout == 0:
-        return model
+def frozen_base(params: Any) -> Any:
+    """`params` with a stop-gradient on everything but the adapters: differentiated, the base weights get
+    symbolic zeros, so the compiled step has no weight-gradient products for them (a third of a full step's)."""
+    labels = adapter_labels(params)
+    return jax.tree.map(lambda p, label: p if label == "adapter" else jax.lax.stop_gradient(p), params, labels)
+
+
+def lora_model(model: Layer, lora: LoRA) -> Layer:
+    """`model` for training adapters: gradients flow into the adapters alone (`frozen_base`), and training
+    applies (train=True with a key) drop the adapters' inputs at `lora.dropout`. Its params are the model's
+    with adapters; its outputs are the model's."""
 
     def apply(params, x, *, key=None, train=False, **kwargs):
-        if not train or key is None:
+        params = frozen_base(params)
+        if not train or key is None or lora.dropout == 0:
             return model.apply(params, x, key=key, train=train, **kwargs)
         with adapter_dropout(lora.dropout, jax.random.fold_in(key, 0x10AA)):
             return model.apply(params, x, key=key, train=train, **kwargs)
@@ -247,15 +255,14 @@ def with_adapter_dropout(model: Layer, lora: LoRA) -> Layer:
 
 
 def with_adapters(model: Layer, lora: LoRA) -> Layer:
-    """`model` whose init adds adapters to its fresh params (and whose training applies drop the adapters' input
-    at `lora.dropout`): for building a LoRA model from scratch, e.g. to size it. `fit(..., lora=)` adds the
-    adapters to the params it starts from instead."""
+    """`lora_model(model, lora)` whose init adds adapters to its fresh params: for building a LoRA model from
+    scratch, e.g. to size it. `fit(..., lora=)` adds the adapters to the params it starts from instead."""
 
     def init(key, in_shape):
         out_shape, params = model.init(key, in_shape)
         return out_shape, add_adapters(params, lora, jax.random.fold_in(key, 0x10AA))
 
-    return with_adapter_dropout(model, lora)._replace(init=init)
+    return lora_model(model, lora)._replace(init=init)
 
 
 def unused_adapters(apply: Any, params: Any, x: Any) -> list[str]:
@@ -315,6 +322,7 @@ __all__ = [
     "target_names",
     "train_adapters_only",
     "unused_adapters",
-    "with_adapter_dropout",
+    "frozen_base",
+    "lora_model",
     "with_adapters",
 ]

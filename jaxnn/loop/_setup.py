@@ -116,7 +116,7 @@ def lora_start(model: Layer, tx: Any, cfg: FitConfig, inputs: Any, x_spec: Any) 
             "Dense layer multiplies (a convolution's or a custom layer's weight): its adapters would never train; "
             "narrow the targets"
         )
-    model = lora_lib.with_adapter_dropout(model, settings)
+    model = lora_lib.lora_model(model, settings)
     inputs = inputs._replace(params=params, model_state=model_state, init_from=None)
     return model, lora_lib.train_adapters_only(tx), inputs, record
 
