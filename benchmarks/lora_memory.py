@@ -40,10 +40,22 @@ H200_BYTES = 141e9
 USABLE = 0.9  # what is left after the runtime, XLA's workspace and fragmentation, as a round figure
 
 SHAPES = {
+    "tiny": GPTConfig(vocab_size=256, seq_len=64, d_model=64, num_layers=2, num_heads=2),  # for dry runs
     "gpt2-small": PRESETS["gpt2"].config,
-    "llama-shaped": GPTConfig(vocab_size=32000, seq_len=2048, d_model=768, num_layers=12, num_heads=12,
-                              num_kv_heads=4, mlp_hidden=2048, position="rope", norm="rms", mlp="swiglu", bias=False,
-                              norm_eps=1e-5),  # fmt: skip
+    "llama-shaped": GPTConfig(
+        vocab_size=32000,
+        seq_len=2048,
+        d_model=768,
+        num_layers=12,
+        num_heads=12,
+        num_kv_heads=4,
+        mlp_hidden=2048,
+        position="rope",
+        norm="rms",
+        mlp="swiglu",
+        bias=False,
+        norm_eps=1e-5,
+    ),  # fmt: skip
 }
 
 
@@ -118,7 +130,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--models", nargs="+", default=["gpt2-small", "llama-shaped"], choices=list(SHAPES))
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)

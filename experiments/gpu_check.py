@@ -47,6 +47,10 @@ MFU_TIMEOUT_S = 150  # the child's hard limit: a hung compile costs at most this
 # experiments that overran still leave it a full measurement.
 MFU_GRACE_S = 60
 MFU_NAME = "bench_gpu_mfu"
+# LoRA r=8 against full fine-tuning of a GPT-2-small-shaped model (benchmarks.lora_memory) in a child process, after
+# the experiments and before the MFU child; its reserve comes out of the experiments' share.
+LORA_NAME = "bench_lora"
+LORA_RESERVE_S = 45
 # Published MFU figures (PaLM, MaxText) divide by the datasheet's dense bf16 rate, not a measured GEMM peak: the
 # H200 SXM's 989 TFLOP/s (NVIDIA datasheet, dense, no sparsity). Quoted, not measured.
 H200_DENSE_BF16_TFLOPS = 989.0
@@ -290,8 +294,8 @@ def parse_args(argv):
         "--only",
         nargs="*",
         default=None,
-        choices=[*BUDGETS, MFU_NAME],
-        help=f"run only these experiments ({MFU_NAME}: the MFU benchmark, which --only otherwise skips)",
+        choices=[*BUDGETS, MFU_NAME, LORA_NAME],
+        help=f"run only these experiments ({MFU_NAME}, {LORA_NAME}: the benchmarks, which --only otherwise skips)",
     )
     parser.add_argument("--no-mfu", action="store_true", help="skip the MFU benchmark (its child process)")
     parser.add_argument(
@@ -318,6 +322,7 @@ def parse_args(argv):
     if args.total_limit is None:
         args.total_limit = DRY_RUN_TOTAL_S if args.dry_run else TOTAL_LIMIT_S
     args.mfu = not args.no_mfu and (args.only is None or MFU_NAME in args.only)
+    args.lora = args.only is None or LORA_NAME in args.only
     try:
         archive_target(args.archive, "tag")
     except ValueError as err:
@@ -354,6 +359,43 @@ def run_mfu(out_dir: Path, dry_run: bool, timeout_s: float, progress: Progress) 
     return mfu
 
 
+def run_lora(out_dir: Path, dry_run: bool, timeout_s: float, progress: Progress) -> dict | None:
+    """benchmarks.lora_memory (full fine-tuning against LoRA r=8, GPT-2 small shape, fp32 AdamW) in a child process
+    with a hard timeout, like the MFU child; returns its lora_memory.json."""
+    t0 = time.perf_counter()
+    path = out_dir / "lora_memory.json"
+    path.unlink(missing_ok=True)
+    size = ["--models", "tiny", "--batch", "2", "--seq-len", "16", "--steps", "1"] if dry_run else [
+        "--models", "gpt2-small", "--batch", "8", "--seq-len", "512", "--steps", "5"]  # fmt: skip
+    cmd = [sys.executable, "-m", "benchmarks.lora_memory", "--ranks", "8", "--json", str(path), *size]
+    root = str(Path(__file__).resolve().parents[1])
+    pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONPATH": pythonpath}
+    try:
+        proc = subprocess.run(cmd, env=env, timeout=timeout_s, check=False)
+        ended = f"exit status {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        ended = f"killed after its {timeout_s:.0f} s timeout"
+    try:
+        rows = json.loads(path.read_text())["rows"]
+    except (OSError, json.JSONDecodeError, KeyError):
+        rows = None
+    progress.save(lora=rows)
+    if not rows or len(rows) < 2:
+        progress.add(LORA_NAME, "FAILED", time.perf_counter() - t0, f"no LoRA measurement ({ended})")
+        return None
+    full, adapted = rows[0], rows[1]
+    progress.add(
+        LORA_NAME,
+        "ok",
+        time.perf_counter() - t0,
+        f"{full['model']} LoRA r=8 vs full: {adapted['step_ms']:.1f} vs {full['step_ms']:.1f} ms/step, peak "
+        f"{adapted['peak_bytes'] / 2**30:.2f} vs {full['peak_bytes'] / 2**30:.2f} GiB, optimizer state "
+        f"{100 * adapted['opt_state_bytes'] / full['opt_state_bytes']:.2f}% of full",
+    )
+    return {"rows": rows}
+
+
 def mfu_headline(mfu: dict | None, ended: str) -> str:
     """MFU against both denominators: the bf16 GEMM peak of the same run and the datasheet's dense bf16 rate."""
     if not mfu or mfu.get("mfu") is None:
@@ -370,7 +412,8 @@ def mfu_headline(mfu: dict | None, ended: str) -> str:
 def run_experiments(args, size: str, start: float, progress: Progress) -> None:
     from experiments import common
 
-    reserve = MFU_RESERVE_S if args.mfu and not args.dry_run else 0.0
+    reserve = (MFU_RESERVE_S if args.mfu else 0.0) + (LORA_RESERVE_S if args.lora else 0.0)
+    reserve = 0.0 if args.dry_run else reserve
     for name, budget in args.budgets.items():
         if args.only is not None and name not in args.only:
             continue
@@ -444,6 +487,8 @@ def main(argv=None) -> int:
         lowerings = {"error": f"{type(err).__name__}: {err}"[:300]}
     progress.save(lowerings=lowerings)
     run_experiments(args, size, start, progress)
+    if args.lora:
+        run_lora(out_dir, args.dry_run, LORA_RESERVE_S, progress)
     if args.mfu:
         left = args.total_limit + MFU_GRACE_S - (time.perf_counter() - start)
         run_mfu(out_dir, args.dry_run, min(MFU_TIMEOUT_S, max(left, MIN_EXPERIMENT_S)), progress)
