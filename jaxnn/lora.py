@@ -92,7 +92,9 @@ def parse_lora(text: str) -> LoRA:
             fields[key] = _number(key, value)
         else:
             raise ValueError(f"LoRA: unknown setting {item!r} in {text!r}; give r=, alpha=, dropout=, targets=")
-    return LoRA(**fields, **({"targets": tuple(targets)} if targets else {}))
+    if targets:
+        fields["targets"] = tuple(targets)
+    return LoRA(**fields)
 
 
 def _number(key: str, value: str) -> int | float:

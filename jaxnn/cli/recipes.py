@@ -196,10 +196,12 @@ def _tokenizer_keeper(folder: pathlib.Path | None) -> list[Callback]:
     from jaxnn.callbacks import Callback
     from jaxnn.interop.tokenizer import copy_tokenizer
 
+    source: pathlib.Path = folder
+
     class KeepTokenizer(Callback):
         def on_start(self, run: Any) -> None:
             if run.is_main and run.run_dir:
-                copy_tokenizer(folder, run.run_dir)
+                copy_tokenizer(source, run.run_dir)
 
     return [KeepTokenizer()]
 

@@ -60,7 +60,7 @@ def read_records(path: str | os.PathLike) -> Iterator[tuple[str, str]]:
 def json_line(file: pathlib.Path, number: int, line: str) -> Any:
     try:
         return json.loads(line)
-    except ValueError as err:
+    except json.JSONDecodeError as err:
         raise DataError(f"{file}:{number}: not a JSON object ({err.msg})") from None
 
 
