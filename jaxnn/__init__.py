@@ -40,6 +40,7 @@ SUBMODULES = (
     "kernels",
     "layers",
     "loop",
+    "lora",
     "metrics",
     "models",
     "parallel",

@@ -68,6 +68,7 @@ class LoRA:
         return self.alpha / self.rank
 
     def record(self) -> dict[str, Any]:
+        """The settings as JSON values (a run's record, an adapter file's header); `as_lora` reads them back."""
         return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets)}
 
 
@@ -133,6 +134,7 @@ def target_names(params: Any, targets: Iterable[str]) -> list[str]:
 
 
 def has_adapters(params: Any) -> bool:
+    """Whether `params` hold LoRA adapters anywhere."""
     return any(name.endswith(".lora_a") for name in flatten(params))
 
 

@@ -328,11 +328,13 @@ def test_gpu_check_dry_run_runs_every_experiment(dry_run):
     check = json.loads((folder / "gpu_check.json").read_text())
     failed = [row for row in check["table"] if not row["status"].startswith("ok")]
     assert code == 0 and not failed, failed
-    # The experiments first, in their budgets' order, then the MFU benchmark in its own process.
+    # The experiments first, in their budgets' order, then the LoRA and MFU benchmarks in processes of their own.
     assert check["complete"] is True and [row["name"] for row in check["table"]] == [
         *gpu_check.BUDGETS,
+        "bench_lora",
         "bench_gpu_mfu",
     ]
+    assert [row["method"] for row in check["lora"]] == ["full", "lora r=8"]
     assert check["dry_run"] is True and check["check"]["backend"] == jax.default_backend()
     mfu = json.loads((folder / "gpu_mfu.json").read_text())
     assert mfu["dry_run"] is True and mfu["mfu"] > 0 and mfu["num_params"] > 0
