@@ -280,9 +280,26 @@ def write_export(
 
 
 def check_out_dir(out: pathlib.Path, config: dict | None) -> None:
-    """Refuses (RunDirError) an output folder holding another export or foreign files; see the module doc."""
+    """Refuses (RunDirError) an output folder holding another export or foreign files; see the module doc. A
+    temporary file a killed export left (`.<name>.tmp-<pid>` of a process that is gone) is removed."""
     check_writable(out)
-    check_export_dir(out, export_identity(config), (EXPORT_FILE, WEIGHTS_FILE, INFO_FILE), _recorded_identity)
+    files = (EXPORT_FILE, WEIGHTS_FILE, INFO_FILE)
+    check_export_dir(out, export_identity(config), files, _recorded_identity)
+    for name in files:
+        for leftover in out.glob(f".{name}.tmp-*") if out.is_dir() else ():
+            pid = leftover.name.rpartition("-")[2]
+            if pid.isdigit() and not _alive(int(pid)):
+                leftover.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _recorded_identity(path: pathlib.Path) -> str | None:

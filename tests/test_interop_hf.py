@@ -223,11 +223,49 @@ def test_an_architecture_jaxnn_does_not_model_is_refused_in_one_line(folders, tm
 
 
 def test_save_hf_never_writes_into_a_folder_that_holds_files(folders, tmp_path):
+    from jaxnn._src.storage import RunDirError
+
     cfg, params = load_hf(folders["gpt2"])
     (tmp_path / "notes.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="not empty"):
+    with pytest.raises(RunDirError, match=r"holds files that are not a jaxnn export \(notes\.txt\)"):
         save_hf(tmp_path, cfg, params)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    with pytest.raises(RunDirError, match="holds files that are not a jaxnn export"):
+        save_hf(folders["gpt2"], cfg, params)  # the checkpoint it was read from is never written over
+
+
+def test_an_export_replaces_its_own_earlier_one_whole_and_survives_a_kill_or_a_full_disk(folders, tmp_path):
+    import safetensors.numpy
+
+    from jaxnn._src.storage import RunDirError, StorageError
+
+    cfg, params = load_hf(folders["gpt2"])
+    out = tmp_path / "out"
+    save_hf(out, cfg, params, source="run-a")
+    before = (out / "model.safetensors").read_bytes()
+    changed = jax.tree.map(lambda a: a * 0 + 1, params)
+    save_hf(out, cfg, changed, source="run-a")  # its own earlier export: replaced
+    assert (out / "model.safetensors").read_bytes() != before
+    with pytest.raises(RunDirError, match="holds another export"):
+        save_hf(out, cfg, params, source="run-b")
+    # A kill between setting the old folder aside and moving the new one in: the rerun puts the old one back first.
+    (tmp_path / ".out.partial-99999").mkdir()
+    out.rename(tmp_path / ".out.old-99999")
+    save_hf(out, cfg, params, source="run-a")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    now = (out / "model.safetensors").read_bytes()
+
+    def full_disk(*args, **kwargs):
+        raise safetensors.SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(safetensors.numpy, "save_file", full_disk)
+    try:
+        with pytest.raises(StorageError, match="writing .*out"):
+            save_hf(out, cfg, changed, source="run-a")
+    finally:
+        monkey.undo()
+    assert (out / "model.safetensors").read_bytes() == now and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 @pytest.mark.parametrize("name", [n for n, p in PRESETS.items() if p.family == "gpt"])

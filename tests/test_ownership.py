@@ -135,6 +135,17 @@ def test_an_export_folder_holding_another_export_is_refused(base, full_export, t
     assert snapshot(full_export) == before
 
 
+def test_a_killed_exports_temporary_file_is_removed_by_the_rerun(base, tmp_path):
+    out = tmp_path / "out"
+    export_run(base[0], out, step=4, safetensors_only=True)
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    leftover = out / f".weights.safetensors.tmp-{ended.pid}"  # left by a process that is gone
+    leftover.write_bytes(b"half a file")
+    export_run(base[0], out, step=4, safetensors_only=True)
+    assert not leftover.exists()
+
+
 def test_an_export_folder_holding_foreign_files_is_refused(base, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

@@ -155,28 +155,34 @@ def _export_hf(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.run_dir}: --format hf writes GPT runs, not a {loaded.config.get('model')!r} run")
     _, cfg = model_from_record(loaded.config)
     tokenizer = run_tokenizer_folder(loaded.config, loaded.directory)  # refused before anything is written
-    out = save_hf(args.out, cfg, loaded.params, tokenizer_from=tokenizer)
+    out = save_hf(args.out, cfg, loaded.params, tokenizer_from=tokenizer, source=_source(loaded))
     print(f"jaxnn: exported {args.run_dir} as a transformers folder -> {out}")
     return 0
 
 
 def _export_adapters(args: argparse.Namespace) -> int:
     """`jaxnn export --format lora`: the adapters of a LoRA run (not its base) as one small file."""
-    import pathlib
-
+    from jaxnn._src.folders import write_folder
     from jaxnn.checkpoint import load_params
     from jaxnn.lora import as_lora, save_adapters
 
     loaded = load_params(args.run_dir, step=args.step)
     if "lora" not in loaded.config:
         raise ValueError(f"{args.run_dir}: not a LoRA run (trained without --lora): it has no adapters to export")
-    out = pathlib.Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out}: not an empty folder; --format lora writes into a new or empty one")
-    out.mkdir(parents=True, exist_ok=True)
-    path = save_adapters(out / "adapters.safetensors", loaded.params, as_lora(loaded.config["lora"]))
-    print(f"jaxnn: exported the LoRA adapters of {args.run_dir} -> {path}")
+    settings = as_lora(loaded.config["lora"])
+    out = write_folder(
+        args.out,
+        lambda staging: save_adapters(staging / "adapters.safetensors", loaded.params, settings),
+        {"format": "lora adapters", "source": _source(loaded)},
+    )
+    print(f"jaxnn: exported the LoRA adapters of {args.run_dir} -> {out / 'adapters.safetensors'}")
     return 0
+
+
+def _source(loaded: Any) -> str:
+    """What an export folder records as its source: the checkpoint directory it was written from, so a rerun (of
+    any step of that run) replaces its own earlier export and never another's."""
+    return str(loaded.directory.absolute())
 
 
 def _generate_hf(args: argparse.Namespace) -> int:

@@ -270,38 +270,39 @@ def save_hf(
     *,
     dtype: Any = None,
     tokenizer_from: str | os.PathLike | None = None,
+    source: str | None = None,
 ) -> str:
     """Writes `params` of a jaxnn GPT as a transformers folder (config.json, model.safetensors) that
     `AutoModelForCausalLM.from_pretrained` loads; returns the folder. `dtype`: the stored dtype (None: keep).
     `tokenizer_from`: a folder whose tokenizer files (tokenizer.json and its side files) are copied beside the
     weights, so `AutoTokenizer` reads the vocabulary the model was trained on. LoRA adapters in `params` are
-    merged into their weights first. The folder must be new or empty: nothing already in it is replaced."""
+    merged into their weights first.
+
+    The folder is written whole (`jaxnn._src.folders`): a new or empty folder, or an earlier export of the same
+    `source` (e.g. the run it came from), which is replaced only once the new one is complete; a folder holding
+    anything else is refused (`RunDirError`) and left as it was. A kill at any moment leaves the old or the new."""
     from safetensors.numpy import save_file
 
+    from jaxnn._src.folders import write_folder
     from jaxnn.interop.tokenizer import copy_tokenizer
     from jaxnn.lora import merge
 
     params = merge(params)
-    folder = os.fspath(folder)
-    if os.path.isdir(folder) and os.listdir(folder):
-        raise FileExistsError(f"{folder}: not empty; save_hf writes into a new or empty folder")
     config = hf_config(cfg)
     tensors = from_jaxnn(params, rules_for(cfg), target=f"a transformers {config['model_type']} checkpoint")
     if dtype is not None:
         tensors = {name: np.asarray(t).astype(dtype) for name, t in tensors.items()}
     stored = {str(t.dtype) for t in tensors.values()}
     config["dtype"] = stored.pop() if len(stored) == 1 else "float32"
-    os.makedirs(folder, exist_ok=True)
-    save_file(
-        {k: np.ascontiguousarray(v) for k, v in tensors.items()},
-        os.path.join(folder, "model.safetensors"),
-        metadata={"format": "pt"},
-    )
-    if tokenizer_from is not None:
-        copy_tokenizer(tokenizer_from, folder, subdir="")
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    return folder
+
+    def fill(staging: Any) -> None:
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, staging / "model.safetensors",
+                  metadata={"format": "pt"})  # fmt: skip
+        if tokenizer_from is not None:
+            copy_tokenizer(tokenizer_from, staging, subdir="")
+        (staging / "config.json").write_text(json.dumps(config, indent=2))
+
+    return os.fspath(write_folder(folder, fill, {"format": "transformers", "source": source}))
 
 
 __all__ = [
