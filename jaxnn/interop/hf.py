@@ -38,32 +38,56 @@ ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
 
+# The weights files transformers' save_pretrained writes (a jaxnn run or export names its files otherwise).
+HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
 def is_hf_folder(path: str | os.PathLike) -> bool:
-    """Whether `path` is a folder with a transformers config.json (a `model_type` in it)."""
-    config = os.path.join(os.fspath(path), "config.json")
-    if not os.path.isfile(config):
+    """Whether `path` is (meant as) a transformers checkpoint folder: a config.json with a `model_type`, or
+    transformers' weights files whatever state its config.json is in (`read_hf_config` then says what is
+    wrong)."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
         return False
+    if any(os.path.isfile(os.path.join(path, name)) for name in HF_WEIGHTS):
+        return True
     try:
-        with open(config) as f:
-            return "model_type" in json.load(f)
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
     except (OSError, ValueError):
         return False
+    return isinstance(config, dict) and "model_type" in config
 
 
 def read_hf_config(folder: str | os.PathLike) -> dict[str, Any]:
-    """The folder's config.json as a dict."""
-    with open(os.path.join(os.fspath(folder), "config.json")) as f:
-        return json.load(f)
+    """The folder's config.json as a dict; a missing, cut-short or foreign one is one TensorMismatchError."""
+    path = os.path.join(os.fspath(folder), "config.json")
+    if not os.path.isfile(path):
+        raise TensorMismatchError(
+            f"{folder}: transformers weights without a config.json, which says what model they are; save the "
+            "model with save_pretrained, which writes both"
+        )
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except ValueError as err:
+        raise TensorMismatchError(f"{path}: not JSON ({err}); cut short or damaged?") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise TensorMismatchError(f"{path}: no model_type; not the config.json of a transformers model")
+    return config
 
 
 def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
     """The jaxnn GPTConfig of a transformers GPT-2 or Llama config.json; a ValueError names a setting jaxnn's GPT
     does not model (another architecture, activation or rotary scaling)."""
     kind = hf.get("model_type")
-    if kind == "gpt2":
-        return _gpt2_config(hf)
-    if kind == "llama":
-        return _llama_config(hf)
+    try:
+        if kind == "gpt2":
+            return _gpt2_config(hf)
+        if kind == "llama":
+            return _llama_config(hf)
+    except KeyError as err:
+        raise TensorMismatchError(f"a transformers {kind} config.json without {err.args[0]!r}") from None
     raise ValueError(f"model_type {kind!r}: jaxnn reads transformers checkpoints of {sorted(ARCHITECTURES)}")
 
 

@@ -11,10 +11,11 @@ there, none is left over and every shape is the one the jaxnn model expects, and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -93,19 +94,34 @@ def is_tensor_file(path: str | os.PathLike) -> bool:
 def read_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Every tensor of a checkpoint: a `.safetensors` file, a sharded Hugging Face folder
     (`model.safetensors.index.json`), a folder holding `model.safetensors`, or a PyTorch `.pt`/`.pth`/`.bin`
-    state dict (read with torch, weights only). bfloat16 tensors stay bfloat16 (ml_dtypes)."""
+    state dict (read with torch, weights only; one wrapped in a training checkpoint or saved from
+    `nn.DataParallel` too). bfloat16 tensors stay bfloat16 (ml_dtypes). A file that cannot be read (cut short, of
+    another format) is one TensorMismatchError naming it."""
     path = os.fspath(path)
     if os.path.isdir(path):
         return _read_folder(path)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"no checkpoint at {path}")
+        raise TensorMismatchError(f"no checkpoint at {path}")
     if path.endswith(".safetensors"):
         from safetensors.numpy import load_file
 
-        return dict(load_file(path))
+        with _unreadable(path, "safetensors"):
+            return dict(load_file(path))
     if path.endswith((".pt", ".pth", ".bin")):
         return _read_torch(path)
-    raise ValueError(f"{path}: not a checkpoint jaxnn reads (.safetensors, .pt, .pth, .bin or a folder)")
+    raise TensorMismatchError(f"{path}: not a checkpoint jaxnn reads (.safetensors, .pt, .pth, .bin or a folder)")
+
+
+@contextlib.contextmanager
+def _unreadable(path: str, kind: str) -> Iterator[None]:
+    """Turns a reader's failure on a damaged file (safetensors' and torch's own error types) into one line."""
+    try:
+        yield
+    except TensorMismatchError:
+        raise
+    except Exception as err:  # noqa: BLE001 - each reader raises its own types for a damaged file
+        detail = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+        raise TensorMismatchError(f"{path}: not a readable {kind} file ({detail}); cut short or damaged?") from None
 
 
 def read_tensor_shapes(path: str | os.PathLike) -> dict[str, np.ndarray]:
@@ -117,15 +133,16 @@ def read_tensor_shapes(path: str | os.PathLike) -> dict[str, np.ndarray]:
     if os.path.isdir(path):
         return {name: t for file in _folder_files(path) for name, t in read_tensor_shapes(file).items()}
     if not path.endswith((".safetensors", ".pt", ".pth", ".bin")):
-        raise ValueError(f"{path}: not a checkpoint jaxnn reads (.safetensors, .pt, .pth, .bin or a folder)")
+        raise TensorMismatchError(f"{path}: not a checkpoint jaxnn reads (.safetensors, .pt, .pth, .bin or a folder)")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"no checkpoint at {path}")
+        raise TensorMismatchError(f"no checkpoint at {path}")
     if path.endswith(".safetensors"):
-        return _safetensors_shapes(path)
+        with _unreadable(path, "safetensors"):
+            return _safetensors_shapes(path)
     torch = require("torch", "reading a PyTorch .pt/.pth/.bin checkpoint")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError:  # an old (non-zip) file cannot be mapped: read it whole
+    except RuntimeError:  # an old (non-zip) file cannot be mapped, or a damaged one: read it whole
         return {name: _shape_only(np.shape(t)) for name, t in _read_torch(path).items()}
     return {name: _shape_only(tuple(t.shape)) for name, t in _state_dict(state, path).items() if hasattr(t, "shape")}
 
@@ -153,28 +170,48 @@ def _folder_files(folder: str) -> list[str]:
     """The tensor files of a checkpoint folder: a sharded index's shards, or its one weights file."""
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
+        with _unreadable(index, "sharded index (JSON with a weight_map)"), open(index) as f:
             shards = sorted(set(json.load(f)["weight_map"].values()))
         return [os.path.join(folder, shard) for shard in shards]
     for candidate in ("model.safetensors", "pytorch_model.bin"):
         if os.path.exists(os.path.join(folder, candidate)):
             return [os.path.join(folder, candidate)]
-    raise FileNotFoundError(f"{folder}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+    raise TensorMismatchError(
+        f"{folder}: no weights (model.safetensors, model.safetensors.index.json or pytorch_model.bin)"
+    )
 
 
 def _read_torch(path: str) -> dict[str, np.ndarray]:
     torch = require("torch", "reading a PyTorch .pt/.pth/.bin checkpoint")
-    state = _state_dict(torch.load(path, map_location="cpu", weights_only=True), path)
+    with _unreadable(path, "PyTorch"):
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    state = _state_dict(loaded, path)
     return {name: torch_to_numpy(t) for name, t in state.items() if hasattr(t, "detach")}
 
 
+# Where training scripts keep the model's state dict inside a checkpoint (Lightning, torchvision's references, ...).
+_WRAPPERS = ("state_dict", "model_state_dict", "model", "module")
+# Prefixes the wrappers around a model add to every name: nn.DataParallel / DistributedDataParallel, torch.compile.
+_PREFIXES = ("module.", "_orig_mod.")
+
+
 def _state_dict(state: Any, path: str) -> dict:
-    """What torch.load gave, as the state dict (a training checkpoint wraps it under "state_dict")."""
-    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict):
-        raise ValueError(f"{path}: holds a {type(state).__name__}, not a state dict of tensors")
+    """What torch.load gave, as the model's state dict: unwrapped from a training checkpoint ({"state_dict": ...,
+    "optimizer": ...}) and without the prefix nn.DataParallel or torch.compile put on every name."""
+    for key in _WRAPPERS:
+        if isinstance(state, dict) and isinstance(state.get(key), dict) and not _is_tensor_dict(state):
+            state = state[key]
+    if not isinstance(state, dict) or not _is_tensor_dict(state):
+        what = type(state).__name__ if not isinstance(state, dict) else f"dict with keys {sorted(state)[:5]}"
+        raise TensorMismatchError(f"{path}: holds a {what}, not a state dict of tensors")
+    for prefix in _PREFIXES:
+        if state and all(name.startswith(prefix) for name in state):
+            state = {name[len(prefix) :]: t for name, t in state.items()}
     return state
+
+
+def _is_tensor_dict(state: dict) -> bool:
+    return bool(state) and all(isinstance(k, str) for k in state) and any(hasattr(v, "shape") for v in state.values())
 
 
 def torch_to_numpy(tensor: Any) -> np.ndarray:
