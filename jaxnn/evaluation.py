@@ -149,10 +149,35 @@ def evaluate(
     place, split = _placement(mesh)
     size = round_up(batch_size, split)
     batches = as_eval_batches(data, size, seq_len=seq_len, seed=seed) or []
+    if not batches:
+        raise DataError("evaluate: the data hold no examples (an empty iterable, array or split); nothing to evaluate")
+    check_label_range(model, params, state, batches, precision)
     size = max([size, *(round_up(int(np.shape(b["x"])[0]), split) for b in batches)])
     params, state = replicate((params, state), mesh)
     sums = jax.jit(eval_sums_fn(model, loss, precision))
     return mean_over(lambda b: sums(params, state, b), (place(padded(b, size)) for b in batches))
+
+
+def check_label_range(model: Layer, params: Any, state: Any, batches: list, precision: Any = "fp32") -> None:
+    """Integer labels `y` shaped like the model's output without its last axis must index that axis: a label
+    outside the model's classes (or vocabulary) is one DataError, not a NaN loss and an accuracy of 0."""
+    first = batches[0]
+    if "y" not in first or not np.issubdtype(np.asarray(first["y"]).dtype, np.integer):
+        return
+    spec = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in first.items() if k != VALID}
+    policy = get_policy(precision)
+    out = jax.eval_shape(lambda p, s, b: forward_batch(model, policy, p, s, b, key=None, train=False)[0],
+                         params, state, spec)  # fmt: skip
+    if not hasattr(out, "shape") or tuple(out.shape[:-1]) != tuple(np.shape(first["y"])):
+        return  # not one class index per output row: the loss decides what `y` means
+    classes = int(out.shape[-1])
+    real = [np.asarray(b["y"])[np.asarray(b["mask"]) > 0] if "mask" in b else np.asarray(b["y"]) for b in batches]
+    labels = np.concatenate([r.ravel() for r in real])
+    if labels.size and (labels.min() < 0 or labels.max() >= classes):
+        raise DataError(
+            f"evaluate: labels 'y' run from {labels.min()} to {labels.max()}, outside the model's {classes} "
+            f"outputs (0..{classes - 1})"
+        )
 
 
 def _inputs(data: Any, batch_size: int) -> Iterator[Any]:

@@ -89,6 +89,12 @@ def masked_classification_loss(
     A batch with `y_soft` (B, classes), e.g. mixup's or cutmix's mixed one-hot targets (`jaxnn.augment`), trains
     against those instead (smoothed too, if asked).
     """
+    if (
+        isinstance(label_smoothing, bool)
+        or not isinstance(label_smoothing, (int, float))
+        or not (0 <= label_smoothing < 1)
+    ):
+        raise ValueError(f"label_smoothing must be a number in [0, 1), got {label_smoothing!r}")
     labels = batch["y"]
     logits32 = logits.astype(jnp.float32)
     if "y_soft" in batch:

@@ -193,9 +193,16 @@ def read_idx(path: StrPath, *, expected_ndim: int | None = None) -> np.ndarray:
     dims = tuple(int(d) for d in np.frombuffer(raw, ">i4", ndim, 4))
     expected = int(np.prod(dims)) * dtype.itemsize
     if len(raw) - header != expected:
+        sizes: dict[int, str] = {}
+        for d in _IDX_DTYPES.values():  # the first of each size: uint8 before int8
+            sizes.setdefault(d.itemsize, d.newbyteorder("=").name)
+        fits = [name for size, name in sizes.items() if int(np.prod(dims)) * size == len(raw) - header]
+        code = f"0x{raw[2]:02x} ({dtype.newbyteorder('=').name})"
+        hint = f"; the size fits {fits[0]}: is the dtype code {code} in its magic number wrong?" if fits else ""
         raise DataError(
-            f"{path}: {len(raw) - header} bytes of data, expected {expected} for shape {dims} "
-            f"({'truncated' if len(raw) - header < expected else 'trailing bytes'})"
+            f"{path}: {len(raw) - header} bytes of data, expected {expected} for shape {dims} of "
+            f"{dtype.newbyteorder('=').name} "
+            f"({'truncated' if len(raw) - header < expected else 'trailing bytes'}){hint}"
         )
     return np.frombuffer(raw, dtype, offset=header).reshape(dims).astype(dtype.newbyteorder("="))
 
@@ -289,6 +296,8 @@ def load_cifar10(directory: StrPath) -> ImageDataset:
         raise DataError(f"{directory}: no data_batch_N.bin files (CIFAR-10 binary version)")
     if len(train_paths) < 5:
         log.warning("%s: %d of the 5 CIFAR-10 training batches present", directory, len(train_paths))
+    if not (directory / "test_batch.bin").is_file():
+        raise DataError(f"{directory}: no test_batch.bin (the CIFAR-10 binary version's test split)")
     train = [read_cifar_batch(p) for p in train_paths]
     x_test, y_test = read_cifar_batch(directory / "test_batch.bin")
     return make_image_dataset(
@@ -305,6 +314,7 @@ def load_cifar10(directory: StrPath) -> ImageDataset:
 # --- text -------------------------------------------------------------------------------------------------------
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 
 
 def stdlib_dir() -> pathlib.Path:
@@ -398,12 +408,27 @@ def detect_format(directory: StrPath) -> str:
     if pathlib.Path(directory).is_file() and pathlib.Path(directory).suffix == ".jsonl":
         return "text"
     directory = _check_dir(directory)
+    found = []
     if _find_idx(directory, "t10k", "images") or _find_idx(directory, "train", "images"):
-        return "mnist"
-    if any(_cifar_dir(directory).glob("data_batch_[0-9].bin")):
-        return "cifar10"
+        found.append("mnist")
+    if any(_cifar_dir(directory).glob("data_batch_[0-9].bin")) or any(_cifar_dir(directory).glob("test_batch.bin")):
+        found.append("cifar10")
+    if len(found) > 1:
+        raise DataError(
+            f"{directory}: holds both MNIST-format IDX files and CIFAR-10 batches; name one with --dataset "
+            "(mnist, fashion_mnist or cifar10), or keep each data set in a folder of its own"
+        )
+    if found:
+        return found[0]
     if any(p.suffix in (*TEXT_SUFFIXES, ".jsonl") for p in directory.rglob("*")):
         return "text"
+    images = sorted({p.suffix.lower() for p in directory.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES})
+    if images:
+        raise DataError(
+            f"{directory}: holds image files ({', '.join(images)}), which jaxnn train does not read; it reads "
+            "MNIST/Fashion-MNIST IDX files, CIFAR-10 binary batches or text. Load the images into arrays and pass "
+            "them to jaxnn.fit as (x, y)"
+        )
     raise DataError(f"{directory}: holds no MNIST/Fashion-MNIST IDX files, CIFAR-10 binary batches or text files")
 
 
