@@ -16,6 +16,7 @@ when each device holds an even number of rows, so every data-parallel form mixes
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,7 +62,13 @@ class Augment:
             raise ValueError(f"Augment: crop_pad must be a non-negative integer, got {self.crop_pad!r}")
         for name in ("brightness", "contrast", "saturation", "mixup", "cutmix"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value < 0 or (name in ("contrast", "saturation") and value > 1):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value < 0
+                or (name in ("contrast", "saturation") and value > 1)
+            ):
                 limit = " at most 1" if name in ("contrast", "saturation") else ""
                 raise ValueError(f"Augment: {name} must be a number >= 0{limit}, got {value!r}")
 
@@ -106,6 +113,8 @@ def parse_augment(text: str) -> Augment:
             number = float(value) if value else float(defaults[name])
         except ValueError:
             raise ValueError(f"augment: {name} wants a number, got {value!r}") from None
+        if not math.isfinite(number):
+            raise ValueError(f"augment: {name} wants a finite number, got {value!r}")
         if name == "crop":
             if number != int(number):
                 raise ValueError(f"augment: crop wants a whole number of pixels, got {value!r}")

@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return COMMANDS[args.command](args)
+    except KeyboardInterrupt:  # a second Ctrl-C after a run saved its checkpoint, or one outside a run
+        print("jaxnn: interrupted", file=sys.stderr)
+        return 130
     except Exception as err:
         status = exit_status(err)
         if status is None:

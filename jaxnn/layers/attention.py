@@ -40,6 +40,8 @@ def rotary_embedding(x_BTNH: jax.Array, positions_BT: jax.Array, base: float = 1
     the head are the real and imaginary parts), so that q . k depends on the positions only through their
     difference. Computed in float32 (float64 for float64 inputs), returned in the input's dtype."""
     H = x_BTNH.shape[-1]
+    if H % 2:
+        raise ValueError(f"rotary_embedding: the head width (last axis) must be even, got {H} in {x_BTNH.shape}")
     wide = precision.accumulation_dtype(x_BTNH.dtype)
     inv_freq = base ** (-jnp.arange(0, H // 2, dtype=wide) * 2 / H)
     angle_BTH = positions_BT[..., None].astype(wide) * inv_freq[None, None, :]
@@ -171,6 +173,8 @@ def _check_config(num_heads, head_dim, num_kv_heads, implementation, cross, caus
         )
     if cross and (causal or rope):
         raise ValueError("MultiHeadAttention: cross-attention takes neither causal=True nor rope=True")
+    if rope and head_dim is not None and head_dim % 2:
+        raise ValueError(f"MultiHeadAttention: rotary embeddings need an even head_dim, got {head_dim}")
     return kv_heads
 
 

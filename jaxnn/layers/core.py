@@ -248,7 +248,26 @@ def check_positive(layer_name: str, **values: int) -> None:
 
 
 def child_keys(layers: Sequence[Layer]) -> list[str]:
+    """The params keys of a combinator's children, "<index>_<name>"; anything that is not a Layer is refused."""
+    for i, layer in enumerate(layers):
+        check_is_layer(layer, f"layer {i}")
     return [f"{i}_{layer.name}" for i, layer in enumerate(layers)]
+
+
+def check_is_layer(layer: Any, where: str) -> None:
+    """A TypeError in one line for what is not a `Layer`, with the usual mistakes named: a recurrent cell (it
+    runs inside `RNN`), a layer's class or constructor not yet called, a plain function."""
+    if isinstance(layer, Layer):
+        return
+    kind = type(layer).__name__
+    if hasattr(layer, "step") and hasattr(layer, "initial_carry"):
+        raise TypeError(f"{where}: {kind} is a recurrent cell, which runs one time step; use RNN({kind}(...))")
+    name = getattr(layer, "__name__", kind)
+    if isinstance(layer, type) or (callable(layer) and getattr(layer, "__module__", "").startswith("jaxnn.")):
+        raise TypeError(f"{where}: {name} makes a Layer but is not one; call it: {name}(...)")
+    if callable(layer):
+        raise TypeError(f"{where}: {name} is a plain function, not a Layer; wrap it: jaxnn.layers.Lambda({name})")
+    raise TypeError(f"{where}: a {kind} is not a jaxnn Layer")
 
 
 # The init functions of the layers `parallel` built, held weakly: see `splits_input`.

@@ -298,6 +298,12 @@ def check_monitors(callbacks, cfg, evals, model, loss, state) -> None:
 
 
 def checked_callbacks(callbacks) -> list[Callback]:
+    """fit's `callbacks` as a list: one Callback given alone is taken as a list of one; anything else that is
+    not a list of Callback instances is one ConfigError naming it."""
+    if isinstance(callbacks, Callback):
+        callbacks = [callbacks]
+    if isinstance(callbacks, (str, bytes, dict)) or not hasattr(callbacks, "__iter__"):
+        raise ConfigError(f"callbacks must be a list of jaxnn.callbacks.Callback, got {type(callbacks).__name__}")
     callbacks = list(callbacks)
     for i, c in enumerate(callbacks):
         if isinstance(c, type) and issubclass(c, Callback):

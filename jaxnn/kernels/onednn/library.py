@@ -13,6 +13,7 @@ import ctypes
 import functools
 import os
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -114,7 +115,15 @@ def enabled() -> bool:
     if flag is None:
         env = os.environ.get(ENV_SWITCH, "").strip()
         flag = DEFAULT_ENABLED if env == "" else env not in ("0", "false", "no", "off")
+        if env and flag and not available():
+            _warn_switch_has_no_effect(env)
     return flag and available()
+
+
+@functools.cache
+def _warn_switch_has_no_effect(value: str) -> None:
+    """Said once per process: a JAXNN_ONEDNN=1 that cannot take effect must not pass for one that did."""
+    warnings.warn(f"{ENV_SWITCH}={value} has no effect: {unavailable_reason()}", RuntimeWarning, stacklevel=3)
 
 
 def call(
