@@ -13,6 +13,7 @@ to one size, a multiple of the devices the batch is split over, so evaluation co
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -144,6 +145,7 @@ def evaluate(
     """
     from jaxnn.parallel.placement import replicate
 
+    _check_batch_size("evaluate", batch_size)
     params, state = _params_of(params_or_state, model_state)
     mesh = _mesh_for(mesh, devices)
     place, split = _placement(mesh)
@@ -151,18 +153,29 @@ def evaluate(
     batches = as_eval_batches(data, size, seq_len=seq_len, seed=seed) or []
     if not batches:
         raise DataError("evaluate: the data hold no examples (an empty iterable, array or split); nothing to evaluate")
-    check_label_range(model, params, state, batches, precision)
+    if _takes_class_indices(loss):
+        check_label_range(model, params, state, batches, precision)
     size = max([size, *(round_up(int(np.shape(b["x"])[0]), split) for b in batches)])
     params, state = replicate((params, state), mesh)
     sums = jax.jit(eval_sums_fn(model, loss, precision))
     return mean_over(lambda b: sums(params, state, b), (place(padded(b, size)) for b in batches))
 
 
+def _takes_class_indices(loss: Any) -> bool:
+    """Whether `loss` is one of jaxnn's losses over integer class (or token) indices, `functools.partial`s of them
+    included; a user's loss may read `y` any way it likes."""
+    from jaxnn.train import classification_loss, language_model_loss, lm_loss
+
+    while isinstance(loss, functools.partial):
+        loss = loss.func
+    return loss in (masked_classification_loss, classification_loss, lm_loss, language_model_loss)
+
+
 def check_label_range(model: Layer, params: Any, state: Any, batches: list, precision: Any = "fp32") -> None:
     """Integer labels `y` shaped like the model's output without its last axis must index that axis: a label
     outside the model's classes (or vocabulary) is one DataError, not a NaN loss and an accuracy of 0."""
     first = batches[0]
-    if "y" not in first or not np.issubdtype(np.asarray(first["y"]).dtype, np.integer):
+    if "y" not in first or np.asarray(first["y"]).dtype.kind not in "iuf":
         return
     spec = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in first.items() if k != VALID}
     policy = get_policy(precision)
@@ -170,6 +183,11 @@ def check_label_range(model: Layer, params: Any, state: Any, batches: list, prec
                          params, state, spec)  # fmt: skip
     if not hasattr(out, "shape") or tuple(out.shape[:-1]) != tuple(np.shape(first["y"])):
         return  # not one class index per output row: the loss decides what `y` means
+    if np.asarray(first["y"]).dtype.kind == "f":
+        raise DataError(
+            f"evaluate: labels 'y' are {np.asarray(first['y']).dtype}, one per output row like class indices; "
+            "classification losses take integer classes (cast them, e.g. y.astype(int))"
+        )
     classes = int(out.shape[-1])
     real = [np.asarray(b["y"])[np.asarray(b["mask"]) > 0] if "mask" in b else np.asarray(b["y"]) for b in batches]
     labels = np.concatenate([r.ravel() for r in real])
@@ -178,6 +196,18 @@ def check_label_range(model: Layer, params: Any, state: Any, batches: list, prec
             f"evaluate: labels 'y' run from {labels.min()} to {labels.max()}, outside the model's {classes} "
             f"outputs (0..{classes - 1})"
         )
+
+
+def _check_batch_size(caller: str, batch_size: Any) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"{caller}: batch_size must be a positive integer, got {batch_size!r}")
+
+
+def _as_array(data: list) -> np.ndarray:
+    try:
+        return np.asarray(data)
+    except ValueError as err:  # ragged rows
+        raise DataError(f"predict: a list of examples must stack into one array ({err})") from None
 
 
 def _inputs(data: Any, batch_size: int) -> Iterator[Any]:
@@ -210,12 +240,16 @@ def predict(
 ) -> Any:
     """The model's outputs (eval mode) for every example of `data`, in order, as numpy arrays with one row each.
 
-    data: an input array `x`, `(x, y)`, a dict of arrays with "x", a jaxnn data set (its test split, padding
-    rows dropped) or an iterable of batch dicts. Batched by `batch_size`; the last partial batch is padded for
-    the compiled program and the padding cut off, so it compiles once.
+    data: an input array `x` or anything numpy reads as one (a list of examples, a nested list), `(x, y)`, a dict
+    of arrays with "x", a jaxnn data set (its test split, padding rows dropped) or an iterable of batch dicts.
+    Batched by `batch_size`; the last partial batch is padded for the compiled program and the padding cut off,
+    so it compiles once.
     """
     from jaxnn.parallel.placement import replicate, shard_batch
 
+    _check_batch_size("predict", batch_size)
+    if isinstance(data, list) and not (data and isinstance(data[0], dict)):
+        data = _as_array(data)  # a list of examples, not of batch dicts
     params, state = _params_of(params_or_state, model_state)
     mesh = _mesh_for(mesh, devices)
     _, split = _placement(mesh)
@@ -228,6 +262,8 @@ def predict(
         host = padded({"x": x}, round_up(max(n, batch_size), split))
         out = forward(params, state, shard_batch({"x": host["x"]}, mesh)["x"])
         outputs.append(jax.tree.map(lambda a, n=n: np.asarray(a)[:n], jax.device_get(out)))
+    if not outputs:
+        raise DataError("predict: the data hold no examples (an empty iterable); nothing to predict")
     if isinstance(data, ImageDataset):
         total = len(data.x_test)
         return jax.tree.map(lambda *parts: np.concatenate(parts)[:total], *outputs)

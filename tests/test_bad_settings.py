@@ -159,3 +159,30 @@ def test_a_ctrl_c_outside_a_run_is_one_line_and_exit_130(capsys, monkeypatch):
     monkeypatch.setitem(cli_main.COMMANDS, "summary", interrupted)
     assert cli.main(["summary", "--model", "cnn"]) == 130
     assert capsys.readouterr().err.strip() == "jaxnn: interrupted"
+
+
+def test_predict_takes_a_list_of_examples_and_refuses_no_data_or_a_bad_batch_size(cnn):
+    model, params = cnn
+    examples = [np.zeros((8, 8, 1), np.float32)] * 3
+    assert jaxnn.predict(model, params, examples).shape == (3, 10)
+    with pytest.raises(DataError, match="predict: the data hold no examples"):
+        jaxnn.predict(model, params, iter([]))
+    for size in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+            jaxnn.predict(model, params, X, batch_size=size)
+        with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+            jaxnn.evaluate(model, params, (X, np.arange(6)), batch_size=size)
+
+
+def test_float_class_labels_are_named_and_a_users_regression_loss_is_left_alone(cnn):
+    model, params = cnn
+    with pytest.raises(DataError, match="labels 'y' are float64.*integer classes"):
+        jaxnn.evaluate(model, params, (X, np.arange(6) * 1.0))
+    regression = L.serial(L.Flatten(), L.Dense(1))
+    _, weights = regression.init(jax.random.key(0), (1, 4))
+
+    def mse(out, batch):
+        return jnp.mean((out[:, 0] - batch["y"]) ** 2), {}
+
+    got = jaxnn.evaluate(regression, weights, (np.ones((3, 4), np.float32), np.array([5, 6, 7])), loss=mse)
+    assert np.isfinite(got["loss"])
