@@ -114,10 +114,29 @@ def enabled() -> bool:
     flag = _override.get()
     if flag is None:
         env = os.environ.get(ENV_SWITCH, "").strip()
-        flag = DEFAULT_ENABLED if env == "" else env not in ("0", "false", "no", "off")
+        flag = _switch_value(env)
         if env and flag and not available():
             _warn_switch_has_no_effect(env)
     return flag and available()
+
+
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _switch_value(env: str) -> bool:
+    """JAXNN_ONEDNN's value as on/off; unset is the default, and a value that is neither is said once and ignored."""
+    if env.lower() in _ON:
+        return True
+    if env.lower() in _OFF or env == "":
+        return DEFAULT_ENABLED if env == "" else False
+    _warn_unknown_switch(env)
+    return DEFAULT_ENABLED
+
+
+@functools.cache
+def _warn_unknown_switch(value: str) -> None:
+    warnings.warn(f"{ENV_SWITCH}={value!r} is not 1 or 0 (on/off, true/false, yes/no): ignored, the default applies",
+                  RuntimeWarning, stacklevel=4)  # fmt: skip
 
 
 @functools.cache
