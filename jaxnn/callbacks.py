@@ -146,8 +146,36 @@ class NonFiniteGuard(Callback):
             )
 
 
+# Words in a metric's name that say which way is better (Keras infers the direction from the name the same way).
+_HIGHER_IS_BETTER = ("acc", "auc", "f1", "precision", "recall", "iou", "dice", "map", "top", "r2", "bleu", "rouge")
+_LOWER_IS_BETTER = ("loss", "error", "err", "perplexity", "ppl", "bits", "mse", "mae", "rmse", "nll", "wer", "cer")
+
+
+def metric_mode(metric: str, mode: str = "auto") -> str:
+    """ "min" or "max" for watching `metric`: `mode` itself when given, else inferred from the name ("accuracy",
+    "eval_top5" -> max; "loss", "bits_per_token" -> min). A name that says neither is a ValueError asking for
+    `mode`."""
+    if mode in ("min", "max"):
+        return mode
+    if mode != "auto":
+        raise ValueError(f"mode must be 'auto', 'min' or 'max', got {mode!r}")
+    name = metric.lower()
+    for prefix in ("eval_", "val_", "train_", "test_"):
+        name = name.removeprefix(prefix)
+    lower = any(word in name for word in _LOWER_IS_BETTER)
+    higher = any(word in name for word in _HIGHER_IS_BETTER)
+    if lower != higher:
+        return "min" if lower else "max"
+    raise ValueError(
+        f"cannot tell from its name whether {metric!r} is better high or low; pass mode='max' or mode='min'"
+    )
+
+
 class EarlyStopping(Callback):
     """Stops when an evaluation metric has not improved by `min_delta` for `patience` evaluations in a row.
+
+    `mode`: "auto" (the default) infers the direction from the metric's name (`metric_mode`: accuracy-like names
+    are better high, losses low; another name asks for "min" or "max"); "min" or "max" says it.
 
     `restore_best=True`: `fit` returns the state of the best evaluation (a host copy is kept at each
     improvement); the summary names its step (`best_step`, `best_<metric>`).
@@ -157,16 +185,16 @@ class EarlyStopping(Callback):
         self,
         metric: str = "loss",
         *,
-        mode: str = "min",
+        mode: str = "auto",
         patience: int = 3,
         min_delta: float = 0.0,
         restore_best: bool = False,
     ):
-        if mode not in ("min", "max"):
-            raise ValueError(f"EarlyStopping: mode must be 'min' or 'max', got {mode!r}")
+        if mode not in ("auto", "min", "max"):
+            raise ValueError(f"EarlyStopping: mode must be 'auto', 'min' or 'max', got {mode!r}")
         if patience < 1:
             raise ValueError(f"EarlyStopping: patience must be >= 1, got {patience!r}")
-        self.metric, self.mode, self.patience, self.min_delta = metric, mode, patience, min_delta
+        self.metric, self.requested_mode, self.patience, self.min_delta = metric, mode, patience, min_delta
         self.restore_best = restore_best
         self.best: float | None = None
         self.best_step: int | None = None
@@ -175,6 +203,12 @@ class EarlyStopping(Callback):
 
     def monitors(self) -> tuple[str, ...]:
         return (self.metric,)
+
+    @property
+    def mode(self) -> str:
+        """ "min" or "max": the requested mode, or the one the metric's name implies (`metric_mode`). fit checks
+        it with the metric's name before training, so a name that implies neither is refused there."""
+        return metric_mode(self.metric, self.requested_mode)
 
     def on_start(self, run: RunInfo) -> None:
         self.best = self.best_step = self.best_state = None

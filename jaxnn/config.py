@@ -133,7 +133,7 @@ class FitConfig:
     ckpt_every: int = 0
     keep: int = 3
     keep_best: str | None = None
-    keep_best_mode: str = "min"
+    keep_best_mode: str = "auto"
     run_dir: str | None = None
     ckpt_dir: str | None = None
     resume: bool = False
@@ -190,8 +190,8 @@ class FitConfig:
             _positive_int(owner, "batch_size", self.batch_size)
             if self.batch_size % self.accumulate:
                 raise ConfigError(f"{owner}: accumulate {self.accumulate} does not divide batch_size {self.batch_size}")
-        if self.keep_best_mode not in ("min", "max"):
-            raise ConfigError(f"{owner}: keep_best_mode must be 'min' or 'max', got {self.keep_best_mode!r}")
+        if self.keep_best_mode not in ("auto", "min", "max"):
+            raise ConfigError(f"{owner}: keep_best_mode must be 'auto', 'min' or 'max', got {self.keep_best_mode!r}")
         if self.keep_best is not None and not (isinstance(self.keep_best, str) and self.keep_best):
             raise ConfigError(f"{owner}: keep_best must name an evaluation metric, got {self.keep_best!r}")
         for name in ("eval_every", "ckpt_every", "prefetch"):

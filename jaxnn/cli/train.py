@@ -126,7 +126,12 @@ def add_run_dir_flags(p: argparse.ArgumentParser) -> None:
     a("--ckpt-every", type=int, default=0, help="checkpoint every N steps (0: only at the end and on a signal)")
     a("--keep", type=int, default=3, help="checkpoints to keep")
     a("--keep-best", default=None, metavar="METRIC", help="keep the checkpoints best by this eval metric")
-    a("--keep-best-mode", default="min", choices=("min", "max"), help="whether --keep-best's metric is best low")
+    a(
+        "--keep-best-mode",
+        default="auto",
+        choices=("auto", "min", "max"),
+        help="whether --keep-best's metric is best low or high (auto: from its name, e.g. accuracy high, loss low)",
+    )
     a(
         "--init-from",
         default=None,

@@ -1,6 +1,18 @@
 """jaxnn layers: each an `(init, apply)` pair of pure functions; see `jaxnn.layers.core` for the convention."""
 
-from jaxnn.layers.activation import Dropout, Gelu, GeluExact, Relu, Silu, Softmax, Tanh
+from jaxnn.layers.activation import (
+    Dropout,
+    Elu,
+    Gelu,
+    GeluExact,
+    LeakyRelu,
+    Relu,
+    Sigmoid,
+    Silu,
+    Softmax,
+    Softplus,
+    Tanh,
+)
 from jaxnn.layers.attention import MultiHeadAttention, SwiGLU, TransformerBlock, rotary_embedding
 from jaxnn.layers.conv import Conv, ConvTranspose
 from jaxnn.layers.core import (
@@ -25,7 +37,7 @@ from jaxnn.layers.core import (
     run_cached,
     serial,
 )
-from jaxnn.layers.linear import Dense, Embedding, Flatten, PositionEmbedding
+from jaxnn.layers.linear import Dense, Embedding, Flatten, PositionEmbedding, Reshape
 from jaxnn.layers.norm import BatchNorm, GroupNorm, InstanceNorm, LayerNorm, RMSNorm
 from jaxnn.layers.pool import AvgPool, GlobalAvgPool, MaxPool
 from jaxnn.layers.recurrent import RNN, Bidirectional, GRUCell, LSTMCell
@@ -33,6 +45,11 @@ from jaxnn.layers.stack import Repeat, remat
 from jaxnn.layers.tabulate import ModelSummary, SummaryRow, summary
 
 __all__ = [
+    "Softplus",
+    "Sigmoid",
+    "Reshape",
+    "LeakyRelu",
+    "Elu",
     "ApplyFn",
     "AvgPool",
     "BatchNorm",

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
-from jaxnn.layers.core import Lambda, Layer, check_keywords
+from jaxnn.layers.core import Lambda, Layer, as_layer, check_keywords, is_layer_constructor
 from jaxnn.precision import accumulation_dtype
 
 Relu = Lambda(jax.nn.relu, "relu")
@@ -13,8 +16,58 @@ Gelu = Lambda(jax.nn.gelu, "gelu")  # tanh approximation, as in GPT-2 and Flax's
 GeluExact = Lambda(lambda x: jax.nn.gelu(x, approximate=False), "gelu_exact")  # x * Phi(x), as PyTorch's default
 Silu = Lambda(jax.nn.silu, "silu")
 Tanh = Lambda(jnp.tanh, "tanh")
+Sigmoid = Lambda(jax.nn.sigmoid, "sigmoid")
+Softplus = Lambda(jax.nn.softplus, "softplus")
 # Softmax over the last axis, computed in float32 and returned in the input dtype.
 Softmax = Lambda(lambda x: jax.nn.softmax(x.astype(accumulation_dtype(x.dtype)), axis=-1).astype(x.dtype), "softmax")
+
+
+def LeakyRelu(negative_slope: float = 0.01, name: str = "leaky_relu") -> Layer:
+    """`x` where positive, `negative_slope * x` elsewhere (PyTorch's and Keras' default slope 0.01, 0.2 in GANs)."""
+    if isinstance(negative_slope, bool) or not isinstance(negative_slope, (int, float)):
+        raise ValueError(f"LeakyRelu: negative_slope must be a number, got {negative_slope!r}")
+    return Lambda(lambda x: jax.nn.leaky_relu(x, negative_slope), name)
+
+
+def Elu(alpha: float = 1.0, name: str = "elu") -> Layer:
+    """`x` where positive, `alpha * (exp(x) - 1)` elsewhere."""
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise ValueError(f"Elu: alpha must be a number, got {alpha!r}")
+    return Lambda(lambda x: jax.nn.elu(x, alpha), name)
+
+
+# `activation=` names (Dense, Conv) -> the element-wise function, as Keras names them.
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "relu": jax.nn.relu,
+    "gelu": jax.nn.gelu,
+    "gelu_exact": lambda x: jax.nn.gelu(x, approximate=False),
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "tanh": jnp.tanh,
+    "sigmoid": jax.nn.sigmoid,
+    "softplus": jax.nn.softplus,
+    "leaky_relu": jax.nn.leaky_relu,
+    "elu": jax.nn.elu,
+    "softmax": lambda x: Softmax.apply({}, x),
+    "linear": lambda x: x,
+}
+
+
+def activation_fn(activation: Any, owner: str) -> Callable[[jax.Array], jax.Array] | None:
+    """`activation=` as a function of the layer's output: a name in ACTIVATIONS, a parameter-free Layer (`L.Relu`,
+    `L.LeakyRelu(0.2)`), a function of an array, or None (no activation)."""
+    if activation is None:
+        return None
+    if isinstance(activation, str):
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"{owner}: unknown activation {activation!r}; choose one of {sorted(ACTIVATIONS)}")
+        return ACTIVATIONS[activation]
+    if isinstance(activation, Layer) or is_layer_constructor(activation):
+        layer = as_layer(activation, f"{owner}: activation")
+        return lambda y: layer.apply({}, y)
+    if callable(activation):
+        return activation
+    raise TypeError(f"{owner}: activation must be a name, a Layer or a function, got {type(activation).__name__}")
 
 
 def Dropout(drop_prob: float, name: str = "dropout") -> Layer:

@@ -14,6 +14,7 @@ from jax.nn import initializers
 
 from jaxnn import precision
 from jaxnn.kernels import onednn
+from jaxnn.layers.activation import activation_fn
 from jaxnn.layers.core import (
     Layer,
     Shape,
@@ -270,9 +271,11 @@ def Conv(
     w_init: initializers.Initializer = initializers.lecun_normal(),
     b_init: initializers.Initializer = initializers.zeros,
     lowering: str = "auto",
+    activation: Any = None,
     name: str = "conv",
 ) -> Layer:
-    """Convolution with channels last; the rank (1, 2 or 3) is the length of `kernel_size` (an int means 2-D).
+    """Convolution with channels last; the rank (1, 2 or 3) is the length of `kernel_size` (an int means 2-D);
+    then `activation` (as in `Dense`: a name, a parameter-free layer or a function).
 
     `w` has shape kernel_size + (in_channels // feature_group_count, features); products accumulate in float32.
     `lowering`: "xla" is XLA's convolution op; "im2col" computes it as one matmul over the concatenated kernel
@@ -301,6 +304,7 @@ def Conv(
     if features % feature_group_count:
         raise ValueError(f"Conv: features {features} is not divisible by feature_group_count {feature_group_count}")
     conv = _conv_fn(lowering, strides, pad, dilation, _DIMENSION_NUMBERS[rank], feature_group_count)
+    act = activation_fn(activation, "Conv")
 
     def out_shape(in_shape):
         def spatial(n):
@@ -317,8 +321,8 @@ def Conv(
 
     def apply(params, x, *, policy=None, **kwargs):
         _check_apply(name, params, x, kwargs, out_shape, param_shapes)
-        y = conv(x, params["w"].astype(x.dtype), policy)
-        return _add_bias(params, y, use_bias).astype(x.dtype)
+        y = _add_bias(params, conv(x, params["w"].astype(x.dtype), policy), use_bias)
+        return (y if act is None else act(y)).astype(x.dtype)
 
     return Layer(init, apply, name)
 

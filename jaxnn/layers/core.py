@@ -120,6 +120,16 @@ class Layer(NamedTuple):
     def stateful(self) -> bool:
         return self.init_state is not None
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Layer:
+        """`L.Relu()` is `L.Relu`: a layer written as if it were a constructor is the layer itself. A layer is
+        applied with `layer.apply(params, x)` (or `jaxnn.layers.run`), never by calling it on inputs."""
+        if args or kwargs:
+            raise TypeError(
+                f"{self.name}: a Layer is not called on inputs; use layer.apply(params, x), or init it first "
+                "(params = jaxnn.layers.init_model(layer, key, shape)[1])"
+            )
+        return self
+
 
 def check_keywords(layer_name: str, kwargs: dict[str, Any], side_inputs: frozenset[str] = frozenset()) -> None:
     """Refuses keywords an `apply` does not take, naming the layer and what it does take."""
@@ -247,6 +257,34 @@ def check_positive(layer_name: str, **values: int) -> None:
             raise ValueError(f"{layer_name}: {arg} must be a positive integer, got {value!r}")
 
 
+def as_layer(layer: Any, where: str) -> Layer:
+    """`layer` as a Layer: itself, or what one of jaxnn's layer constructors whose arguments all have defaults
+    makes (`L.Flatten` for `L.Flatten()`); anything else is `check_is_layer`'s one-line TypeError."""
+    if not isinstance(layer, Layer) and callable(layer) and is_layer_constructor(layer):
+        return layer()
+    check_is_layer(layer, where)
+    return layer
+
+
+def is_layer_constructor(fn: Any) -> bool:
+    """Whether `fn` is one of jaxnn's layer constructors that can be called without arguments (`L.Flatten`)."""
+    import inspect
+
+    if isinstance(fn, type) or not getattr(fn, "__module__", "").startswith("jaxnn.layers"):
+        return False
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return all(p.default is not inspect.Parameter.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+               for p in parameters)  # fmt: skip
+
+
+def as_layers(layers: Sequence[Any]) -> tuple[Layer, ...]:
+    """A combinator's children as Layers (`as_layer`), each error naming its position."""
+    return tuple(as_layer(layer, f"layer {i}") for i, layer in enumerate(layers))
+
+
 def child_keys(layers: Sequence[Layer]) -> list[str]:
     """The params keys of a combinator's children, "<index>_<name>"; anything that is not a Layer is refused."""
     for i, layer in enumerate(layers):
@@ -367,6 +405,7 @@ def serial(*layers: Layer, name: str = "serial") -> Layer:
     inputs any child reads, and decodes with a cache when any child does."""
     if not layers:
         raise ValueError("serial: needs at least one layer")
+    layers = as_layers(layers)
     names = child_keys(layers)
     side_inputs = side_inputs_of(layers)
 
@@ -423,6 +462,7 @@ def parallel(*layers: Layer, name: str = "parallel") -> Layer:
     """Applies the i-th layer to the i-th element of a tuple input; returns the tuple of outputs."""
     if not layers:
         raise ValueError("parallel: needs at least one layer")
+    layers = as_layers(layers)
     names = child_keys(layers)
     side_inputs = side_inputs_of(layers)
 

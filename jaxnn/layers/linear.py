@@ -7,6 +7,7 @@ import contextvars
 import itertools
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ import numpy as np
 from jax.nn import initializers
 
 from jaxnn import precision
+from jaxnn.layers.activation import activation_fn
 from jaxnn.layers.core import (
     Layer,
     LayerError,
@@ -35,12 +37,16 @@ def Dense(
     use_bias: bool = True,
     w_init: initializers.Initializer = initializers.lecun_normal(),
     b_init: initializers.Initializer = initializers.zeros,
+    activation: Any = None,
     name: str = "dense",
 ) -> Layer:
-    """Affine map over the last axis: `y = x @ w + b`, `w` of shape (in, features), accumulated in float32.
+    """Affine map over the last axis: `y = x @ w + b`, `w` of shape (in, features), accumulated in float32;
+    then `activation` (a name such as "relu", a parameter-free layer such as `L.Relu`, or a function), which
+    adds no parameters.
 
     Inputs must be floating point: an integer input is refused (normalise images first; ids go to `Embedding`)."""
     check_positive("Dense", features=features)
+    act = activation_fn(activation, "Dense")
 
     def init(key, in_shape):
         if len(in_shape) < 1 or in_shape[-1] <= 0:
@@ -61,7 +67,7 @@ def Dense(
             y = y + _low_rank_update(x, params, policy).astype(y.dtype)
         if use_bias:
             y = y + along_last_axis(params["b"].astype(y.dtype), y.ndim)
-        return y.astype(x.dtype)
+        return (y if act is None else act(y)).astype(x.dtype)
 
     return Layer(init, apply, name)
 
@@ -137,6 +143,32 @@ def Embedding(
         # every out-of-range id to one past the table, so that all of them give NaN rows.
         ids = jnp.where((ids >= 0) & (ids < num_embeddings), ids, num_embeddings)
         return jnp.take(params["table"], ids, axis=0, mode="fill", fill_value=jnp.nan)
+
+    return Layer(init, apply, name)
+
+
+def Reshape(shape: tuple[int, ...], name: str = "reshape") -> Layer:
+    """Reshapes each example (every axis but the batch one) to `shape`; one entry may be -1 (inferred), as in
+    Keras' Reshape and numpy."""
+    shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
+    if not all(isinstance(d, int) and not isinstance(d, bool) and (d > 0 or d == -1) for d in shape) or (
+        shape.count(-1) > 1
+    ):
+        raise ValueError(f"Reshape: shape must be positive sizes with at most one -1, got {shape!r}")
+
+    def target(in_shape):
+        size = math.prod(in_shape[1:])
+        known = math.prod(d for d in shape if d != -1)
+        if (-1 in shape and size % known) or (-1 not in shape and size != known):
+            raise shape_error(name, f"whose examples' {size} values fit the shape {shape}", in_shape)
+        return tuple(size // known if d == -1 else d for d in shape)
+
+    def init(key, in_shape):
+        return (in_shape[0], *target(tuple(in_shape))), {}
+
+    def apply(params, x, **kwargs):
+        check_keywords(name, kwargs)
+        return x.reshape(x.shape[0], *target(x.shape))
 
     return Layer(init, apply, name)
 

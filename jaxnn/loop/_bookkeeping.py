@@ -19,6 +19,34 @@ from jaxnn.loop.rundir import RunFiles
 log = logging.getLogger("jaxnn.loop")
 
 
+class History(list):
+    """Every row fit wrote, in order (a list of dicts: {"split": "train" or "eval", "step": ..., metrics}), that
+    also reads by name as Keras' `history.history` does: `history["loss"]` is the training loss of each logged
+    row, `history["eval_accuracy"]` the accuracy of each evaluation, `history["step"]` / `["eval_step"]` their
+    steps; `history.as_dict()` gives every column."""
+
+    def __getitem__(self, key):
+        if not isinstance(key, str):
+            return super().__getitem__(key)
+        columns = self.as_dict()
+        if key not in columns:
+            raise KeyError(f"history has no {key!r}; it has {sorted(columns)}")
+        return columns[key]
+
+    def keys(self) -> list[str]:
+        return sorted(self.as_dict())
+
+    def as_dict(self) -> dict[str, list]:
+        """{name: values in order}: training columns by their names, evaluation columns prefixed "eval_"."""
+        columns: dict[str, list] = {}
+        for row in self:
+            prefix = "eval_" if row.get("split") == "eval" else ""
+            for name, value in row.items():
+                if name != "split":
+                    columns.setdefault(prefix + name, []).append(value)
+        return columns
+
+
 class _NoBar:
     """Stands in for tqdm's bar when there is none to show."""
 
@@ -46,7 +74,7 @@ class Tracker:
         self.sums: dict[str, float] = {}
         self.n = self.steps_done = self.skipped = self.skipped_total = 0
         self.wait_total = 0.0
-        self.history: list[dict] = []
+        self.history = History()
         self.eval_postfix: dict[str, str] = {}  # the latest evaluation, kept in the bar beside the train numbers
         self.t_start = self.t_interval = time.perf_counter()
         show = cfg.progress and files.is_main and available("tqdm", "the progress bar")

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from jaxnn._src import compile_cache as xla_cache
 from jaxnn._src.optional import installed
 from jaxnn.augment import Augment
-from jaxnn.callbacks import Callback, NonFiniteError, NonFiniteGuard, RunInfo
+from jaxnn.callbacks import Callback, NonFiniteError, NonFiniteGuard, RunInfo, metric_mode
 from jaxnn.checkpoint import Checkpointer, CheckpointError, StopSignal
 from jaxnn.config import ConfigError, FitConfig, config_differences
 from jaxnn.data.datasets import ImageDataset, TextCorpus
@@ -70,7 +70,7 @@ TrainData: TypeAlias = tuple[Any, Any] | dict[str, Any] | ImageDataset | TextCor
 
 class FitResult(NamedTuple):
     state: TrainState  # the final train state (replicated over the mesh), or the best one a callback restored
-    history: list[dict]  # every train and eval row this call wrote, in order
+    history: list[dict]  # every train and eval row this call wrote, in order; also by name: history["loss"]
     summary: dict  # what summary.json holds
 
 
@@ -192,7 +192,7 @@ def _train(model, loss, tx, cfg, source, evals, mesh, state, record, files, call
             save_every=0 if cfg.keep_best else cfg.ckpt_every,  # keep_best saves at every evaluation instead
             async_save=cfg.async_checkpoints,
             keep_best=cfg.keep_best,
-            best_mode=cfg.keep_best_mode,
+            best_mode=metric_mode(cfg.keep_best, cfg.keep_best_mode) if cfg.keep_best else "min",
         )
         if files.ckpt_dir
         else None

@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxnn.augment import Augment, augment_batch, parse_augment
-from jaxnn.callbacks import Callback
+from jaxnn.callbacks import Callback, EarlyStopping, metric_mode
 from jaxnn.checkpoint import load_train_state, state_digest
 from jaxnn.config import ConfigError, FitConfig, config_differences, first_differences
 from jaxnn.data.datasets import DataError, ImageDataset
@@ -295,6 +295,13 @@ def check_monitors(callbacks, cfg, evals, model, loss, state) -> None:
     for who, metric in watched:
         if metric not in names:
             raise ConfigError(f"{who} monitors {metric!r}, but the evaluation reports {names}")
+    modes = [(type(c).__name__, c.metric, c.requested_mode) for c in callbacks if isinstance(c, EarlyStopping)]
+    modes += [("keep_best", cfg.keep_best, cfg.keep_best_mode)] if cfg.keep_best else []
+    for who, metric, mode in modes:
+        try:
+            metric_mode(metric, mode)
+        except ValueError as err:
+            raise ConfigError(f"{who}: {err}") from None
 
 
 def checked_callbacks(callbacks) -> list[Callback]:

@@ -58,7 +58,7 @@ def fit(
     ckpt_every: int = 0,
     keep: int = 3,
     keep_best: str | None = None,
-    keep_best_mode: str = "min",
+    keep_best_mode: str = "auto",
     run_dir: str | None = None,
     ckpt_dir: str | None = None,
     resume: bool = False,
