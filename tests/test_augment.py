@@ -145,8 +145,24 @@ def test_soft_targets_train_the_loss_and_integer_labels_keep_their_loss():
 
 
 def test_parse_augment_reads_the_command_line_and_names_a_bad_part():
-    assert parse_augment("crop,flip,brightness=0.1,mixup") == Augment(crop_pad=4, flip=True, brightness=0.1, mixup=0.2)
+    want = Augment(crop_pad="auto", flip=True, brightness=0.1, mixup=0.2)
+    assert parse_augment("crop,flip,brightness=0.1,mixup") == want
     assert parse_augment("crop=2") == Augment(crop_pad=2)
+
+
+def test_a_bare_crop_pads_an_eighth_of_the_image():
+    from jaxnn.augment import crop_pad_for
+
+    assert [crop_pad_for("auto", h) for h in (8, 28, 32, 224)] == [1, 4, 4, 28]
+    assert crop_pad_for(3, 224) == 3
+    x = np.random.default_rng(0).uniform(0.1, 1, size=(32, 8, 8, 1)).astype(np.float32)
+    cropped = np.asarray(_augmented(Augment(crop_pad="auto"), jnp.asarray(x))["x"])
+    padded = np.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
+    # Padded by one pixel on the 8x8 digits: each crop is its image shifted by at most one pixel, never more.
+    for image, out in zip(padded, cropped, strict=True):
+        assert any(np.array_equal(out, image[dy : dy + 8, dx : dx + 8]) for dy in range(3) for dx in range(3))
+    with pytest.raises(ValueError, match="crop_pad must be a non-negative integer or 'auto'"):
+        Augment(crop_pad="big")
     for text, culprit in (("crop,spin", "unknown 'spin'"), ("flip=1", "flip takes no value"), ("mixup=a", "mixup")):
         with pytest.raises(ValueError, match=culprit):
             parse_augment(text)

@@ -197,3 +197,34 @@ def test_an_onednn_switch_value_that_is_neither_on_nor_off_is_said_and_ignored(m
         warnings.simplefilter("always")
         assert library.enabled() == (library.DEFAULT_ENABLED and library.available())
     assert "JAXNN_ONEDNN='maybe' is not 1 or 0" in str(caught[0].message)
+
+
+def test_mixup_with_a_loss_that_never_reads_the_mixed_targets_is_refused():
+    pytest.importorskip("dm_pix")
+    images = np.random.default_rng(0).uniform(size=(8, 8, 8, 1)).astype(np.float32)
+
+    def plain(logits, batch):  # reads the integer labels only
+        labels = jax.nn.one_hot(batch["y"], logits.shape[-1])
+        return -(labels * jax.nn.log_softmax(logits)).sum(-1).mean(), {}
+
+    with pytest.raises(ConfigError, match=r"the loss plain never reads batch\['y_soft'\]"):
+        jaxnn.fit(CNN(), (images, np.arange(8) % 10), loss=plain, augment="mixup", steps=1, batch_size=4,
+                  progress=False)  # fmt: skip
+    result = jaxnn.fit(CNN(), (images, np.arange(8) % 10), augment="mixup", steps=1, batch_size=4, progress=False)
+    assert result.summary["step"] == 1
+
+
+def test_a_fit_that_leaves_devices_idle_says_so_once_at_the_users_line(cnn):
+    from jaxnn.loop import _run
+
+    model, _ = cnn
+    _run._say_unused_devices.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            jaxnn.fit(model, (X, np.arange(6)), steps=1, batch_size=2, progress=False)
+        many = np.zeros((8, 8, 8, 1), np.float32)
+        jaxnn.fit(model, (many, np.arange(8)), steps=1, batch_size=8, devices=8, progress=False)
+    said = [w for w in caught if issubclass(w.category, _run.UnusedDevicesWarning)]
+    assert len(said) == 1 and "fit trains on 1 of the 8 cpu devices present" in str(said[0].message)
+    assert said[0].filename == __file__

@@ -8,6 +8,7 @@ resumed run continues bitwise as if never stopped.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -21,6 +22,7 @@ from jax.sharding import Mesh
 
 from jaxnn._src import compile_cache as xla_cache
 from jaxnn._src.optional import installed
+from jaxnn._src.warn import warn_at_caller
 from jaxnn.augment import Augment
 from jaxnn.callbacks import Callback, NonFiniteError, NonFiniteGuard, RunInfo, metric_mode
 from jaxnn.checkpoint import Checkpointer, CheckpointError, StopSignal
@@ -48,6 +50,7 @@ from jaxnn.loop._setup import (
     lora_start,
     model_record,
     output_spec,
+    refuse_loss_ignoring_mixed_targets,
     refuse_resume_with_other_steps,
     starting_point,
     state_from,
@@ -138,6 +141,7 @@ def run_fit(model: Layer, data: TrainData, cfg: FitConfig, inputs: FitInputs | N
     create = lambda: initial_state(model, tx, cfg, in_shape, inputs.params, inputs.model_state)  # noqa: E731
     output = output_spec(model, cfg.precision, jax.eval_shape(create), batch_spec(example))  # the probe
     aug = augmentation(inputs.augment, output)
+    refuse_loss_ignoring_mixed_targets(inputs.loss, aug, output, example)
     base = {**cfg.record(), **({"steps": cfg.steps} if decays else {}), **(inputs.config or {})}
     files = RunFiles(cfg, json_record({**base, **({"augment": aug.record()} if aug else {})}), is_main=_main())
     files.precheck()  # a run dir in use is refused now, before anything is compiled
@@ -165,13 +169,32 @@ def _main() -> bool:
     return jax.process_index() == 0
 
 
+class UnusedDevicesWarning(UserWarning):
+    """fit trains on fewer devices than the process has (said once per process)."""
+
+
 def _mesh(mesh: Mesh | str | None, cfg: FitConfig) -> Mesh:
-    """fit's `mesh` as a Mesh: given, built from its text, or `devices` local devices (all, with many processes)."""
+    """fit's `mesh` as a Mesh: given, built from its text, or `devices` local devices (all, with many processes).
+    A mesh that leaves some of the process's devices idle is said once, at the user's call."""
     if isinstance(mesh, Mesh):
-        return mesh
-    if isinstance(mesh, str):
-        return make_mesh(mesh)
-    return make_mesh(None if jax.process_count() > 1 else checked_devices(cfg.devices))
+        built = mesh
+    elif isinstance(mesh, str):
+        built = make_mesh(mesh)
+    else:
+        built = make_mesh(None if jax.process_count() > 1 else checked_devices(cfg.devices))
+    used, present = built.devices.size, jax.device_count()
+    if used < present:
+        _say_unused_devices(used, present, jax.devices()[0].platform)
+    return built
+
+
+@functools.cache
+def _say_unused_devices(used: int, present: int, platform: str) -> None:
+    warn_at_caller(
+        f"fit trains on {used} of the {present} {platform} devices present; pass devices={present} (data "
+        "parallel) or a mesh to use them",
+        UnusedDevicesWarning,
+    )
 
 
 def _train(model, loss, tx, cfg, source, evals, mesh, state, record, files, callbacks, aug) -> tuple[FitResult, bool]:

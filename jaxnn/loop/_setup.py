@@ -161,6 +161,31 @@ def augment_fn(aug) -> Any:
     return functools.partial(augment_batch, aug)
 
 
+def refuse_loss_ignoring_mixed_targets(loss, aug, output, example: dict) -> None:
+    """Mixup and cutmix mix the images and hand the loss the mixed targets as `y_soft`; a loss that never reads
+    them would train mixed images against one image's label. Found from the loss's traced program."""
+    if aug is None or not aug.mixes or output is None or not hasattr(output, "shape"):
+        return
+    import jax.numpy as jnp
+
+    from jaxnn._src.jaxpr import used_inputs
+
+    batch = {**batch_spec(example), "y_soft": jax.ShapeDtypeStruct((output.shape[0], aug.num_classes), jnp.float32)}
+    try:
+        jaxpr = jax.make_jaxpr(lambda out, b: loss(out, b))(output, batch).jaxpr
+    except Exception:  # noqa: BLE001 - a loss that cannot run is named by the step's own check next
+        return
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path((output, batch))[0]]
+    soft = next(i for i, path in enumerate(paths) if "'y_soft'" in path)
+    if soft not in used_inputs(jaxpr):
+        name = getattr(loss, "__name__", type(loss).__name__)
+        raise ConfigError(
+            f"fit: augment mixes targets (mixup/cutmix), but the loss {name} never reads batch['y_soft'], the mixed "
+            "targets: it would train mixed images against one image's label; use "
+            "jaxnn.train.masked_classification_loss or read y_soft"
+        )
+
+
 def check_step_runs(model, loss, tx, cfg, state, example, source, aug, logits) -> None:
     """Traces the step on the batch's shapes (no compile, no FLOPs) so a model/loss/data mismatch is one line;
     `logits` is the model's probed output (None where the model cannot run: the trace then names the failure)."""
