@@ -107,3 +107,20 @@ def test_the_history_reads_by_name_and_keeps_its_rows():
     assert [row["loss"] for row in history if row["split"] == "train"] == history["loss"]
     with pytest.raises(KeyError, match="history has no 'val_loss'; it has"):
         history["val_loss"]
+
+
+def test_a_sharded_fit_prints_its_layout_and_warns_at_the_users_line(capsys):
+    import warnings
+
+    from jaxnn.models import MLP
+    from jaxnn.parallel.report import ShardingWarning
+
+    x, y = np.zeros((8, 64), np.float32), np.arange(8) % 10
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jaxnn.fit(MLP(), (x, y), steps=1, batch_size=8, mesh="fsdp=8", plots=False,
+                  sharding_rules={"*nothing*": [None, "fsdp"]})  # fmt: skip
+    assert "fsdp=8:" in capsys.readouterr().err  # the layout report, without configuring logging
+    said = [w for w in caught if issubclass(w.category, ShardingWarning)]
+    assert said and "'*nothing*' (user rules) matches no parameter" in str(said[0].message)
+    assert said[0].filename == __file__

@@ -145,7 +145,7 @@ def run_fit(model: Layer, data: TrainData, cfg: FitConfig, inputs: FitInputs | N
     base = {**cfg.record(), **({"steps": cfg.steps} if decays else {}), **(inputs.config or {})}
     files = RunFiles(cfg, json_record({**base, **({"augment": aug.record()} if aug else {})}), is_main=_main())
     files.precheck()  # a run dir in use is refused now, before anything is compiled
-    state = create_sharded_state(create, mesh, inputs.sharding_rules)
+    state = create_sharded_state(create, mesh, inputs.sharding_rules, show_report=cfg.progress and _main())
     if inputs.init_from is not None:
         state, start_from = state_from(inputs.init_from, state)
     check_step_runs(model, inputs.loss, tx, cfg, state, example, source, aug, output)

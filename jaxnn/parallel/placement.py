@@ -95,20 +95,23 @@ def state_shardings(state: Any, mesh: Mesh, rules: RulesLike | None = None) -> A
     return jax.tree_util.tree_map_with_path(sharding, state)
 
 
-def create_sharded_state(create: Callable[[], Any], mesh: Mesh, rules: RulesLike | None = None) -> Any:
+def create_sharded_state(
+    create: Callable[[], Any], mesh: Mesh, rules: RulesLike | None = None, *, show_report: bool = False
+) -> Any:
     """Runs `create()` (e.g. `lambda: create_train_state(model, tx, key, in_shape)`) straight into its shardings:
     replicated, or the rules' shards on a mesh with fsdp or tensor axes (given rules apply on any mesh).
 
     The one way jaxnn creates a train state for a mesh (the loop, experiments and benchmarks alike): compiled
     with `out_shardings`, so every device builds only its part in place, and every process runs the same
     computation, so no process sends its copy to the others. When rules apply, the layout report
-    (`jaxnn.parallel.report`) is logged first, and a rule that cannot apply raises before anything is compiled.
+    (`jaxnn.parallel.report`) is logged first (and printed with `show_report`), and a rule that cannot apply
+    raises before anything is compiled.
     """
     if not (shards_state(mesh) or rules is not None):
         return jax.jit(create, out_shardings=replicated(mesh))()
     abstract = jax.eval_shape(create)
     table = BUILT_IN if rules is None else as_rules(rules)
-    announce(layout_report(params_of(abstract), mesh_sizes(mesh), table))
+    announce(layout_report(params_of(abstract), mesh_sizes(mesh), table), show=show_report)
     return jax.jit(create, out_shardings=state_shardings(abstract, mesh, table))()
 
 

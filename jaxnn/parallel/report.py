@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-import warnings
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from jaxnn._src.pytree import flatten
+from jaxnn._src.warn import warn_at_caller
 from jaxnn.parallel.rules import FSDP, TENSOR, ShardingRules
 
 log = logging.getLogger(__name__)
@@ -112,12 +113,16 @@ def layout_report(params: Any, sizes: Mapping[str, int], rules: ShardingRules) -
     )
 
 
-def announce(report: LayoutReport) -> None:
-    """Logs the report and issues its warnings as `ShardingWarning`s."""
-    for line in report.lines():
+def announce(report: LayoutReport, *, show: bool = False) -> None:
+    """Logs the report, prints it to stderr too with `show` (a plain script sees it under fit's progress bar
+    without configuring logging), and issues its warnings as `ShardingWarning`s at the user's line."""
+    lines = report.lines()
+    if show and not log.isEnabledFor(logging.INFO):
+        print("\n".join(lines), file=sys.stderr)
+    for line in lines:
         log.info("%s", line)
     for note in report.warnings:
-        warnings.warn(note, ShardingWarning, stacklevel=3)
+        warn_at_caller(note, ShardingWarning)
 
 
 def params_of(state: Any) -> Any:
