@@ -21,6 +21,8 @@ _NAMES = {
     "FitConfig": "jaxnn.config",
     "evaluate": "jaxnn.evaluation",
     "predict": "jaxnn.evaluation",
+    "save_model": "jaxnn.saving",
+    "load_model": "jaxnn.saving",
 }
 
 # The public modules and packages (the API; docs/index.md, "The package's layout"). `jaxnn._src` holds internals.
@@ -46,10 +48,21 @@ SUBMODULES = (
     "parallel",
     "precision",
     "profile",
+    "saving",
     "train",
 )
 
 
 __getattr__, __dir__ = lazy_exports("jaxnn", _NAMES, SUBMODULES)
 
-__all__ = ["FitConfig", "FitInterrupted", "FitResult", "evaluate", "fit", "fresh_run_dir", "predict"]
+__all__ = [
+    "FitConfig",
+    "FitInterrupted",
+    "FitResult",
+    "evaluate",
+    "fit",
+    "fresh_run_dir",
+    "load_model",
+    "predict",
+    "save_model",
+]

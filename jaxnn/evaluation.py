@@ -96,7 +96,7 @@ def mean_over(step: Callable, batches: Iterable[Batch]) -> dict[str, float]:
 # ------------------------------------------------------------------------------------------------ public API
 
 
-def _params_of(params_or_state: Any, model_state: Any) -> tuple[Any, Any]:
+def params_and_state(params_or_state: Any, model_state: Any) -> tuple[Any, Any]:
     """(params, model_state) from a TrainState, FitResult, LoadedParams, or a bare parameter tree."""
     source = getattr(params_or_state, "state", params_or_state)  # a FitResult
     if hasattr(source, "params"):
@@ -146,7 +146,7 @@ def evaluate(
     from jaxnn.parallel.placement import replicate
 
     _check_batch_size("evaluate", batch_size)
-    params, state = _params_of(params_or_state, model_state)
+    params, state = params_and_state(params_or_state, model_state)
     mesh = _mesh_for(mesh, devices)
     place, split = _placement(mesh)
     size = round_up(batch_size, split)
@@ -250,7 +250,7 @@ def predict(
     _check_batch_size("predict", batch_size)
     if isinstance(data, list) and not (data and isinstance(data[0], dict)):
         data = _as_array(data)  # a list of examples, not of batch dicts
-    params, state = _params_of(params_or_state, model_state)
+    params, state = params_and_state(params_or_state, model_state)
     mesh = _mesh_for(mesh, devices)
     _, split = _placement(mesh)
     policy = get_policy(precision)
@@ -270,4 +270,4 @@ def predict(
     return jax.tree.map(lambda *parts: np.concatenate(parts), *outputs)
 
 
-__all__ = ["evaluate", "predict"]
+__all__ = ["evaluate", "params_and_state", "predict"]

@@ -54,6 +54,7 @@ MODULES = (
     "jaxnn.checkpoint",
     "jaxnn.finetune",
     "jaxnn.lora",
+    "jaxnn.saving",
     "jaxnn.data.records",
     "jaxnn.export",
     "jaxnn.generate",

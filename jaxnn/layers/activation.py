@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxnn.layers.core import Lambda, Layer, as_layer, check_keywords, is_layer_constructor
+from jaxnn.layers.core import Lambda, Layer, as_layer, check_keywords, describe, is_layer_constructor
 from jaxnn.precision import accumulation_dtype
 
 Relu = Lambda(jax.nn.relu, "relu")
@@ -22,6 +22,7 @@ Softplus = Lambda(jax.nn.softplus, "softplus")
 Softmax = Lambda(lambda x: jax.nn.softmax(x.astype(accumulation_dtype(x.dtype)), axis=-1).astype(x.dtype), "softmax")
 
 
+@describe
 def LeakyRelu(negative_slope: float = 0.01, name: str = "leaky_relu") -> Layer:
     """`x` where positive, `negative_slope * x` elsewhere (PyTorch's and Keras' default slope 0.01, 0.2 in GANs)."""
     if isinstance(negative_slope, bool) or not isinstance(negative_slope, (int, float)):
@@ -29,6 +30,7 @@ def LeakyRelu(negative_slope: float = 0.01, name: str = "leaky_relu") -> Layer:
     return Lambda(lambda x: jax.nn.leaky_relu(x, negative_slope), name)
 
 
+@describe
 def Elu(alpha: float = 1.0, name: str = "elu") -> Layer:
     """`x` where positive, `alpha * (exp(x) - 1)` elsewhere."""
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
@@ -70,6 +72,7 @@ def activation_fn(activation: Any, owner: str) -> Callable[[jax.Array], jax.Arra
     raise TypeError(f"{owner}: activation must be a name, a Layer or a function, got {type(activation).__name__}")
 
 
+@describe
 def Dropout(drop_prob: float, name: str = "dropout") -> Layer:
     """Zeroes each element with probability `drop_prob` in train mode and rescales the rest by 1/(1-drop_prob).
 

@@ -22,6 +22,7 @@ from jaxnn.layers.core import (
     LayerError,
     check_keywords,
     check_positive,
+    describe,
     residual,
     serial,
     shape_error,
@@ -232,6 +233,7 @@ class _Projections(NamedTuple):
         return q.reshape(B, T, N, H), k, v
 
 
+@describe
 def MultiHeadAttention(
     num_heads: int,
     head_dim: int | None = None,
@@ -371,6 +373,7 @@ MLPS = ("gelu", "swiglu")
 HiddenGelu = Lambda(lambda x: constrain(Gelu.apply({}, x), (BATCH, None, HIDDEN)), "gelu")
 
 
+@describe
 def SwiGLU(
     hidden_features: int,
     *,
@@ -433,6 +436,7 @@ def _check_block(mlp_ratio, mlp_hidden, mlp, norm, norm_eps, drop_prob) -> None:
     (LayerNorm if norm == "layer" else RMSNorm)(norm_eps)
 
 
+@describe
 def TransformerBlock(
     num_heads: int,
     *,

@@ -23,6 +23,7 @@ from jaxnn.layers.core import (
     check_keywords,
     check_params,
     check_positive,
+    describe,
     shape_error,
 )
 from jaxnn.precision import Policy
@@ -259,6 +260,7 @@ def _add_bias(params, y: jax.Array, use_bias: bool) -> jax.Array:
     return y + along_last_axis(params["b"].astype(y.dtype), y.ndim) if use_bias else y
 
 
+@describe
 def Conv(
     features: int,
     kernel_size: int | Sequence[int],
@@ -327,6 +329,7 @@ def Conv(
     return Layer(init, apply, name)
 
 
+@describe
 def ConvTranspose(
     features: int,
     kernel_size: int | Sequence[int],

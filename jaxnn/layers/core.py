@@ -105,6 +105,19 @@ class LayerTypeError(LayerError, TypeError):
     """A `LayerError` for an input of the wrong dtype."""
 
 
+class Spec:
+    """The call that made a layer: the constructor's import path and its arguments (`describe`). Compared and
+    hashed by identity, so a layer stays usable as a static argument of jit whatever its arguments hold."""
+
+    __slots__ = ("path", "args", "kwargs")
+
+    def __init__(self, path: str, args: tuple, kwargs: dict):
+        self.path, self.args, self.kwargs = path, args, kwargs
+
+    def __repr__(self) -> str:
+        return f"Spec({self.path})"
+
+
 class Layer(NamedTuple):
     """A neural-network layer as pure functions; see the module docstring for the calling convention."""
 
@@ -115,6 +128,7 @@ class Layer(NamedTuple):
     children: tuple[Layer, ...] = ()  # a combinator's child layers in order; params keys are "<index>_<name>"
     side_inputs: frozenset[str] = frozenset()  # the side-input keywords `apply` reads (mask, context, positions)
     init_cache: InitCacheFn | None = None  # set when `apply(..., cache=)` decodes position by position
+    spec: Spec | None = None  # the call that made it (`describe`), which `jaxnn.save_model` writes down
 
     @property
     def stateful(self) -> bool:
@@ -129,6 +143,18 @@ class Layer(NamedTuple):
                 "(params = jaxnn.layers.init_model(layer, key, shape)[1])"
             )
         return self
+
+
+def describe(constructor: F) -> F:
+    """Marks a layer constructor: each layer it returns records the call that made it (`Layer.spec`), so a model
+    built from such calls can be written down and built again (`jaxnn.save_model`)."""
+    path = f"{constructor.__module__}.{constructor.__qualname__}"
+
+    @functools.wraps(constructor)
+    def build(*args: Any, **kwargs: Any) -> Layer:
+        return constructor(*args, **kwargs)._replace(spec=Spec(path, args, kwargs))
+
+    return build  # type: ignore[return-value]
 
 
 def check_keywords(layer_name: str, kwargs: dict[str, Any], side_inputs: frozenset[str] = frozenset()) -> None:
@@ -322,6 +348,7 @@ def _fold(key: PRNGKey | None, i: int) -> PRNGKey | None:
     return None if key is None else jax.random.fold_in(key, i)
 
 
+@describe
 def Lambda(fn: Callable[[Any], Any], name: str = "lambda", shape_fn: Callable[[Shape], Shape] | None = None) -> Layer:
     """A parameter-free layer applying `fn(x)`; `shape_fn` maps the input shape (identity by default)."""
 
@@ -400,6 +427,7 @@ def _init_children_cache(names, layers, in_shape, max_len, dtype) -> Cache:
     return cache
 
 
+@describe
 def serial(*layers: Layer, name: str = "serial") -> Layer:
     """Composes layers left to right: `serial(f, g)(x) = g(f(x))`. Stateful when any child is; reads the side
     inputs any child reads, and decodes with a cache when any child does."""
@@ -458,6 +486,7 @@ def serial(*layers: Layer, name: str = "serial") -> Layer:
     )
 
 
+@describe
 def parallel(*layers: Layer, name: str = "parallel") -> Layer:
     """Applies the i-th layer to the i-th element of a tuple input; returns the tuple of outputs."""
     if not layers:
@@ -508,6 +537,7 @@ def parallel(*layers: Layer, name: str = "parallel") -> Layer:
     return Layer(init, apply, name, init_state if stateful else None, tuple(layers), side_inputs)
 
 
+@describe
 def residual(*layers: Layer, name: str = "residual") -> Layer:
     """`x + serial(*layers)(x)`; the inner layers must keep the shape of `x`."""
     body = serial(*layers, name=name)

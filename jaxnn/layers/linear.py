@@ -25,12 +25,14 @@ from jaxnn.layers.core import (
     check_keywords,
     check_params,
     check_positive,
+    describe,
     shape_error,
 )
 
 POSITIONS = frozenset({"positions"})
 
 
+@describe
 def Dense(
     features: int,
     *,
@@ -114,6 +116,7 @@ def _check_ids(name: str, ids: jax.Array, num_embeddings: int) -> None:
         raise LayerError(name, f"ids must be in [0, {num_embeddings}), got values in [{low}, {high}]")
 
 
+@describe
 def Embedding(
     num_embeddings: int,
     features: int,
@@ -147,6 +150,7 @@ def Embedding(
     return Layer(init, apply, name)
 
 
+@describe
 def Reshape(shape: tuple[int, ...], name: str = "reshape") -> Layer:
     """Reshapes each example (every axis but the batch one) to `shape`; one entry may be -1 (inferred), as in
     Keras' Reshape and numpy."""
@@ -173,6 +177,7 @@ def Reshape(shape: tuple[int, ...], name: str = "reshape") -> Layer:
     return Layer(init, apply, name)
 
 
+@describe
 def Flatten(name: str = "flatten") -> Layer:
     """Flattens every axis but the first (batch) one."""
 
@@ -200,6 +205,7 @@ def check_positions(name: str, positions: jax.Array, x_shape: tuple[int, ...]) -
         )
 
 
+@describe
 def PositionEmbedding(
     max_len: int,
     *,

@@ -20,6 +20,7 @@ from jaxnn.layers.core import (
     check_keywords,
     check_params,
     check_positive,
+    describe,
     shape_error,
 )
 from jaxnn.precision import accumulation_dtype
@@ -83,6 +84,7 @@ def _normalise(x32: jax.Array, axes: tuple[int, ...], eps: float) -> jax.Array:
     return centred * lax.rsqrt(jnp.mean(jnp.square(centred), axis=axes, keepdims=True) + eps)
 
 
+@describe
 def LayerNorm(
     eps: float = 1e-6,
     name: str = "layer_norm",
@@ -100,6 +102,7 @@ def LayerNorm(
     return Layer(_feature_init(name, scale_init, bias_init), apply, name)
 
 
+@describe
 def RMSNorm(
     eps: float = 1e-6,
     name: str = "rms_norm",
@@ -118,6 +121,7 @@ def RMSNorm(
     return Layer(_feature_init(name, scale_init, None), apply, name)
 
 
+@describe
 def BatchNorm(
     momentum: float = 0.99,
     eps: float = 1e-5,
@@ -174,6 +178,7 @@ def BatchNorm(
     return Layer(_feature_init(name, scale_init, bias_init), apply, name, init_state)
 
 
+@describe
 def GroupNorm(
     num_groups: int | None = 32,
     *,
@@ -223,6 +228,7 @@ def GroupNorm(
     return Layer(init, apply, name)
 
 
+@describe
 def InstanceNorm(
     eps: float = 1e-6,
     *,

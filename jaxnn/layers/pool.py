@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxnn.layers.core import InitFn, Layer, Shape, check_keywords, check_positive, shape_error
+from jaxnn.layers.core import InitFn, Layer, Shape, check_keywords, check_positive, describe, shape_error
 from jaxnn.precision import accumulation_dtype
 
 # "SAME", "VALID", or one (low, high) pair per spatial axis (torch's symmetric padding=p is (p, p) per axis).
@@ -113,6 +113,7 @@ def _max_over_tiles(x, window, padding):
     return x.reshape(*tiled, x.shape[-1]).max(axis=tuple(range(2, 2 * len(window) + 1, 2)))
 
 
+@describe
 def MaxPool(
     window: int | Sequence[int] = 2,
     strides: int | Sequence[int] | None = None,
@@ -160,6 +161,7 @@ def MaxPool(
     return Layer(init, apply, name)
 
 
+@describe
 def AvgPool(
     window: int | Sequence[int] = 2,
     strides: int | Sequence[int] | None = None,
@@ -180,6 +182,7 @@ def AvgPool(
     return Layer(init, apply, name)
 
 
+@describe
 def GlobalAvgPool(name: str = "global_avg_pool") -> Layer:
     """Mean over every spatial axis: (N, ..., C) -> (N, C), summed in float32."""
 

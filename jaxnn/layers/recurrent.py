@@ -40,6 +40,7 @@ from jaxnn.layers.core import (
     check_keywords,
     check_params,
     check_positive,
+    describe,
     shape_error,
     with_name,
 )
@@ -253,6 +254,7 @@ def _run_scan(
     return _scan_jit(cell, params, x_BTF, mask_BT, reverse=reverse, policy=policy)
 
 
+@describe
 def RNN(cell: Cell, *, reverse: bool = False, return_carry: bool = False, name: str = "rnn") -> Layer:
     """`cell` scanned over the time axis of (B, T, F) inputs; returns (B, T, cell.features), in the input order
     even when `reverse=True` (which reads each row from its last real step back to its first).
@@ -295,6 +297,7 @@ def _check_direction(layer: Layer, reverse: bool, arg: str) -> None:
         raise ValueError(f"Bidirectional: {arg} runs {runs}; build it with RNN(cell, reverse={wanted})")
 
 
+@describe
 def Bidirectional(forward_rnn: Layer, backward_rnn: Layer, *, name: str = "bidirectional") -> Layer:
     """Both directions over (B, T, F) inputs, their outputs concatenated on the last axis: (B, T, H_f + H_b).
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxnn.layers.core import Layer, LayerError, check_keywords, check_positive, run, run_cached, with_name
+from jaxnn.layers.core import Layer, LayerError, check_keywords, check_positive, describe, run, run_cached, with_name
 from jaxnn.layers.core import init_cache as init_cache_of
 
 # The keywords `remat` hands through as static Python values; everything else (arrays) goes through
@@ -22,6 +22,7 @@ from jaxnn.layers.core import init_cache as init_cache_of
 _STATIC = ("train", "policy")
 
 
+@describe
 def remat(layer: Layer, *, checkpoint_policy: Any = None) -> Layer:
     """`layer` with its activations recomputed in the backward pass (`jax.checkpoint`): the backward pass keeps
     only the layer's inputs, at the cost of running its forward twice. `checkpoint_policy` is one of
@@ -65,6 +66,7 @@ _scan_jit = jax.jit(_scan, static_argnums=(0, 1, 2, 3, 4))
 _decode_jit = jax.jit(_decode, static_argnums=(0, 1, 2, 3))
 
 
+@describe
 def Repeat(layer: Layer, num_layers: int, *, unroll: int = 1, name: str = "repeat") -> Layer:
     """`num_layers` copies of `layer` (each with its own parameters) applied in sequence inside one `lax.scan`.
 

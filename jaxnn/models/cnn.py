@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Callable
 
 from jaxnn.layers import BatchNorm, Conv, Dense, Flatten, GlobalAvgPool, Layer, MaxPool, Relu, residual, serial
+from jaxnn.layers.core import describe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +21,7 @@ class CNNConfig:
         return dataclasses.replace(self, widths=(8, 16))
 
 
+@describe
 def CNN(cfg: CNNConfig = CNNConfig()) -> Layer:
     """Per width: a 3x3 convolution, ReLU and 2x2 max pooling; then a Dense classifier on the flattened map."""
     stages = [
@@ -47,6 +49,7 @@ def _basic_block(width: int, bn: Callable[[], Layer]) -> Layer:
     return serial(residual(Conv(width, 3), bn(), Relu, Conv(width, 3), bn(), name="block"), Relu, name="basic")
 
 
+@describe
 def ResNet(cfg: ResNetConfig = ResNetConfig()) -> Layer:
     """Stem conv, stages of residual basic blocks (a strided conv changes width between stages), global pooling."""
 

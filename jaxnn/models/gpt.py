@@ -18,6 +18,7 @@ from jaxnn.layers import (
     serial,
 )
 from jaxnn.layers.attention import MLPS
+from jaxnn.layers.core import describe
 
 POSITIONS = ("learned", "rope")
 
@@ -81,6 +82,7 @@ class GPTConfig:
         return self.vocab_size * d + positions + self.num_layers * (2 * norm + attention + mlp) + norm + logits
 
 
+@describe
 def GPT(cfg: GPTConfig = GPTConfig()) -> Layer:
     """Token embeddings, [learned position embeddings], `num_layers` causal pre-norm blocks, a final norm and
     next-token logits (from the embedding table with `tie_embeddings`).

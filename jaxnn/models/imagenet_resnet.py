@@ -15,7 +15,7 @@ import jax
 from jax.nn import initializers
 
 from jaxnn.layers import BatchNorm, Conv, Dense, GlobalAvgPool, Layer, MaxPool, Relu, run, serial
-from jaxnn.layers.core import as_child, check_keywords, shape_error, with_name
+from jaxnn.layers.core import as_child, check_keywords, describe, shape_error, with_name
 
 BLOCKS = ("basic", "bottleneck")
 EXPANSION = {"basic": 1, "bottleneck": 4}  # a block's output width over its stage's width
@@ -68,6 +68,7 @@ def _body(block: str, width: int, strides: int, bn: Callable[[str], Layer]) -> L
     )
 
 
+@describe
 def residual_block(body: Layer, shortcut: Layer | None, name: str = "block") -> Layer:
     """relu(body(x) + shortcut(x)), the shortcut the identity when None. Params and state are `{"0_body": ...}`
     and, with a shortcut, `"1_shortcut"`; the block is stateful, its state that of its stateful branches (here
@@ -133,6 +134,7 @@ def _stage(cfg: ImageNetResNetConfig, index: int, bn: Callable[[str], Layer]) ->
     return serial(*blocks, name=f"layer{index + 1}")
 
 
+@describe
 def ImageNetResNet(cfg: ImageNetResNetConfig = ImageNetResNetConfig()) -> Layer:
     """7x7/2 stem convolution, BatchNorm, ReLU, 3x3/2 max pooling (padded 1), the stages, global average pooling
     and a Dense classifier; (N, H, W, 3) -> (N, num_classes) logits. Params and state are keyed like torchvision's

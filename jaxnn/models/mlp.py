@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxnn.layers import Dense, Flatten, Layer, Relu, serial
+from jaxnn.layers.core import describe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,6 +20,7 @@ class MLPConfig:
         return dataclasses.replace(self, hidden=(64,))
 
 
+@describe
 def MLP(cfg: MLPConfig = MLPConfig()) -> Layer:
     """Flatten, then Dense + ReLU per hidden width, then a Dense classifier producing logits."""
     hidden = [layer for width in cfg.hidden for layer in (Dense(width), Relu)]

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.nn import initializers
 
 from jaxnn.layers import Conv, Dense, Dropout, GeluExact, Lambda, Layer, LayerNorm, MultiHeadAttention, residual, serial
-from jaxnn.layers.core import check_keywords, check_params, shape_error
+from jaxnn.layers.core import check_keywords, check_params, describe, shape_error
 
 LN_EPS = 1e-6  # torchvision's ViT LayerNorms (torch's own default is 1e-5)
 
@@ -53,6 +53,7 @@ class ViTConfig:
         )
 
 
+@describe
 def ClassTokenAndPositions(num_positions: int, name: str = "embed") -> Layer:
     """(B, P, D) patch vectors -> (B, 1 + P, D): a learned class token in front, then learned position embeddings
     added. Params are torchvision's shapes: `class_token` (1, 1, D) (zeros at init, as there) and `pos_embedding`
@@ -104,6 +105,7 @@ def encoder_block(cfg: ViTConfig, name: str = "block") -> Layer:
     return serial(attention, mlp, name=name)
 
 
+@describe
 def ViT(cfg: ViTConfig = ViTConfig()) -> Layer:
     """Patch embedding, class token and positions, `num_layers` encoder blocks, a final LayerNorm, and a Dense
     head on the class token: (N, image_size, image_size, C) -> (N, num_classes) logits."""

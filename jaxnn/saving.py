@@ -1,0 +1,218 @@
+"""Whole-model save and load: the architecture, the parameters and the model state in one folder, loaded with no
+user code (Keras' `model.save` / `keras.models.load_model`).
+
+    jaxnn.save_model("saved/cnn", model, result.state)     # model.json + weights.safetensors
+    model, params, model_state = jaxnn.load_model("saved/cnn")
+    logits = jaxnn.predict(model, params, x, model_state=model_state)
+
+The architecture is the call that built the model, recorded by every jaxnn layer constructor, combinator and
+built-in model (`describe`): `serial(Conv(32, 3), Relu, ...)` is saved as those calls with their arguments, a
+`GPT(GPTConfig(...))` as its config. Names inside the params follow from the calls, so a folder loads into the
+same tree it was saved from. What no call describes is refused at save, naming it: a layer a user wrote as
+`Layer(init, apply, ...)`, a `Lambda` of an anonymous function (a named function is saved by its import path,
+`Lambda(jax.nn.relu)`), a layer changed afterwards with `_replace`. Initialisers are not saved (the parameters
+are): a loaded model uses the constructors' defaults, which matters only if it is initialised again.
+
+Versioned: `model.json` holds `"format": "jaxnn-model"` and `"version"`; a newer version is refused in one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import pathlib
+from typing import Any
+
+import numpy as np
+
+from jaxnn.layers.core import Layer
+
+FORMAT = "jaxnn-model"
+VERSION = 1
+ARCHITECTURE_FILE = "model.json"
+WEIGHTS_FILE = "weights.safetensors"
+
+
+class ModelSaveError(ValueError):
+    """A model (or folder) that cannot be saved or loaded as asked; one line naming the part at fault."""
+
+
+# ------------------------------------------------------------------------------------------------- describing
+
+
+def _path_of(obj: Any) -> str | None:
+    """`module.qualname` when that import path leads back to `obj` itself, else None."""
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if not module or not qualname or "<" in qualname:
+        return None
+    try:
+        return f"{module}.{qualname}" if _resolve(f"{module}.{qualname}") is obj else None
+    except (ImportError, AttributeError):
+        return None
+
+
+def _resolve(path: str) -> Any:
+    """The object at an import path "package.module.Attr.attr"."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(f"no module in {path!r}")
+
+
+def _named_instances() -> dict[int, str]:
+    """jaxnn's module-level layer instances (`Relu`, `Softmax`, ...) by id -> their import path."""
+    import jaxnn.layers as layers_package
+
+    found: dict[int, str] = {}
+    for module_name in ("jaxnn.layers.activation", "jaxnn.layers.attention", "jaxnn.layers"):
+        module = importlib.import_module(module_name)
+        for attr, value in vars(module).items():
+            if isinstance(value, Layer):
+                found.setdefault(id(value), f"{module_name}.{attr}")
+    del layers_package
+    return found
+
+
+def encode(value: Any, where: str, instances: dict[int, str] | None = None) -> Any:
+    """`value` (a layer, its arguments) as JSON; what cannot be described is a ModelSaveError naming `where`."""
+    instances = _named_instances() if instances is None else instances
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (np.integer, np.floating, np.bool_)):
+        return value.item()
+    if isinstance(value, Layer):
+        return _encode_layer(value, where, instances)
+    if isinstance(value, tuple):
+        return {"tuple": [encode(v, f"{where}[{i}]", instances) for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [encode(v, f"{where}[{i}]", instances) for i, v in enumerate(value)]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {"dict": {k: encode(v, f"{where}.{k}", instances) for k, v in value.items()}}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and _path_of(type(value)):
+        kept = [f.name for f in dataclasses.fields(value) if f.init]
+        kept = [name for name in kept if not _unsaved_initialiser(name, getattr(value, name))]
+        fields = {name: encode(getattr(value, name), f"{where}.{name}", instances) for name in kept}
+        return {"config": _path_of(type(value)), "fields": fields}
+    if callable(value) and _path_of(value):
+        return {"function": _path_of(value)}
+    raise ModelSaveError(
+        f"save_model: {where} is a {type(value).__name__} ({getattr(value, '__name__', value)!r}) that cannot be "
+        "written down: use a named function or one of jaxnn's layers"
+    )
+
+
+def _encode_layer(layer: Layer, where: str, instances: dict[int, str]) -> Any:
+    if id(layer) in instances:
+        return {"instance": instances[id(layer)]}
+    spec = getattr(layer, "spec", None)
+    if spec is None:
+        raise ModelSaveError(
+            f"save_model: {where} (layer {layer.name!r}) was not made by a jaxnn constructor (a layer written as "
+            "Layer(init, apply, ...), or changed with _replace), so no call describes it; build it from jaxnn's "
+            "layers, or save its parameters alone (jaxnn.export.save_safetensors)"
+        )
+    call = spec.path.rsplit(".", 1)[-1]
+    kept = {k: v for k, v in spec.kwargs.items() if not _unsaved_initialiser(k, v)}
+    return {
+        "call": spec.path,
+        "args": [encode(a, f"{where}/{call}(argument {i})", instances) for i, a in enumerate(spec.args)],
+        "kwargs": {k: encode(v, f"{where}/{call}({k}=)", instances) for k, v in kept.items()},
+    }
+
+
+def _unsaved_initialiser(name: str, value: Any) -> bool:
+    """An initialiser argument that has no import path (`lecun_normal()` returns a closure): left out, since the
+    weights are saved (see the module doc)."""
+    return name.endswith("_init") and callable(value) and _path_of(value) is None
+
+
+def decode(value: Any) -> Any:
+    """The objects `encode` wrote, built again by the same calls."""
+    if isinstance(value, list):
+        return [decode(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "tuple" in value:
+        return tuple(decode(v) for v in value["tuple"])
+    if "dict" in value:
+        return {k: decode(v) for k, v in value["dict"].items()}
+    if "instance" in value:
+        return _resolve(value["instance"])
+    if "function" in value:
+        return _resolve(value["function"])
+    if "config" in value:
+        return _resolve(value["config"])(**{k: decode(v) for k, v in value["fields"].items()})
+    if "call" in value:
+        return _resolve(value["call"])(*decode(value["args"]), **{k: decode(v) for k, v in value["kwargs"].items()})
+    raise ModelSaveError(f"load_model: unknown entry {sorted(value)} in the architecture")
+
+
+# --------------------------------------------------------------------------------------------------- save, load
+
+
+def save_model(path: str | os.PathLike, model: Layer, params_or_state: Any, *, model_state: Any = None) -> str:
+    """Writes `model` (its architecture) and its parameters and model state (a TrainState, a FitResult, a
+    `load_params` result, or params with `model_state=`) into the folder `path`, whole: a new or empty folder, or
+    an earlier save of the same kind (replaced once the new one is complete). Returns the folder."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from jaxnn._src.folders import write_folder
+    from jaxnn.evaluation import params_and_state
+    from jaxnn.export import save_safetensors
+
+    architecture = encode(model, "the model")
+    params, state = params_and_state(params_or_state, model_state)
+    try:
+        made_by = version("jaxnn")
+    except PackageNotFoundError:  # a checkout on the path, not installed
+        made_by = "unknown"
+    record = {"format": FORMAT, "version": VERSION, "jaxnn": made_by, "architecture": architecture}
+
+    def fill(folder: pathlib.Path) -> None:
+        save_safetensors(params, folder / WEIGHTS_FILE, model_state=state or None)
+        (folder / ARCHITECTURE_FILE).write_text(json.dumps(record, indent=1) + "\n")
+
+    return os.fspath(write_folder(path, fill, {"format": FORMAT}))
+
+
+def is_saved_model(path: str | os.PathLike) -> bool:
+    """Whether `path` is a `save_model` folder (its architecture and weights files)."""
+    return (pathlib.Path(path) / ARCHITECTURE_FILE).is_file() and (pathlib.Path(path) / WEIGHTS_FILE).is_file()
+
+
+def load_model(path: str | os.PathLike) -> tuple[Layer, Any, Any]:
+    """`(model, params, model_state)` of a `save_model` folder, built without the code that made the model;
+    params and state as numpy arrays. A folder that is not one, or of a newer version, is one ModelSaveError."""
+    from jaxnn.export import load_safetensors
+
+    folder = pathlib.Path(path)
+    if not is_saved_model(folder):
+        raise ModelSaveError(f"{folder}: not a saved model (no {ARCHITECTURE_FILE} and {WEIGHTS_FILE})")
+    try:
+        record = json.loads((folder / ARCHITECTURE_FILE).read_text())
+    except ValueError as err:
+        raise ModelSaveError(f"{folder / ARCHITECTURE_FILE}: not JSON ({err}); cut short?") from None
+    if record.get("format") != FORMAT:
+        raise ModelSaveError(f"{folder / ARCHITECTURE_FILE}: not a jaxnn model (format {record.get('format')!r})")
+    if not isinstance(record.get("version"), int) or record["version"] > VERSION:
+        raise ModelSaveError(
+            f"{folder}: saved by a newer jaxnn (format version {record.get('version')}, this one reads up to "
+            f"{VERSION}); upgrade jaxnn"
+        )
+    try:
+        model = decode(record["architecture"])
+    except (ImportError, AttributeError, TypeError) as err:
+        raise ModelSaveError(f"{folder}: its architecture cannot be built by this jaxnn ({err})") from None
+    params, state, _ = load_safetensors(folder / WEIGHTS_FILE)
+    return model, params, state
+
+
+__all__ = ["ModelSaveError", "decode", "encode", "is_saved_model", "load_model", "save_model"]
