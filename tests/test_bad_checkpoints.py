@@ -57,6 +57,7 @@ def test_a_damaged_transformers_folder_is_one_line_for_train_and_generate(capsys
     _refused(capsys, tmp_path, ["generate", "--run-dir", str(broken), "--length", "2"], match)
 
 
+@pytest.mark.slow
 def test_the_intact_folder_trains_and_generates(capsys, tmp_path, folder):
     argv = ["train", "--init-from", str(folder), "--steps", "1", "--batch-size", "2", "--seq-len", "16"]
     assert cli.main([*argv, "--run-dir", str(tmp_path / "run"), "--no-progress", "--no-plots", "--no-summary"]) == 0

@@ -73,6 +73,7 @@ def test_what_no_call_describes_is_refused_at_save_naming_it(tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+@pytest.mark.slow
 def test_a_saved_model_loads_in_a_process_without_the_code_that_made_it(tmp_path):
     model = _custom()
     _, params, state = init_model(model, jax.random.key(0), (1, 8, 8, 1))
