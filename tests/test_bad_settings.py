@@ -214,6 +214,7 @@ def test_mixup_with_a_loss_that_never_reads_the_mixed_targets_is_refused():
     assert result.summary["step"] == 1
 
 
+@pytest.mark.slow
 def test_a_fit_that_leaves_devices_idle_says_so_once_at_the_users_line(cnn):
     from jaxnn.loop import _run
 

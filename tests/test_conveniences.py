@@ -73,6 +73,7 @@ def test_the_direction_follows_the_metrics_name(name, mode):
         metric_mode("kappa")
 
 
+@pytest.mark.slow
 def test_early_stopping_on_accuracy_waits_while_it_rises_and_keep_best_infers_its_mode(tmp_path):
     digits = jaxnn.data.load_digits()
     data = (digits.x_train[:256] / 16.0, digits.y_train[:256])

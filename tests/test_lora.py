@@ -119,6 +119,7 @@ def test_adapters_save_alone_and_load_onto_the_same_base_only(tmp_path):
         lora.load_adapters(path, {"0_embed": other["0_embed"]})
 
 
+@pytest.mark.slow
 def test_generation_from_unmerged_and_merged_adapters_gives_the_same_tokens():
     model = GPT(CFG)
     _, base = model.init(jax.random.key(0), (1, 8))

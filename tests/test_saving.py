@@ -51,6 +51,7 @@ def test_a_model_of_jaxnn_layers_saves_and_loads_with_the_same_outputs(tmp_path)
     _same_outputs(model, params, state, load_model(tmp_path / "m"), x)
 
 
+@pytest.mark.slow
 def test_built_in_models_and_recurrent_layers_save_by_their_calls(tmp_path):
     gpt = GPT(GPTConfig(vocab_size=32, seq_len=8, d_model=16, num_layers=1, num_heads=2, scan_layers=True))
     rnn = L.serial(L.Bidirectional(L.RNN(L.LSTMCell(8)), L.RNN(L.GRUCell(8), reverse=True)), L.Dense(3))
