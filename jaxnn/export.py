@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxnn._src import pytree
 from jaxnn._src.ownership import check_export_dir, export_identity
-from jaxnn._src.storage import check_writable, make_dirs, write_bytes_atomic, write_json_atomic
+from jaxnn._src.storage import check_writable, make_dirs, pid_alive, write_bytes_atomic, write_json_atomic
 
 if TYPE_CHECKING:
     from jaxnn.layers import Layer
@@ -288,18 +288,8 @@ def check_out_dir(out: pathlib.Path, config: dict | None) -> None:
     for name in files:
         for leftover in out.glob(f".{name}.tmp-*") if out.is_dir() else ():
             pid = leftover.name.rpartition("-")[2]
-            if pid.isdigit() and not _alive(int(pid)):
+            if pid.isdigit() and not pid_alive(int(pid)):
                 leftover.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _recorded_identity(path: pathlib.Path) -> str | None:

@@ -128,3 +128,24 @@ def test_generation_from_unmerged_and_merged_adapters_gives_the_same_tokens():
     unmerged = generate_tokens(model, trained, [1, 2, 3], 10, **kw)
     assert unmerged == generate_tokens(model, lora.merge(trained), [1, 2, 3], 10, **kw)
     assert unmerged != generate_tokens(model, base, [1, 2, 3], 10, **kw)
+
+
+@pytest.mark.slow
+def test_the_frozen_base_gets_no_weight_gradient_products_in_the_compiled_step():
+    import re
+
+    from jaxnn.train import create_train_state, make_train_step
+
+    settings = lora.LoRA(rank=4)
+    tx = lora.train_adapters_only(optax.adam(1e-3))
+    batch = {"x": _ids(), "y": _ids(1)}
+
+    def dots(model):
+        state = create_train_state(lora.with_adapters(GPT(CFG), settings), tx, jax.random.key(0), (4, 12))
+        text = make_train_step(model, lm_loss, tx).lower(state, batch).compile().as_text()
+        return len(re.findall(r" dot\(", text))
+
+    plain = GPT(CFG)  # the same params with adapters, but gradients flow into the base
+    frozen, open_base = dots(lora.lora_model(plain, settings)), dots(plain)
+    # 2 blocks x 4 weights, plus the output layer: each frozen weight loses its one weight-gradient product.
+    assert open_base - frozen >= 2 * 4, (open_base, frozen)

@@ -150,6 +150,17 @@ def check_writable(path: PathLike) -> None:
         raise RunDirError(f"cannot write to {existing} (permission denied)")
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists on this host (one we may not signal counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def write_bytes_atomic(path: PathLike, data: bytes) -> None:
     """Writes `data` to a temporary name beside `path`, then renames it: readers never see a partial file."""
     path = pathlib.Path(path)

@@ -29,7 +29,15 @@ from jaxnn._src.ownership import (
     read_owner,
     write_owner,
 )
-from jaxnn._src.storage import PathLike, RunDirError, StorageError, check_writable, make_dirs, write_json_atomic
+from jaxnn._src.storage import (
+    PathLike,
+    RunDirError,
+    StorageError,
+    check_writable,
+    make_dirs,
+    pid_alive,
+    write_json_atomic,
+)
 from jaxnn.config import config_differences
 from jaxnn.loop.plots import write_plots
 from jaxnn.metrics import make_writers
@@ -44,16 +52,6 @@ LOCK_NAME = "run.lock"
 
 
 # -------------------------------------------------------------------------------------------------------- the lock
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class RunLock:
@@ -99,7 +97,7 @@ class RunLock:
         me = (socket.gethostname(), os.getpid())
         if not previous.get("pid") or (previous.get("host"), previous.get("pid")) == me:
             return
-        if previous.get("host") == me[0] and _pid_alive(int(previous["pid"])):
+        if previous.get("host") == me[0] and pid_alive(int(previous["pid"])):
             # flock says free but the recorded process lives: a file system without working locks.
             raise RunDirError(
                 f"run dir {self.path.parent} is in use by process {previous['pid']} on this host "
