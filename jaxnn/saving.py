@@ -33,6 +33,7 @@ FORMAT = "jaxnn-model"
 VERSION = 1
 ARCHITECTURE_FILE = "model.json"
 WEIGHTS_FILE = "weights.safetensors"
+TRAINING_FILE = "training.safetensors"  # optimizer state, step, key: what resuming needs
 
 
 class ModelSaveError(ValueError):
@@ -158,10 +159,23 @@ def decode(value: Any) -> Any:
 # --------------------------------------------------------------------------------------------------- save, load
 
 
-def save_model(path: str | os.PathLike, model: Layer, params_or_state: Any, *, model_state: Any = None) -> str:
+def save_model(
+    path: str | os.PathLike,
+    model: Layer,
+    params_or_state: Any,
+    *,
+    model_state: Any = None,
+    include_optimizer: bool = True,
+    input_spec: Any = None,
+) -> str:
     """Writes `model` (its architecture) and its parameters and model state (a TrainState, a FitResult, a
     `load_params` result, or params with `model_state=`) into the folder `path`, whole: a new or empty folder, or
-    an earlier save of the same kind (replaced once the new one is complete). Returns the folder."""
+    an earlier save of the same kind (replaced once the new one is complete). Returns the folder.
+
+    Given a TrainState or FitResult, the rest of the train state (optimizer state, step, random key, fp16 loss
+    scale) goes into training.safetensors unless `include_optimizer=False`, so that `fit(..., resume=path)`
+    continues the run. `input_spec`: one example's input (an array, or a `(shape, dtype)` pair without the batch
+    axis) for `jaxnn export`; a FitResult brings its own."""
     from importlib.metadata import PackageNotFoundError, version
 
     from jaxnn._src.folders import write_folder
@@ -170,17 +184,134 @@ def save_model(path: str | os.PathLike, model: Layer, params_or_state: Any, *, m
 
     architecture = encode(model, "the model")
     params, state = params_and_state(params_or_state, model_state)
+    training = _training_tensors(params_or_state) if include_optimizer else None
     try:
         made_by = version("jaxnn")
     except PackageNotFoundError:  # a checkout on the path, not installed
         made_by = "unknown"
     record = {"format": FORMAT, "version": VERSION, "jaxnn": made_by, "architecture": architecture}
+    example = _input_record(input_spec, params_or_state)
+    if example is not None:
+        record["input"] = example
+    if training is not None:
+        record["training"] = {"step": int(training["step"]), "entries": len(training)}
 
     def fill(folder: pathlib.Path) -> None:
         save_safetensors(params, folder / WEIGHTS_FILE, model_state=state or None)
+        if training is not None:  # serialised and written by jaxnn: safetensors' save_file makes owner-only files
+            from safetensors.numpy import save
+
+            from jaxnn._src.storage import write_bytes_atomic
+
+            write_bytes_atomic(folder / TRAINING_FILE, save(training))
         (folder / ARCHITECTURE_FILE).write_text(json.dumps(record, indent=1) + "\n")
 
     return os.fspath(write_folder(path, fill, {"format": FORMAT}))
+
+
+def _input_record(input_spec: Any, params_or_state: Any) -> dict | None:
+    """`{"shape": [...], "dtype": "..."}` of one example (no batch axis), from `input_spec` or a FitResult."""
+    if input_spec is None:
+        recorded = getattr(params_or_state, "summary", None)
+        return recorded.get("input") if isinstance(recorded, dict) else None
+    if isinstance(input_spec, tuple) and len(input_spec) == 2 and not hasattr(input_spec, "shape"):
+        shape, dtype = input_spec
+    else:
+        shape, dtype = np.shape(input_spec), getattr(input_spec, "dtype", np.asarray(input_spec).dtype)
+    try:
+        return {"shape": [int(d) for d in shape], "dtype": np.dtype(dtype).name}
+    except (TypeError, ValueError):
+        raise ModelSaveError(
+            f"save_model: input_spec must be an example array or (shape, dtype), got {input_spec!r}"
+        ) from None
+
+
+def _training_tensors(params_or_state: Any) -> dict[str, np.ndarray] | None:
+    """The train state besides params and model state, as named host arrays; None for bare parameters."""
+    import jax
+
+    from jaxnn.train import TrainState
+
+    state = getattr(params_or_state, "state", params_or_state)  # a FitResult's
+    if not isinstance(state, TrainState):
+        return None
+    parts = {"opt_state": state.opt_state, "step": state.step, "key": state.key, "loss_scale": state.loss_scale}
+    named = {}
+    for part, tree in parts.items():
+        for where, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            named[part + jax.tree_util.keystr(where)] = np.array(jax.device_get(leaf))  # 0-d stays 0-d
+    return named
+
+
+def load_training_state(path: str | os.PathLike, like_state: Any) -> Any:
+    """`like_state` (a TrainState of the same model and optimizer, e.g. freshly made) with the optimizer state,
+    step, key and loss scale of the `save_model` folder `path`, each placed as `like_state`'s is. A folder saved
+    without them, or by another optimizer, is one ModelSaveError naming the first entry that differs."""
+    import jax
+    from safetensors.numpy import load_file
+
+    folder = pathlib.Path(path)
+    if not (folder / TRAINING_FILE).is_file():
+        raise ModelSaveError(
+            f"{folder}: saved without its optimizer state (parameters only, or include_optimizer=False), so "
+            "it cannot be resumed; start a new run from it with params= and model_state="
+        )
+    saved = load_file(str(folder / TRAINING_FILE))
+    parts = {"opt_state": like_state.opt_state, "step": like_state.step, "key": like_state.key,
+             "loss_scale": like_state.loss_scale}  # fmt: skip
+    restored, wanted = {}, set()
+    for part, tree in parts.items():
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        values = []
+        for where, like in leaves:
+            name = part + jax.tree_util.keystr(where)
+            wanted.add(name)
+            values.append(_placed(saved, name, like, folder))
+        restored[part] = jax.tree_util.tree_unflatten(treedef, values)
+    extra = sorted(set(saved) - wanted)
+    if extra:
+        raise ModelSaveError(
+            f"{folder}: its optimizer state has entries this optimizer lacks ({', '.join(extra[:3])}); resume "
+            "it with the optimizer it was saved with"
+        )
+    return like_state._replace(**restored)
+
+
+def _placed(saved: dict, name: str, like: Any, folder: pathlib.Path) -> Any:
+    import jax
+
+    if name not in saved:
+        raise ModelSaveError(
+            f"{folder}: its optimizer state has no entry {name} that this optimizer keeps; resume it with the "
+            "optimizer it was saved with"
+        )
+    value = saved[name]
+    if value.shape != tuple(like.shape) or value.dtype != like.dtype:
+        raise ModelSaveError(
+            f"{folder}: optimizer entry {name} is {value.dtype}{list(value.shape)} there and "
+            f"{like.dtype}{list(like.shape)} for this optimizer and model; resume it with the ones it was saved with"
+        )
+    return jax.device_put(value, like.sharding) if hasattr(like, "sharding") else value
+
+
+def saved_record(path: str | os.PathLike) -> dict:
+    """The checked `model.json` record of a `save_model` folder (format, version, architecture, input, training)."""
+    folder = pathlib.Path(path)
+    if not is_saved_model(folder):
+        raise ModelSaveError(f"{folder}: not a saved model (no {ARCHITECTURE_FILE} and {WEIGHTS_FILE})")
+    try:
+        record = json.loads((folder / ARCHITECTURE_FILE).read_text())
+    except ValueError as err:
+        raise ModelSaveError(f"{folder / ARCHITECTURE_FILE}: not JSON ({err}); cut short?") from None
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        found = record.get("format") if isinstance(record, dict) else type(record).__name__
+        raise ModelSaveError(f"{folder / ARCHITECTURE_FILE}: not a jaxnn model (format {found!r})")
+    if not isinstance(record.get("version"), int) or record["version"] > VERSION:
+        raise ModelSaveError(
+            f"{folder}: saved by a newer jaxnn (format version {record.get('version')}, this one reads up to "
+            f"{VERSION}); upgrade jaxnn"
+        )
+    return record
 
 
 def is_saved_model(path: str | os.PathLike) -> bool:
@@ -194,25 +325,22 @@ def load_model(path: str | os.PathLike) -> tuple[Layer, Any, Any]:
     from jaxnn.export import load_safetensors
 
     folder = pathlib.Path(path)
-    if not is_saved_model(folder):
-        raise ModelSaveError(f"{folder}: not a saved model (no {ARCHITECTURE_FILE} and {WEIGHTS_FILE})")
-    try:
-        record = json.loads((folder / ARCHITECTURE_FILE).read_text())
-    except ValueError as err:
-        raise ModelSaveError(f"{folder / ARCHITECTURE_FILE}: not JSON ({err}); cut short?") from None
-    if record.get("format") != FORMAT:
-        raise ModelSaveError(f"{folder / ARCHITECTURE_FILE}: not a jaxnn model (format {record.get('format')!r})")
-    if not isinstance(record.get("version"), int) or record["version"] > VERSION:
-        raise ModelSaveError(
-            f"{folder}: saved by a newer jaxnn (format version {record.get('version')}, this one reads up to "
-            f"{VERSION}); upgrade jaxnn"
-        )
+    record = saved_record(folder)
     try:
         model = decode(record["architecture"])
-    except (ImportError, AttributeError, TypeError) as err:
+    except (ImportError, AttributeError, TypeError, KeyError) as err:
         raise ModelSaveError(f"{folder}: its architecture cannot be built by this jaxnn ({err})") from None
     params, state, _ = load_safetensors(folder / WEIGHTS_FILE)
     return model, params, state
 
 
-__all__ = ["ModelSaveError", "decode", "encode", "is_saved_model", "load_model", "save_model"]
+__all__ = [
+    "ModelSaveError",
+    "decode",
+    "encode",
+    "is_saved_model",
+    "load_model",
+    "load_training_state",
+    "save_model",
+    "saved_record",
+]

@@ -107,3 +107,112 @@ def test_the_committed_folder_of_this_version_loads_and_a_newer_one_is_refused(t
         load_model(newer)
     with pytest.raises(ModelSaveError, match="not a saved model"):
         load_model(tmp_path)
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(96, 6)).astype(np.float32)
+    return x, (x[:, :3].sum(1) > 0).astype(np.int32)
+
+
+def _mlp():
+    return L.serial(L.Dense(16, activation="relu"), L.Dropout(0.2), L.Dense(2))
+
+
+_FIT = dict(batch_size=16, progress=False, plots=False, seed=5)
+
+
+def _schedule_adamw():
+    import optax
+
+    return optax.adamw(optax.cosine_decay_schedule(3e-2, 30))
+
+
+@pytest.mark.slow
+def test_fit_resumes_a_saved_model_in_a_fresh_process_bitwise(tmp_path):
+    x, y = _data()
+    np.savez(tmp_path / "data.npz", x=x, y=y)
+    whole = jaxnn.fit(_mlp(), (x, y), optimizer=_schedule_adamw(), steps=30, **_FIT)
+    first = jaxnn.fit(_mlp(), (x, y), optimizer=_schedule_adamw(), steps=12, **_FIT)
+    save_model(tmp_path / "m", _mlp(), first)
+    assert json.loads((tmp_path / "m" / "model.json").read_text())["training"]["step"] == 12
+    code = (  # no model code: the architecture comes from the folder, the optimizer is given again
+        "import sys, numpy as np, optax, jaxnn\n"
+        "model, _, _ = jaxnn.load_model(sys.argv[1])\n"
+        "data = np.load(sys.argv[2])\n"
+        "tx = optax.adamw(optax.cosine_decay_schedule(3e-2, 30))\n"
+        "r = jaxnn.fit(model, (data['x'], data['y']), optimizer=tx, steps=30, resume=sys.argv[1], batch_size=16,\n"
+        "              progress=False, plots=False, seed=5)\n"
+        "np.savez(sys.argv[3], step=r.summary['resumed_from'], **jaxnn.export.flat_weights(r.state.params))\n"
+    )
+    args = [str(tmp_path / "m"), str(tmp_path / "data.npz"), str(tmp_path / "out.npz")]
+    subprocess.run([sys.executable, "-c", code, *args], check=True, timeout=300)
+    out = np.load(tmp_path / "out.npz")
+    assert int(out["step"]) == 12
+    for name, value in jaxnn.export.flat_weights(whole.state.params).items():
+        assert np.array_equal(out[name], value), name
+
+
+def test_a_saved_model_resumes_only_with_its_optimizer_and_from_a_train_state(tmp_path):
+    import optax
+
+    x, y = _data()
+    first = jaxnn.fit(_mlp(), (x, y), optimizer=_schedule_adamw(), steps=4, **_FIT)
+    save_model(tmp_path / "m", _mlp(), first)
+    with pytest.raises(ModelSaveError, match=r"optimizer state has entries this optimizer lacks \(opt_state\[0\]"):
+        jaxnn.fit(_mlp(), (x, y), optimizer=optax.sgd(0.1), steps=8, resume=tmp_path / "m", **_FIT)
+    with pytest.raises(ValueError, match="resume= a saved model and params exclude each other"):
+        jaxnn.fit(_mlp(), (x, y), steps=8, resume=tmp_path / "m", params=first.state.params, **_FIT)
+    save_model(tmp_path / "p", _mlp(), first.state.params)
+    save_model(tmp_path / "q", _mlp(), first, include_optimizer=False)
+    for folder in ("p", "q"):
+        assert not (tmp_path / folder / "training.safetensors").exists()
+        with pytest.raises(ValueError, match="saved without its optimizer state"):
+            jaxnn.fit(_mlp(), (x, y), steps=8, resume=tmp_path / folder, **_FIT)
+    with pytest.raises(ValueError, match="is not a jaxnn.save_model folder; to continue a run directory"):
+        jaxnn.fit(_mlp(), (x, y), steps=8, resume=str(tmp_path), **_FIT)
+
+
+def test_a_resume_whose_learning_rate_is_zero_is_refused_for_any_optimizer(tmp_path):
+    x, y = _data()
+    run = tmp_path / "run"
+    jaxnn.fit(_mlp(), (x, y), optimizer=_schedule_adamw(), steps=30, run_dir=str(run), **_FIT)
+    before = sorted(p.name for p in (run / "ckpt").iterdir())
+    with pytest.raises(
+        ValueError, match=r"resumed from .* at step 30 would train to step 60 with a learning rate of 0"
+    ):
+        jaxnn.fit(_mlp(), (x, y), optimizer=_schedule_adamw(), steps=60, run_dir=str(run), resume=True, **_FIT)
+    assert sorted(p.name for p in (run / "ckpt").iterdir()) == before
+    done = jaxnn.fit(_mlp(), (x, y), optimizer=_schedule_adamw(), steps=30, **_FIT)
+    save_model(tmp_path / "m", _mlp(), done)
+    with pytest.raises(ValueError, match="resumed from the saved model at step 30 .* learning rate of 0"):
+        jaxnn.fit(_mlp(), (x, y), optimizer=_schedule_adamw(), steps=40, resume=tmp_path / "m", **_FIT)
+
+
+def test_fit_records_the_input_and_its_normalisation_for_exports(tmp_path):
+    from jaxnn.data import load_dataset
+
+    digits = load_dataset("digits")
+    model = L.serial(L.Flatten, L.Dense(10))
+    result = jaxnn.fit(model, digits, steps=2, batch_size=16, progress=False, plots=False)
+    recorded = result.summary["input"]
+    assert recorded["shape"] == [8, 8, 1] and recorded["dtype"] == "float32"
+    assert recorded["normalise"]["stored_dtype"] == str(digits.x_train.dtype) and recorded["normalise"]["scale"] == 16
+    save_model(tmp_path / "m", model, result)
+    assert json.loads((tmp_path / "m" / "model.json").read_text())["input"] == recorded
+    save_model(tmp_path / "n", model, result.state.params, input_spec=((8, 8, 1), "float32"))
+    assert json.loads((tmp_path / "n" / "model.json").read_text())["input"] == {"shape": [8, 8, 1], "dtype": "float32"}
+
+
+def test_the_committed_train_state_of_this_version_resumes():
+    import optax
+
+    fixture = FIXTURE.parent / "saved_model_v1_trained"
+    x, y = _data()
+    model, _, _ = load_model(fixture)
+    tx = optax.adamw(optax.cosine_decay_schedule(3e-2, 30))
+    result = jaxnn.fit(model, (x, y), optimizer=tx, steps=10, resume=fixture, **_FIT)
+    assert result.summary["resumed_from"] == 6
+    want = np.load(FIXTURE.parent / "saved_model_v1_trained_step10.npz")
+    for name, value in jaxnn.export.flat_weights(result.state.params).items():
+        np.testing.assert_allclose(value, want[name], rtol=1e-5, atol=1e-6, err_msg=name)

@@ -149,3 +149,19 @@ def test_bad_model_and_depth():
         L.summary(L.Dense(3), (2, 3), depth=-1, print_fn=None)
     with pytest.raises(TypeError, match="in_dtype"):
         L.summary(L.Dense(3), (2, 3), in_dtype="not a dtype", print_fn=None)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_depth_opens_repeat_and_transformer_blocks_with_counts_that_add_up(scan_layers):
+    model = GPT(GPTConfig(vocab_size=32, seq_len=8, d_model=16, num_layers=3, num_heads=2, scan_layers=scan_layers))
+    shallow = L.summary(model, (2, 8), depth=1, flops=False, print_fn=None)
+    deep = L.summary(model, (2, 8), depth=4, flops=True, print_fn=None)
+    assert deep.total_params == shallow.total_params == _size(_init_params(model, jax.random.key(0), (2, 8)))
+    assert sum(r.params for r in deep.rows) == deep.total_params
+    paths = [r.path for r in deep.rows]
+    assert any(".0_attn.1_attention" in p for p in paths) and any(".1_mlp.1_fc" in p for p in paths)
+    repeated = [p for p in paths if p.endswith("(x3)")]
+    assert bool(repeated) == scan_layers, paths
+    fc = [r for r in deep.rows if ".1_mlp.1_fc" in r.path]
+    # Each fc matmul: 2 * 16 tokens * 16 * 64 FLOPs; three blocks, in one scanned row or in three.
+    assert sum(r.flops for r in fc) >= 3 * 2 * 16 * 16 * 64

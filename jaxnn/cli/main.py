@@ -1,4 +1,5 @@
-"""`jaxnn train|export|generate|profile|summary`: the parser, and the one table from an error to an exit status.
+"""`jaxnn train|export|generate|predict|evaluate|profile|summary`: the parser, and the one table from an error
+to an exit status.
 
 Exit status: 0 done (also when a resumed run had already finished); 2 bad input: one line, nothing written (every
 `ValueError`: ConfigError, DataError, RunDirError, CheckpointError, ...); 1 a failure while working (one line: a
@@ -20,6 +21,7 @@ from typing import NoReturn
 
 from jaxnn._src.storage import StorageError
 from jaxnn.callbacks import NonFiniteError
+from jaxnn.cli.inference import add_evaluate_parser, add_predict_parser, evaluate_main, predict_main
 from jaxnn.cli.profile import add_profile_parser, profile_main
 from jaxnn.cli.runs import add_export_parser, add_generate_parser, export_main, generate_main
 from jaxnn.cli.summary import add_summary_parser, summary_main
@@ -36,6 +38,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": train_main,
     "export": export_main,
     "generate": generate_main,
+    "predict": predict_main,
+    "evaluate": evaluate_main,
     "profile": profile_main,
     "summary": summary_main,
 }
@@ -58,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     add_export_parser(sub)
     add_generate_parser(sub)
+    add_predict_parser(sub)
+    add_evaluate_parser(sub)
     add_profile_parser(sub)
     add_summary_parser(sub)
     return parser

@@ -14,7 +14,19 @@ def add_export_parser(sub: Any) -> None:
         description="Write a run's checkpoint as model.jaxexport (a serialized jax.export program with a symbolic "
         "batch size), weights.safetensors and export.json (shapes, dtypes, how to call it).",
     )
-    p.add_argument("--run-dir", required=True, help="run directory of `jaxnn train` (or its ckpt/ or a step folder)")
+    p.add_argument(
+        "--run-dir",
+        required=True,
+        help="run directory of `jaxnn train` (or its ckpt/ or a step folder), or a jaxnn.save_model folder",
+    )
+    p.add_argument(
+        "--input-shape",
+        default=None,
+        metavar="D,D,...",
+        help="one example's shape (no batch axis) for a saved model that records none; float32 (int32 with "
+        "--input-dtype)",
+    )
+    p.add_argument("--input-dtype", default="float32", help="dtype of --input-shape's input")
     p.add_argument(
         "--out",
         required=True,
@@ -75,6 +87,12 @@ def add_generate_parser(sub: Any) -> None:
 
 def export_main(args: argparse.Namespace) -> int:
     """Runs `jaxnn export`; errors go to `jaxnn.cli.main`'s exit-status table."""
+    from jaxnn.saving import is_saved_model
+
+    if is_saved_model(args.run_dir):
+        return _export_saved(args)
+    if args.input_shape is not None:
+        raise ValueError("--input-shape is for a saved model; a run's input shape is its data set's")
     if args.format == "hf":
         return _export_hf(args)
     if args.format == "lora":
@@ -176,6 +194,49 @@ def _export_adapters(args: argparse.Namespace) -> int:
         {"format": "lora adapters", "source": _source(loaded)},
     )
     print(f"jaxnn: exported the LoRA adapters of {args.run_dir} -> {out / 'adapters.safetensors'}")
+    return 0
+
+
+def _export_saved(args: argparse.Namespace) -> int:
+    """`jaxnn export` of a `jaxnn.save_model` folder: jax (with its recorded input shape) or hf (a saved GPT)."""
+    from jaxnn.export import export_saved_model
+
+    if args.format == "lora":
+        raise ValueError(f"{args.run_dir}: --format lora exports a LoRA run's adapters; a saved model holds merged "
+                         "weights (use --format jax or hf)")  # fmt: skip
+    if args.step is not None:
+        raise ValueError(f"--step {args.step}: {args.run_dir} is a saved model, which holds one state; drop --step")
+    if args.format == "hf":
+        return _export_saved_hf(args)
+    spec = None
+    if args.input_shape is not None:
+        try:
+            spec = (tuple(int(d) for d in args.input_shape.split(",")), args.input_dtype)
+        except ValueError:
+            raise ValueError(f"--input-shape must be integers separated by commas, got {args.input_shape!r}") from None
+    out = export_saved_model(
+        args.run_dir, args.out, platforms=args.platforms, safetensors_only=args.safetensors_only, input_spec=spec
+    )
+    print(f"jaxnn: exported the saved model {args.run_dir} -> {out}")
+    return 0
+
+
+def _export_saved_hf(args: argparse.Namespace) -> int:
+    import pathlib
+
+    from jaxnn.interop.hf import save_hf
+    from jaxnn.lora import merge
+    from jaxnn.models import GPTConfig
+    from jaxnn.saving import load_model
+
+    model, params, _ = load_model(args.run_dir)
+    spec = model.spec
+    if spec is None or not spec.path.endswith(".GPT"):
+        raise ValueError(f"{args.run_dir}: --format hf writes GPT models; this saved model is a {model.name!r}")
+    cfg = spec.args[0] if spec.args else spec.kwargs.get("cfg", GPTConfig())
+    source = str(pathlib.Path(args.run_dir).absolute())
+    out = save_hf(args.out, cfg, merge(params), source=source)
+    print(f"jaxnn: exported the saved model {args.run_dir} as a transformers folder -> {out}")
     return 0
 
 

@@ -514,4 +514,11 @@ def TransformerBlock(
         return init_cache_of(build(in_shape[-1]), in_shape, max_len, dtype)
 
     decodes = template.init_cache is not None
-    return Layer(init, apply, name, side_inputs=template.side_inputs, init_cache=init_cache if decodes else None)
+    return Layer(
+        init,
+        apply,
+        name,
+        side_inputs=template.side_inputs,
+        init_cache=init_cache if decodes else None,
+        expands=lambda in_shape: (build(in_shape[-1]), 1),
+    )

@@ -129,6 +129,9 @@ class Layer(NamedTuple):
     side_inputs: frozenset[str] = frozenset()  # the side-input keywords `apply` reads (mask, context, positions)
     init_cache: InitCacheFn | None = None  # set when `apply(..., cache=)` decodes position by position
     spec: Spec | None = None  # the call that made it (`describe`), which `jaxnn.save_model` writes down
+    # For summaries of layers whose parts are not `children`: `in_shape -> (layer, copies)`, the layer this one
+    # runs on that input with the same params (`copies` > 1: stacked on a leading axis, as `Repeat` keeps them).
+    expands: Callable[[tuple[int, ...]], tuple[Layer, int]] | None = None
 
     @property
     def stateful(self) -> bool:

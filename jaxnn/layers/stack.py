@@ -108,4 +108,5 @@ def Repeat(layer: Layer, num_layers: int, *, unroll: int = 1, name: str = "repea
         init_state if layer.stateful else None,
         side_inputs=layer.side_inputs,
         init_cache=init_cache if layer.init_cache is not None else None,
+        expands=lambda in_shape: (layer, num_layers),
     )

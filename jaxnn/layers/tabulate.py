@@ -194,8 +194,11 @@ def _forward(layer: Layer, policy: Policy):
 
 
 def _rows(layer, path, x, params, state, depth, policy, with_flops):
-    """The rows for `layer`, its combinator children expanded `depth` levels."""
+    """The rows for `layer`, its combinator children (and the parts of a `Repeat` or `TransformerBlock`) expanded
+    `depth` levels."""
     children = named_children(layer) if depth > 0 else []
+    if not children and depth > 0 and layer.expands is not None and not isinstance(x, tuple):
+        return _expanded_rows(layer, path, x, params, state, depth, policy, with_flops)
     if not children:
         out = jax.eval_shape(_forward(layer, policy), params, state, x)
         flops = _flops(layer, params, state, x, policy) if with_flops else None
@@ -210,6 +213,27 @@ def _rows(layer, path, x, params, state, depth, policy, with_flops):
         if not split:
             x = jax.eval_shape(_forward(child, policy), params.get(key, {}), child_state, x)
     return rows
+
+
+def _expanded_rows(layer, path, x, params, state, depth, policy, with_flops):
+    """The rows of what `layer.expands` says it runs: the same params (a TransformerBlock's sublayers), or one
+    copy's of `copies` stacked ones (a Repeat), whose rows count all copies and say "(xN)"."""
+    inner, copies = layer.expands(tuple(x.shape))
+    if copies == 1:
+        return _rows(inner, path, x, params, state, depth, policy, with_flops)
+    one = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)  # noqa: E731
+    rows = _rows(inner, path or layer.name, x, one(params), one(state) if state else state, depth - 1, policy,
+                 with_flops)  # fmt: skip
+    return [
+        SummaryRow(
+            f"{row.path} (x{copies})",
+            row.out_shape,
+            row.params * copies,
+            row.param_bytes * copies,
+            None if row.flops is None else row.flops * copies,
+        )
+        for row in rows
+    ]
 
 
 def _flops(layer: Layer, params, state, x, policy: Policy) -> int | None:

@@ -46,10 +46,12 @@ from jaxnn.loop._setup import (
     checked_callbacks,
     checked_devices,
     initial_state,
+    input_record,
     json_record,
     lora_start,
     model_record,
     output_spec,
+    refuse_idle_resume,
     refuse_loss_ignoring_mixed_targets,
     refuse_resume_with_other_steps,
     starting_point,
@@ -63,6 +65,7 @@ from jaxnn.parallel.mesh import batch_devices, check_batch_divisible, make_mesh,
 from jaxnn.parallel.placement import create_sharded_state
 from jaxnn.parallel.rules import RulesLike
 from jaxnn.precision import all_finite, get_policy
+from jaxnn.saving import load_model, load_training_state
 from jaxnn.train import LossFn, TrainState, make_optimizer, masked_classification_loss
 
 log = logging.getLogger("jaxnn.loop")
@@ -106,6 +109,7 @@ class FitInputs(NamedTuple):
     init_from: str | os.PathLike[str] | None = None
     schedule_decays: bool | None = None
     lora: Any = None  # a jaxnn.lora.LoRA or its text
+    resume_from: str | None = None  # a jaxnn.save_model folder whose train state the run continues
 
 
 def run_fit(model: Layer, data: TrainData, cfg: FitConfig, inputs: FitInputs | None = None) -> FitResult:
@@ -133,6 +137,8 @@ def run_fit(model: Layer, data: TrainData, cfg: FitConfig, inputs: FitInputs | N
     refuse_resume_with_other_steps(cfg, decays, default_optimizer=inputs.optimizer is None)
     if inputs.init_from is not None and (inputs.params is not None or inputs.model_state is not None):
         raise ConfigError("fit: init_from and params/model_state exclude each other")
+    if inputs.resume_from is not None:
+        inputs = _resuming(inputs)
     in_shape = example["x"].shape
     start_from = starting_point(model, in_shape, inputs.params, inputs.model_state)  # given params fit the model
     if inputs.lora is not None:  # the base becomes the given params with adapters; tx trains the adapters alone
@@ -148,6 +154,8 @@ def run_fit(model: Layer, data: TrainData, cfg: FitConfig, inputs: FitInputs | N
     state = create_sharded_state(create, mesh, inputs.sharding_rules, show_report=cfg.progress and _main())
     if inputs.init_from is not None:
         state, start_from = state_from(inputs.init_from, state)
+    if inputs.resume_from is not None:
+        state = load_training_state(inputs.resume_from, state)
     check_step_runs(model, inputs.loss, tx, cfg, state, example, source, aug, output)
     check_eval_data(evals, example, inputs.loss, output)
     check_monitors(callbacks, cfg, evals, model, inputs.loss, state)
@@ -163,6 +171,16 @@ def run_fit(model: Layer, data: TrainData, cfg: FitConfig, inputs: FitInputs | N
     if interrupted:
         raise FitInterrupted(f"fit: interrupted (Ctrl-C) at step {result.summary['step']}; checkpoint saved", result)
     return result
+
+
+def _resuming(inputs: FitInputs) -> FitInputs:
+    """`inputs` starting from the parameters and model state of the saved model they resume (checked against the
+    model like `params=`); its optimizer state, step and key join once the state exists."""
+    given = [name for name in ("init_from", "params", "model_state", "lora") if getattr(inputs, name) is not None]
+    if given:
+        raise ConfigError(f"fit: resume= a saved model and {', '.join(given)} exclude each other")
+    _, params, model_state = load_model(inputs.resume_from)
+    return inputs._replace(params=params, model_state=model_state or None)
 
 
 def _main() -> bool:
@@ -221,6 +239,16 @@ def _train(model, loss, tx, cfg, source, evals, mesh, state, record, files, call
         else None
     )
     state, start = _restore(ckpt, state, record, source, cfg, files)
+    where = str(files.ckpt_dir)
+    if not start and int(state.step):  # the train state of a saved model (fit's resume=)
+        start, where = int(state.step), "the saved model"
+    if start:
+        try:
+            refuse_idle_resume(tx, state, start, cfg.steps, where)
+        except ConfigError:
+            if ckpt:  # the refused run leaves its checkpoints as they were, with nothing in flight
+                ckpt.close()
+            raise
     if start >= cfg.steps:
         return _already_finished(ckpt, state, start, files), False
     place = _placer(dp, mesh, cfg.batch_size)
@@ -268,6 +296,7 @@ def _train(model, loss, tx, cfg, source, evals, mesh, state, record, files, call
         except NonFiniteError as err:
             failure = err
     summary = tracker.summary(step, start, state, eval_metrics, stop, failure, batches.take_wait())
+    summary["input"] = input_record(source)
     files.finish(summary, plots=cfg.plots and failure is None)
     if failure is not None:
         raise failure
@@ -310,7 +339,8 @@ def _restore(ckpt, state, record, source, cfg, files) -> tuple[Any, int]:
         return state, 0
     restored = ckpt.restore(state, record)
     if restored is None:
-        log.warning("resume: no checkpoint in %s; starting from step 0", ckpt.directory)
+        if not int(state.step):  # else a saved model's state is where the run starts
+            log.warning("resume: no checkpoint in %s; starting from step 0", ckpt.directory)
         return state, 0
     state, data_state, start = restored
     if data_state.get("next_step") != start:

@@ -418,3 +418,48 @@ def model_record(params) -> dict:
         "num_params": int(sum(np.prod(x.shape) for _, x in shapes)),
         "param_shapes": hashlib.sha256(text.encode()).hexdigest()[:16],
     }
+
+
+def refuse_idle_resume(tx: Any, state: Any, start: int, steps: int, where: str) -> None:
+    """A resumed run whose optimizer's learning rate is 0 from its first step on (a decaying schedule made for
+    fewer steps than it is resumed with) would run its steps and change nothing: refused in one line, whatever
+    optimizer made it. The probe is one update of the restored optimizer state for an all-ones gradient: any
+    optimizer with a learning rate above 0 moves some parameter."""
+    if start >= steps:
+        return
+    import optax
+
+    probe = jax.tree.map(lambda p: p * 0 + 1, state.params)
+    extra = (
+        {"value": jax.numpy.zeros((), jax.numpy.float32)}
+        if isinstance(tx, optax.GradientTransformationExtraArgs)
+        else {}
+    )
+    updates, _ = tx.update(probe, state.opt_state, state.params, **extra)
+    if any(bool(jax.numpy.any(u != 0)) for u in jax.tree.leaves(updates)):
+        return
+    raise ConfigError(
+        f"fit: the run resumed from {where} at step {start} would train to step {steps} with a learning rate of 0 "
+        "(its optimizer changes no parameter from this step on: a schedule that ended at an earlier step); "
+        "start a new run from its parameters with a new optimizer (params= and model_state= of "
+        "jaxnn.checkpoint.load_params or jaxnn.load_model)"
+    )
+
+
+def input_record(source: Any) -> dict | None:
+    """One example's input as the summary records it (what `jaxnn.save_model` keeps for exports and `jaxnn
+    predict`): shape without the batch axis and dtype, and for a jaxnn image data set the normalisation its
+    pipeline applied to the stored images; None for an input that is not one array (a tuple of them)."""
+    x = source.example()["x"]
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        return None
+    record: dict[str, Any] = {"shape": [int(d) for d in x.shape[1:]], "dtype": np.dtype(x.dtype).name}
+    data = getattr(source, "data", None)
+    if isinstance(data, ImageDataset):
+        record["normalise"] = {
+            "stored_dtype": np.dtype(data.x_train.dtype).name,
+            "scale": float(data.scale),
+            "mean": [float(m) for m in np.ravel(data.mean)],
+            "std": [float(v) for v in np.ravel(data.std)],
+        }
+    return record

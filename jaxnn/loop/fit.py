@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -61,7 +62,7 @@ def fit(
     keep_best_mode: str = "auto",
     run_dir: str | None = None,
     ckpt_dir: str | None = None,
-    resume: bool = False,
+    resume: bool | str | os.PathLike[str] = False,
     overwrite: bool = False,
     metrics: tuple[str, ...] = (),
     progress: bool = True,
@@ -107,6 +108,10 @@ def fit(
       ("r=8,alpha=16,targets=*attention*.w"). Adapters join the starting params (from `params`, `init_from`'s
       parameters, or the initialisation); the rest is frozen, with no optimizer state; `optimizer` then updates
       the adapters alone. The final state holds both (`jaxnn.lora.merge` folds them, `save_adapters` keeps them).
+    resume: True continues the run in `run_dir` from its newest checkpoint; a `jaxnn.save_model` folder saved
+      from a train state (a FitResult) continues that state: its step, optimizer state and key, with the data
+      order of `seed` from its step on, so the same data and settings give the run it would have been. With a
+      `run_dir`, a checkpoint there newer than the folder wins (the continued run was itself stopped).
     steps, epochs, batch_size, ...: the fields of `jaxnn.config.FitConfig`, which documents and validates them;
       give `steps` or `epochs`, not both. Any other keyword is refused with the list of known ones.
 
@@ -120,6 +125,7 @@ def fit(
     # that help() and editors list them. The body is three lines: one FitConfig, validated once here, and the
     # objects, handed to the loop (jaxnn.loop._run) whole.
     values = dict(locals())
+    values["resume_from"] = None if isinstance(resume, bool) else _saved_model_to_resume(resume)
     inputs = FitInputs(**{name: values[name] for name in FitInputs._fields if name in values})
     return run_fit(model, data, _fit_config(values, unknown), inputs)
 
@@ -129,9 +135,29 @@ def _fit_config(values: dict, unknown: dict) -> FitConfig:
     settings = {f.name: values[f.name] for f in dataclasses.fields(FitConfig)}
     if settings["steps"] is not None and settings["epochs"] is not None:
         raise ConfigError(f"fit: give steps or epochs, not both (got steps {settings['steps']} and epochs)")
+    if not isinstance(settings["resume"], bool):  # a saved model: the run dir's checkpoints, if any, are newer
+        settings["resume"] = settings["run_dir"] is not None
     if settings["steps"] is None:
         del settings["steps"]  # FitConfig's default, or what `epochs` makes of it
     return FitConfig.from_settings({**settings, **unknown})
+
+
+def _saved_model_to_resume(path: Any) -> str:
+    from jaxnn.saving import TRAINING_FILE, is_saved_model
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"fit: resume must be True, False or a jaxnn.save_model folder, got {path!r}")
+    if not is_saved_model(path):
+        raise ConfigError(
+            f"fit: resume={os.fspath(path)!r} is not a jaxnn.save_model folder; to continue a run directory, pass "
+            "run_dir= and resume=True"
+        )
+    if not (pathlib.Path(path) / TRAINING_FILE).is_file():
+        raise ConfigError(
+            f"fit: {os.fspath(path)} was saved without its optimizer state (from parameters, or with "
+            "include_optimizer=False), so it cannot be resumed; start from it with params= and model_state="
+        )
+    return os.fspath(path)
 
 
 __all__ = ["FitInputs", "FitInterrupted", "FitResult", "TrainData", "fit", "fresh_run_dir", "run_fit"]
