@@ -119,7 +119,7 @@ def _mlp():
     return L.serial(L.Dense(16, activation="relu"), L.Dropout(0.2), L.Dense(2))
 
 
-_FIT = dict(batch_size=16, progress=False, plots=False, seed=5)
+_FIT = {"batch_size": 16, "progress": False, "plots": False, "seed": 5}
 
 
 def _schedule_adamw():
