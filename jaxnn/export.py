@@ -376,7 +376,7 @@ def export_run(
         return out
     model, _ = model_from_record(loaded.config)
     shape, dtype = example_input(loaded.config, run_dir)
-    _check_fits(model, loaded.params, shape)
+    check_fits(model, loaded.params, shape)
     return write_export(
         out,
         model,
@@ -390,45 +390,7 @@ def export_run(
     )
 
 
-def export_saved_model(
-    path: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
-    *,
-    platforms: str | Sequence[str] = ("cpu",),
-    safetensors_only: bool = False,
-    input_spec: tuple[Sequence[int], Any] | None = None,
-) -> pathlib.Path:
-    """Exports a `jaxnn.save_model` folder as `export_run` does a run: the input shape and dtype are the ones
-    the folder records (saved from a FitResult, or with `input_spec=`), else `input_spec` `(shape, dtype)`."""
-    from jaxnn.lora import merge
-    from jaxnn.saving import load_model, saved_record
-
-    record = saved_record(path)
-    model, params, model_state = load_model(path)
-    params = merge(params)
-    example = record.get("input")
-    config = {"saved_model": str(pathlib.Path(path).absolute()), "input": example,
-              "step": record.get("training", {}).get("step")}  # fmt: skip
-    out = pathlib.Path(out_dir)
-    check_out_dir(out, config)
-    if safetensors_only:
-        make_dirs(out)
-        save_safetensors(params, out / WEIGHTS_FILE, model_state=model_state, config=config)
-        return out
-    if input_spec is not None:
-        shape, dtype = tuple(int(d) for d in input_spec[0]), str(np.dtype(input_spec[1]))
-    elif example is not None:
-        shape, dtype = tuple(example["shape"]), example["dtype"]
-    else:
-        raise ValueError(
-            f"{path}: the saved model records no input shape (saved from parameters alone); give one "
-            "(`jaxnn export --input-shape H,W,C`, or save_model(..., input_spec=(shape, dtype)))"
-        )
-    _check_fits(model, params, shape)
-    return write_export(out, model, params, model_state, shape, dtype=dtype, platforms=platforms, config=config)
-
-
-def _check_fits(model: Layer, params: Any, example_shape: tuple[int, ...]) -> None:
+def check_fits(model: Layer, params: Any, example_shape: tuple[int, ...]) -> None:
     """Refuses a checkpoint whose parameter shapes differ from the model's for this input (a wrong image shape)."""
     import jax
 

@@ -23,6 +23,7 @@ import importlib
 import json
 import os
 import pathlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -334,10 +335,50 @@ def load_model(path: str | os.PathLike) -> tuple[Layer, Any, Any]:
     return model, params, state
 
 
+def export_saved_model(
+    path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    platforms: str | Sequence[str] = ("cpu",),
+    safetensors_only: bool = False,
+    input_spec: tuple[Sequence[int], Any] | None = None,
+) -> pathlib.Path:
+    """Exports a `save_model` folder as `jaxnn.export.export_run` does a run: the input shape and dtype are the ones
+    the folder records (saved from a FitResult, or with `input_spec=`), else `input_spec` `(shape, dtype)`."""
+    from jaxnn._src.storage import make_dirs
+    from jaxnn.export import WEIGHTS_FILE, check_fits, check_out_dir, save_safetensors, write_export
+    from jaxnn.lora import merge
+
+    record = saved_record(path)
+    model, params, model_state = load_model(path)
+    params = merge(params)
+    example = record.get("input")
+    config = {"saved_model": str(pathlib.Path(path).absolute()), "input": example,
+              "step": record.get("training", {}).get("step")}  # fmt: skip
+    out = pathlib.Path(out_dir)
+    check_out_dir(out, config)
+    if safetensors_only:
+        make_dirs(out)
+        save_safetensors(params, out / WEIGHTS_FILE, model_state=model_state, config=config)
+        return out
+    if input_spec is not None:
+        shape, dtype = tuple(int(d) for d in input_spec[0]), str(np.dtype(input_spec[1]))
+    elif example is not None:
+        shape, dtype = tuple(example["shape"]), example["dtype"]
+    else:
+        raise ValueError(
+            f"{path}: the saved model records no input shape (saved from parameters alone); give one "
+            "(`jaxnn export --input-shape H,W,C`, or save_model(..., input_spec=(shape, dtype)))"
+        )
+    check_fits(model, params, shape)
+    return write_export(out, model, params, model_state, shape, dtype=dtype, platforms=platforms, config=config)
+
+
 __all__ = [
     "ModelSaveError",
     "decode",
     "encode",
+    "export_saved_model",
     "is_saved_model",
     "load_model",
     "load_training_state",

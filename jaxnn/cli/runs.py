@@ -199,7 +199,7 @@ def _export_adapters(args: argparse.Namespace) -> int:
 
 def _export_saved(args: argparse.Namespace) -> int:
     """`jaxnn export` of a `jaxnn.save_model` folder: jax (with its recorded input shape) or hf (a saved GPT)."""
-    from jaxnn.export import export_saved_model
+    from jaxnn.saving import export_saved_model
 
     if args.format == "lora":
         raise ValueError(f"{args.run_dir}: --format lora exports a LoRA run's adapters; a saved model holds merged "
