@@ -208,7 +208,7 @@ def evaluate_main(args: argparse.Namespace) -> int:
 def _evaluation_data(args: argparse.Namespace, trained: TrainedModel) -> tuple[Any, Any, int]:
     """(data, loss, seq_len): the array file's, or the named (or the run's own) data set's test split, with the
     loss its kind of data takes (next-token for text, classification for images)."""
-    from jaxnn.data import detect_format, load_dataset
+    from jaxnn.data import ImageDataset, detect_format, load_dataset
     from jaxnn.train import masked_classification_loss
 
     shape = (trained.input or {}).get("shape") or [128]
@@ -224,6 +224,7 @@ def _evaluation_data(args: argparse.Namespace, trained: TrainedModel) -> tuple[A
     if name == "text":
         return _text(trained, data_dir), _lm_loss(), int(shape[0])
     data = load_dataset(name, data_dir)
+    assert isinstance(data, ImageDataset)  # every name but "text" is an image data set
     if trained.input is not None and tuple(data.image_shape) != tuple(trained.input["shape"]):
         raise ValueError(
             f"data set {name}: images of shape {tuple(data.image_shape)}, but the model takes "
@@ -240,7 +241,7 @@ def _lm_loss() -> Any:
 
 def _text(trained: TrainedModel, data_dir: str | None) -> Any:
     """Text as the model's token ids: the run's own tokenizer where it recorded one, else bytes."""
-    from jaxnn.data import load_dataset, tokenize_corpus
+    from jaxnn.data import TextCorpus, load_dataset, tokenize_corpus
     from jaxnn.data.records import is_record_source, load_text_records
     from jaxnn.interop.tokenizer import TOKENIZER_FILE, load_tokenizer, run_tokenizer_folder
 
@@ -248,4 +249,5 @@ def _text(trained: TrainedModel, data_dir: str | None) -> Any:
     if data_dir and is_record_source(data_dir):
         return load_text_records(data_dir, None if folder is None else load_tokenizer(folder / TOKENIZER_FILE))
     corpus = load_dataset("text", data_dir)
+    assert isinstance(corpus, TextCorpus)
     return corpus if folder is None else tokenize_corpus(corpus, folder / TOKENIZER_FILE)

@@ -179,6 +179,7 @@ def _resuming(inputs: FitInputs) -> FitInputs:
     given = [name for name in ("init_from", "params", "model_state", "lora") if getattr(inputs, name) is not None]
     if given:
         raise ConfigError(f"fit: resume= a saved model and {', '.join(given)} exclude each other")
+    assert inputs.resume_from is not None
     _, params, model_state = load_model(inputs.resume_from)
     return inputs._replace(params=params, model_state=model_state or None)
 
