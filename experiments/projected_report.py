@@ -303,8 +303,10 @@ def pipeline_cells(p: Projection, costs: list[int]) -> dict[str, Callable[[], st
         return vs(f"{v['batch'] / step:,.0f} ({idle:.0%})", v["batch"] / step, measured)
 
     def split_cell() -> str:
-        _, steps_per_s, needed = _split_projection(p) or (None, float("nan"), float("nan"))
-        return f"{steps_per_s:,.0f} steps/s, {needed:,.2f}"
+        split = _split_projection(p)
+        if split is None:
+            return NOT_PROJECTED
+        return f"{split[1]:,.0f} steps/s, {split[2]:,.2f}"
 
     cells = {
         f"cost {c}, {arr}: samples/s (device idle)": (lambda c=c, arr=arr: cell(c, arr))

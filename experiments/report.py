@@ -23,6 +23,7 @@ from experiments import (
     exp_precision,
     exp_sequential,
     exp_train,
+    glance,
     projected,
 )
 from experiments import projected_report as pr
@@ -103,10 +104,11 @@ class Machines:
     """The results by machine tag; columns of the tables are the CPU tags, then the GPU tags (or one 'GPU' column
     reading 'not measured' when no GPU results exist)."""
 
-    def __init__(self, results: dict[str, dict[str, dict]], costs: dict | None = None):
-        self.results = results
-        self.cpu = sorted(t for t in results if not _is_gpu(t))
-        self.gpu = sorted(t for t in results if _is_gpu(t))
+    def __init__(self, results: dict[str, dict[str, dict]], costs: dict | None = None, this: str | None = None):
+        self.results, self.this = results, this
+        self.cpu = glance.ordered(sorted(t for t in results if not _is_gpu(t)), this)
+        self.gpu = glance.ordered(sorted(t for t in results if _is_gpu(t)), this)
+        self.cells: dict[str, dict[str, str]] = {}  # every table's cells by row label and machine, for the summary
         # The projected column (when results/projected/ holds program costs): always the last, apart from the rest.
         self.projection = pr.Projection(costs, self.cpu, self.gpu, self.get) if costs else None
 
@@ -114,8 +116,9 @@ class Machines:
         return (self.cpu or [None]) + (self.gpu or [None])
 
     def header(self) -> list[str]:
-        cpu = [f"CPU `{t}`" for t in self.cpu] or [f"CPU ({NOT_MEASURED})"]
-        gpu = [f"GPU `{t}`" for t in self.gpu] or [f"GPU ({NOT_MEASURED})"]
+        mark = lambda t: " (this machine)" if t == self.this else ""  # noqa: E731
+        cpu = [f"CPU `{t}`{mark(t)}" for t in self.cpu] or [f"CPU ({NOT_MEASURED})"]
+        gpu = [f"GPU `{t}`{mark(t)}" for t in self.gpu] or [f"GPU ({NOT_MEASURED})"]
         return cpu + gpu
 
     def get(self, tag: str | None, name: str) -> dict | None:
@@ -141,6 +144,8 @@ def _table(machines: Machines, rows: list[tuple[str, callable]], cells: Callable
             except LOOKUP_ERRORS:
                 value = None
             cells.append(NOT_MEASURED if value is None else value)
+            if tag:
+                machines.cells.setdefault(label, {})[tag] = cells[-1]
         if proj is not None:
             guarded = _guard(projected[label]) if label in projected else pr.NOT_PROJECTED
             cells.append(guarded if isinstance(guarded, str) else pr.NOT_PROJECTED)
@@ -195,7 +200,7 @@ def verdict_matmul(rec: dict | None) -> tuple[str, str]:
     if "speedup_at_largest" not in s:
         best = s["best_gflops"].get("cpu/f32")
         return NOT_MEASURED, (
-            f"CPU only (best fp32 {best[0]:.0f} GFLOP/s at n={best[1]}); the GPU comparison needs a GPU run"
+            f"CPU only (best fp32 {best[0]:.0f} GFLOP/s at n={best[1]}); no GPU here to compare with"
             if best
             else "no accelerator in this run"
         )
@@ -218,11 +223,10 @@ def verdict_latency(seq: dict | None, mm: dict | None) -> tuple[str, str]:
         pen = s["sequential_penalty"].get("cpu", {}).get("chain", {})
         if per:
             h = min(per, key=float)
+            ratio = f", {pen[h]:.1f}x the time of the equal-FLOP parallel product" if h in pen else ""
             return NOT_MEASURED, (
-                f"CPU only: a dependent step costs {per[h]:.2f} µs at hidden {h}, "
-                f"{pen.get(h, float('nan')):.1f}x the time of the equal-FLOP parallel product; "
-                "the CPU-vs-GPU "
-                "comparison needs a GPU run"
+                f"CPU only: a dependent step costs {per[h]:.2f} µs at hidden {h}{ratio}; "
+                "no GPU here to compare with"
             )
         return NOT_MEASURED, "no CPU rows"
     small = {case: per[min(per, key=float)] for case, per in s["winner"].items()}
@@ -308,7 +312,7 @@ def verdict_pipeline(pipe: dict | None) -> tuple[str, str]:
     synthetic = (
         "synthetic cost, fastest per augmentation cost: "
         + ", ".join(f"{c}: {w}" for c, w in sorted(winners.items()))
-        + f"; at cost {top} the best is {s[top].get('best_over_sync', float('nan')):.2f}x sync"
+        + (f"; at cost {top} the best is {s[top]['best_over_sync']:.2f}x sync" if "best_over_sync" in s[top] else "")
         + idle
     )
     split = pipe.get("split")
@@ -351,13 +355,8 @@ def verdict_inference(inf: dict | None) -> tuple[str, str]:
     accel = [b for b in s if b != "cpu"]
     if not accel or "cpu" not in s:
         cpu = s.get("cpu", {})
-        parts = [
-            f"{m}: batch-1 p50 {v.get('batch1_p50_ms', float('nan')):.2f} ms, batching gives "
-            f"{v.get('batching_gain', float('nan')):.1f}x the samples/s of batch 1 (best at batch "
-            f"{v.get('best_batch')})"
-            for m, v in cpu.items()
-        ]
-        return NOT_MEASURED, "CPU only: " + "; ".join(parts) + "; the GPU comparison needs a GPU run"
+        parts = [_cpu_inference(m, v) for m, v in cpu.items()]
+        return NOT_MEASURED, "CPU only: " + "; ".join(parts) + "; no GPU here to compare with"
     a = accel[0]
     halves, parts = [], []
     for model in s["cpu"]:
@@ -380,6 +379,18 @@ def verdict_inference(inf: dict | None) -> tuple[str, str]:
     else:
         verdict = "depends"
     return verdict, "; ".join(parts)
+
+
+def _cpu_inference(model: str, v: dict) -> str:
+    """One model's CPU inference figures in words, leaving out any the run lacks (never 'nan')."""
+    said = []
+    if "batch1_p50_ms" in v:
+        said.append(f"batch-1 p50 {v['batch1_p50_ms']:.2f} ms")
+    if "batching_gain" in v:
+        said.append(
+            f"batching gives {v['batching_gain']:.1f}x the samples/s of batch 1 (best at batch {v['best_batch']})"
+        )
+    return f"{model}: {', '.join(said) or 'no figures'}"
 
 
 # ------------------------------------------------------------------------------------------------ sections
@@ -449,9 +460,7 @@ def section_precision(m: Machines) -> tuple[str, dict]:
             rows.append(
                 (
                     f"{op} {mode}: GFLOP/s, speedup, rel. error",
-                    lambda t, op=op, mode=mode: (
-                        lambda v: f"{v['gflops']:,.0f}; {v['speedup']:.2f}x; {v['rel_error']:.1e}"
-                    )(prec(t)[op][mode]),
+                    lambda t, op=op, mode=mode: _precision_cell(prec(t)[op][mode], mode),
                 )
             )
 
@@ -481,6 +490,12 @@ def section_precision(m: Machines) -> tuple[str, dict]:
             )
     verdicts = {t: _guard(verdict_tensor_cores, m.get(t, "exp_precision")) for t in m.cpu + m.gpu}
     return _table(m, rows, pr.precision_cells), verdicts
+
+
+def _precision_cell(v: dict, mode: str) -> str:
+    """GFLOP/s; speedup over exact fp32 (fp32 is the baseline itself, not a 1.00x); relative error."""
+    speedup = "baseline" if mode == "fp32" else f"{v['speedup']:.2f}x"
+    return f"{v['gflops']:,.0f}; {speedup}; {v['rel_error']:.1e}"
 
 
 def section_libraries(m: Machines) -> tuple[str, dict]:
@@ -622,27 +637,91 @@ CORRECTION = (
 )
 
 
-def build(results_root: str | Path, report_path: str | Path) -> str:
-    """Builds the report's Markdown from `results_root` and writes it to `report_path`; returns the text."""
+def build(results_root: str | Path, report_path: str | Path, this: str | None = "auto") -> str:
+    """Builds the report's Markdown from `results_root` and writes it to `report_path`; returns the text. `this`:
+    the reader's machine tag, marked and listed first ("auto": the machine running this)."""
     results_root, report_path = Path(results_root), Path(report_path)
-    m = Machines(load_results(results_root), projected.load(results_root))
+    if this == "auto":
+        from experiments.common import machine_tag
+
+        this = machine_tag()
+    m = Machines(load_results(results_root), projected.load(results_root), this)
     report_dir = report_path.parent.resolve()
     root = results_root.resolve()
+    body, summary_rows = [], []
+    for number, fn, plots in SECTIONS:
+        title, claim = CLAIMS[number]
+        table, verdicts = fn(m)
+        verdict = _overall(verdicts)[0]
+        guessed = _guard(pr.verdict, m.projection, number) if m.projection else None
+        cells = {t: glance.headline(number, t, m.cells, verdicts[t]) for t in m.cpu + m.gpu}
+        summary_rows.append((number, title, verdict, cells, guessed[0] if guessed else None))
+        body += ["", f"## Claim {number}: {title}", "", f"> {claim}", ""]
+        for name in plots:  # the plots carry the argument: first, then the table of figures
+            pics = _plots(m, name, report_dir, root)
+            if pics:
+                body += [pics, ""]
+        body += [table, ""]
+        if number == 3:
+            body += [_correction(), ""]
+        body += glance.verdict_lines(verdict, verdicts, m.this) if verdicts else [f"**Verdict: {verdict}.**"]
+        body.append("")
+        if guessed:
+            # Its own line, after the measured verdict, never in its place.
+            body += [f"**Projected verdict ({pr.LABEL}): projected: {guessed[0]}.** {guessed[1]}", ""]
+    from experiments.roofline import section as roofline_section
+
+    body += roofline_section(m.results, report_dir, root)
+    head = _head(m)  # after the sections: its note quotes figures their tables collected
+    glance_lines = glance.summary_table(summary_rows, m.cpu + m.gpu, m.this, m.projection is not None, not m.gpu)
+    out = [*head[:4], "## At a glance", "", *glance_lines, "", *(_projection_note(m) if m.projection else [])]
+    text = "\n".join([*out, *head[4:], *body]).rstrip() + "\n"
+    report_path.write_text(text)
+    return text
+
+
+SECTIONS = [
+    (1, section_matmul, ["exp_matmul"]),
+    (2, section_latency, ["exp_sequential"]),
+    (3, section_precision, ["exp_precision", "exp_train"]),
+    (4, section_libraries, []),
+    (5, section_pipeline, ["exp_pipeline"]),
+    (6, section_batches, ["exp_parallel"]),
+    (7, section_inference, ["exp_inference"]),
+]
+
+
+def _correction() -> str:
+    s = SPEC
+    return CORRECTION.format(
+        v100tc=s["V100 tensor fp16"],
+        p100=s["P100 fp32"],
+        v100=s["V100 fp32"],
+        r1=s["V100 tensor fp16"] / s["P100 fp32"],
+        r2=s["V100 tensor fp16"] / s["V100 fp32"],
+        h200bf=s["H200 bf16 dense"],
+        h200fp=s["H200 fp32"],
+        r3=s["H200 bf16 dense"] / s["H200 fp32"],
+    )
+
+
+def _head(m: Machines) -> list[str]:
+    """The title and introduction (the first two lines), then the machines table and what tells them apart."""
     out = [
         "# What a GPU does for deep learning — measured",
         "",
         "Generated by `make report` from the results files under `results/` "
         f"({datetime.date.today().isoformat()}). No figure below is typed by hand: each comes from a results "
         "file, and a backend without one reads *not measured*. The claims, and the experiment measuring each: "
-        "docs/claims.md. How each verdict is decided: docs/experiments.md "
+        "docs/claims.md. How to read this report, and how each verdict is decided: docs/experiments.md "
         "and the verdict functions in experiments/report.py. The machines are shared: the load column gives the "
         "1-minute load average as the runs ended, and ratios measured in one run are more telling than absolute "
         "figures.",
         "",
         "## Machines",
         "",
-        "| tag | device | CPU | cores | jax | results date | size | load (1 min) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| tag | whose results | device | CPU | matrix units | cores | jax | results date | size | load (1 min) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for tag in m.cpu + m.gpu:
         recs = [r for r in m.results[tag].values() if "machine" in r]
@@ -651,69 +730,22 @@ def build(results_root: str | Path, report_path: str | Path) -> str:
         sizes = sorted({r.get("size", "?") for r in recs})
         loads = sorted(r["machine"]["load_avg_1m"] for r in recs if r["machine"].get("load_avg_1m") is not None)
         load = f"{loads[0]:.1f}..{loads[-1]:.1f}" if loads else "?"
+        whose = "this machine" if tag == m.this else "committed, from another machine"
         out.append(
-            f"| `{tag}` | {info['device_kind']} | {info.get('cpu_model', '?')} | {info.get('cpu_cores', '?')} "
-            f"| {info['jax_version']} | {dates[0]}..{dates[-1]} | {', '.join(sizes)} | {load} |"
+            f"| `{tag}` | {whose} | {info['device_kind']} | {info.get('cpu_model', '?')} | "
+            f"{glance.matrix_units(info)} | {info.get('cpu_cores', '?')} | {info['jax_version']} | "
+            f"{dates[0]}..{dates[-1]} | {', '.join(sizes)} | {load} |"
         )
+    out += ["", *glance.differences(m.cpu, m.results, m.cells)]
+    if m.this is not None and m.this not in m.results:
+        out += ["", f"This machine (`{m.this}`) has no results here yet: `make experiments` adds them beside these."]
     if not m.gpu:
         out += [
             "",
             f"No GPU results yet: every GPU column reads *{NOT_MEASURED}*. `make gpu-check` on a GPU "
             "machine writes them (results/gpu-*/).",
         ]
-    sections = [
-        (1, section_matmul, ["exp_matmul"]),
-        (2, section_latency, ["exp_sequential"]),
-        (3, section_precision, ["exp_precision", "exp_train"]),
-        (4, section_libraries, []),
-        (5, section_pipeline, ["exp_pipeline"]),
-        (6, section_batches, ["exp_parallel"]),
-        (7, section_inference, ["exp_inference"]),
-    ]
-    summary_rows = []
-    for number, fn, plots in sections:
-        title, claim = CLAIMS[number]
-        table, verdicts = fn(m)
-        verdict, reason = _overall(verdicts)
-        guessed = _guard(pr.verdict, m.projection, number) if m.projection else None
-        summary_rows.append((number, title, verdict, guessed[0] if guessed else None))
-        out += ["", f"## Claim {number}: {title}", "", f"> {claim}", "", table, ""]
-        if number == 3:
-            s = SPEC
-            out += [
-                CORRECTION.format(
-                    v100tc=s["V100 tensor fp16"],
-                    p100=s["P100 fp32"],
-                    v100=s["V100 fp32"],
-                    r1=s["V100 tensor fp16"] / s["P100 fp32"],
-                    r2=s["V100 tensor fp16"] / s["V100 fp32"],
-                    h200bf=s["H200 bf16 dense"],
-                    h200fp=s["H200 fp32"],
-                    r3=s["H200 bf16 dense"] / s["H200 fp32"],
-                ),
-                "",
-            ]
-        out += [f"**Verdict: {verdict}.** {reason}", ""]
-        if guessed:
-            # Its own line, after the measured verdict, never in its place.
-            out += [f"**Projected verdict ({pr.LABEL}): projected: {guessed[0]}.** {guessed[1]}", ""]
-        for name in plots:
-            pics = _plots(m, name, report_dir, root)
-            if pics:
-                out += [pics, ""]
-    from experiments.roofline import section as roofline_section
-
-    out += roofline_section(m.results, report_dir, root)
-    proj_head = f" projected verdict ({pr.LABEL}) |" if m.projection else ""
-    out[out.index("## Machines") : out.index("## Machines")] = (
-        ["## Verdicts", "", f"| claim | verdict |{proj_head}", "|---|---|" + ("---|" if m.projection else "")]
-        + [f"| {n}. {t} | {v} |" + (f" projected: {g} |" if g else "") for n, t, v, g in summary_rows]
-        + [""]
-        + (_projection_note(m) if m.projection else [])
-    )
-    text = "\n".join(out).rstrip() + "\n"
-    report_path.write_text(text)
-    return text
+    return out
 
 
 def _projection_note(m: Machines) -> list[str]:
