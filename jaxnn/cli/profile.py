@@ -13,9 +13,10 @@ from typing import Any
 from jaxnn._src.storage import check_writable
 from jaxnn.config import MODEL_DEFAULTS, MODELS, ConfigError, parse_model_config
 
-# One example's shape per model when --in-shape is not given: MNIST-sized images (a format `jaxnn train` reads);
-# the GPT takes --seq-len token ids.
-IMAGE_SHAPE = (28, 28, 1)
+# One example's shape when --in-shape is not given: what `jaxnn train --model M` trains on by default (the bundled
+# 8x8 digits), so the profile is of the step a user runs; a model whose config fixes its image size (a ViT) takes
+# that size, and the GPT takes --seq-len token ids.
+IMAGE_SHAPE = (8, 8, 1)
 
 
 def add_profile_parser(sub: Any) -> None:
@@ -31,7 +32,12 @@ def add_profile_parser(sub: Any) -> None:
     a("--model", default="cnn", help=f"model: {', '.join(MODELS)}, or a preset (`jaxnn summary --list`)")
     a("--size", default="base", choices=("base", "small"), help="model size, as for `jaxnn train`")
     a("--batch-size", type=int, default=None, help="batch size (None: the model's `jaxnn train` default)")
-    a("--in-shape", default=None, metavar="H,W,C", help="one image's shape (None: 28,28,1)")
+    a(
+        "--in-shape",
+        default=None,
+        metavar="H,W,C",
+        help="one image's shape (None: 8,8,1, the digits `jaxnn train` trains on by default)",
+    )
     a("--seq-len", type=int, default=None, help="gpt: tokens per sequence (None: its `jaxnn train` default)")
     a("--model-config", nargs="+", default=[], metavar="FIELD=VALUE", help="set fields of the model's config")
     a("--precision", nargs="+", default=["fp32", "bf16"], help="precision policies to profile")
@@ -56,7 +62,8 @@ def _in_shape(args: argparse.Namespace, mcfg: Any) -> tuple[int, ...]:
     if hasattr(mcfg, "vocab_size"):  # a decoder: token ids
         return (mcfg.seq_len,)
     if args.in_shape is None:
-        return IMAGE_SHAPE
+        size = getattr(mcfg, "image_size", None)
+        return (size, size, 3) if size else IMAGE_SHAPE
     try:
         shape = tuple(int(d) for d in args.in_shape.split(","))
     except ValueError:

@@ -6,7 +6,10 @@ and, except for the first layer, to its input, as the backward pass of a step ne
 (waiting for the device, median of several windows) and XLA's cost analysis of the same compiled program gives its
 FLOPs and bytes accessed. From those: arithmetic intensity (FLOP/byte), achieved FLOP/s and bytes/s, their fractions
 of the machine's matmul peak (for the policy's compute dtype) and copy bandwidth, both measured in the same run, and
-the bound: compute when the intensity is above the machine's ridge point (peak / bandwidth), memory below it.
+the bound: compute when the intensity is above the ridge point (peak / bandwidth) of the memory the program's
+bytes come from (the caches' for a program whose bytes fit in them, main memory's otherwise), or when it runs at
+half the matmul peak or more; memory otherwise. The ceilings are the best of several interleaved rounds, with a
+note when the machine is busy.
 
 The whole model is compiled and timed the same way: the sum of the layers' times minus the whole model's time is
 what compiling the layers together saves (fusion across layer boundaries) or costs.
@@ -14,6 +17,7 @@ what compiling the layers together saves (fusion across layer boundaries) or cos
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import re
@@ -62,22 +66,50 @@ def measure_peaks(
     matmul_size: int = 2048,
     copy_mib: int = 256,
     repeats: int = 5,
+    rounds: int = 3,
 ) -> MachinePeaks:
     """Times a `matmul_size`^2 product per dtype (accumulating in float32) and an elementwise pass over `copy_mib`
-    MiB on the default device; each ceiling is the rate of the fastest of `repeats` windows."""
+    MiB on the default device, in `rounds` interleaved rounds of `repeats` windows each; each ceiling is the rate
+    of the fastest window of all. A machine visibly busy with other work, or ceilings that differ widely between
+    rounds, is said in `MachinePeaks.notes` (and under the profile's table)."""
     names = sorted({jnp.dtype(d).name for d in dtypes})
-    # A ceiling is what the machine can reach, so each comes from its fastest timing window: on a shared machine
-    # the median of a few windows often catches another process's load and would put layers above the roof.
-    flops = {}
-    for name in names:
-        peak = measure_matmul_peak(matmul_size, name, repeats=repeats)
-        flops[name] = peak["gflops"] * 1e9 * peak["timing"]["median"] / peak["timing"]["min"]
-    copy = measure_copy_bandwidth(copy_mib, repeats=repeats)
+    # A ceiling is what the machine can reach, so each comes from its fastest window: on a shared machine the
+    # median of a few windows often catches another process's load and would put layers above the roof, and a
+    # bandwidth measured under load would move the ridge point and call compute-bound layers memory-bound.
+    flops: dict[str, list[float]] = {name: [] for name in names}
+    copies: list[float] = []
+    cached: list[float] = []
     cache_mib = max(1, min(4, copy_mib // 8))
-    cached = measure_copy_bandwidth(cache_mib, repeats=repeats)
-    bandwidth = copy["bytes"] / copy["timing"]["min"]
-    cache_bandwidth = cached["bytes"] / cached["timing"]["min"]
-    return MachinePeaks(describe_device(), flops, bandwidth, matmul_size, copy_mib, cache_bandwidth, cache_mib)
+    for _ in range(rounds):
+        for name in names:
+            peak = measure_matmul_peak(matmul_size, name, repeats=repeats)
+            flops[name].append(peak["gflops"] * 1e9 * peak["timing"]["median"] / peak["timing"]["min"])
+        copy = measure_copy_bandwidth(copy_mib, repeats=repeats)
+        copies.append(copy["bytes"] / copy["timing"]["min"])
+        small = measure_copy_bandwidth(cache_mib, repeats=repeats)
+        cached.append(small["bytes"] / small["timing"]["min"])
+    notes = _load_notes(copies, flops)
+    best = {name: max(rates) for name, rates in flops.items()}
+    return MachinePeaks(describe_device(), best, max(copies), matmul_size, copy_mib, max(cached), cache_mib, notes)
+
+
+def _load_notes(copies: list[float], flops: dict[str, list[float]]) -> tuple[str, ...]:
+    """What says the ceilings may be low: the load average against the usable cores, and rounds that disagree."""
+    notes = []
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = None
+    if load is not None and load > 0.75 * cores:
+        notes.append(
+            f"the machine is busy (load average {load:.1f} on {cores} usable cores): ceilings are the best of "
+            "every round, and may still be low"
+        )
+    for what, rates in (("copy bandwidth", copies), *((f"{n} matmul", r) for n, r in flops.items())):
+        if len(rates) > 1 and max(rates) > 2 * min(rates):
+            notes.append(f"{what} varied {max(rates) / min(rates):.1f}x between rounds (another process at work)")
+    return tuple(notes)
 
 
 # ---------------------------------------------------------------------------------------------------- measuring
@@ -132,7 +164,8 @@ def profile_layers(
         measure.forward("whole model", model, params, state, x)[0],
         measure.backward("whole model", model, params, state, x, wrt_input=False),
     )
-    result = Profile(model.name, shape, policy.name, dtype.name, peaks, tuple(rows), whole, accelerator)
+    rows, whole = _bounded(rows, peaks, dtype), _bounded(list(whole), peaks, dtype)
+    result = Profile(model.name, shape, policy.name, dtype.name, peaks, tuple(rows), tuple(whole), accelerator)
     if print_fn is not None:
         print_fn(str(result))
     return result
@@ -185,6 +218,38 @@ def _forward_backward(layer: Layer, policy: Policy, wrt_input: bool) -> Callable
     return step
 
 
+# A program running at this fraction of the measured matmul peak is limited by arithmetic, whatever the measured
+# bandwidth says: a memory-bound one cannot come near the compute roof.
+AT_THE_COMPUTE_ROOF = 0.5
+
+
+def bound_of(intensity: float | None, ridge: float, peak_fraction: float | None) -> str | None:
+    """ "compute" or "memory": from the program's arithmetic intensity against the ridge point (peak / bandwidth),
+    and "compute" for one that runs at `AT_THE_COMPUTE_ROOF` of the peak or more, so that a bandwidth measured
+    low (a busy machine) cannot call a convolution at 60% of the matmul peak memory-bound."""
+    if intensity is None:
+        return None
+    if intensity >= ridge or (peak_fraction is not None and peak_fraction >= AT_THE_COMPUTE_ROOF):
+        return "compute"
+    return "memory"
+
+
+def _bounded(rows: list[LayerRow], peaks: MachinePeaks, dtype: Any) -> list[LayerRow]:
+    """The rows with their bound decided once every program is timed. The caches' roof is at least the fastest
+    rate any in-cache program of the profile moved its bytes at (a roof below an achieved rate was measured low: a
+    busy machine), and serves every program whose bytes fit in the caches or move faster than main memory could
+    deliver them (XLA counts bytes per operand use, so a reused operand's bytes mostly come from the caches)."""
+    peak = peaks.peak(dtype)
+    achieved = [r.bytes_per_s for r in rows if r.bytes_per_s and peaks.fits_in_cache(r.bytes)]
+    cache = max([peaks.cache_bandwidth or 0.0, *achieved])
+    out = []
+    for r in rows:
+        from_cache = cache > 0 and (peaks.fits_in_cache(r.bytes) or (r.bytes_per_s or 0.0) > peaks.bandwidth)
+        ridge = peak / (cache if from_cache else peaks.bandwidth)
+        out.append(dataclasses.replace(r, bound=bound_of(r.intensity, ridge, r.peak_fraction)))
+    return out
+
+
 class _Measure:
     """Compiles, costs and times one program, and turns the figures into a row."""
 
@@ -211,7 +276,7 @@ class _Measure:
         intensity = flops / nbytes if flops is not None and nbytes else None
         flop_s = flops / t.median if flops is not None else None
         byte_s = nbytes / t.median if nbytes is not None else None
-        ridge = self.peaks.ridge(self.dtype)
+        ridge = self.peaks.ridge_for(self.dtype, nbytes)
         projected = self.accelerator.lower_bound(flops, nbytes, self.dtype) if self.accelerator else None
         return LayerRow(
             layer=name,
@@ -227,7 +292,7 @@ class _Measure:
             bytes_per_s=byte_s,
             peak_fraction=flop_s / self.peaks.peak(self.dtype) if flop_s is not None else None,
             bandwidth_fraction=byte_s / self.peaks.bandwidth if byte_s is not None else None,
-            bound=None if intensity is None else "compute" if intensity >= ridge else "memory",
+            bound=bound_of(intensity, ridge, flop_s / self.peaks.peak(self.dtype) if flop_s is not None else None),
             projected_s=projected,
             speedup=t.median / projected if projected else None,
         )

@@ -31,6 +31,7 @@ class MachinePeaks:
     # main-memory roof, and this second roof (drawn, not used for the bound) shows how far.
     cache_bandwidth: float | None = None
     cache_mib: int | None = None
+    notes: tuple[str, ...] = ()  # what says the ceilings may be low (a busy machine, rounds that disagree)
 
     def __post_init__(self) -> None:
         rates = {f"{d} matmul FLOP/s": v for d, v in self.matmul_flops.items()} | {"bandwidth": self.bandwidth}
@@ -45,6 +46,21 @@ class MachinePeaks:
     def ridge(self, dtype: Any) -> float:
         """FLOP/byte where the matmul ceiling meets the bandwidth ceiling."""
         return self.peak(dtype) / self.bandwidth
+
+    def fits_in_cache(self, nbytes: float | None) -> bool:
+        """Whether a program's bytes (all it reads and writes) fit in the pass the cache bandwidth was measured
+        over (`cache_mib` read and written): its data then never leaves the caches."""
+        return bool(
+            self.cache_bandwidth and self.cache_mib and nbytes is not None and nbytes <= 2 * self.cache_mib * 2**20
+        )
+
+    def ridge_for(self, dtype: Any, nbytes: float | None) -> float:
+        """The ridge point of the memory a program's bytes come from: the caches' when they fit there, main
+        memory's otherwise (a small layer's data never leaves the caches, so main memory's roof would call it
+        memory-bound at any intensity above its own low ridge)."""
+        if self.fits_in_cache(nbytes):
+            return self.peak(dtype) / self.cache_bandwidth  # type: ignore[operator]
+        return self.ridge(dtype)
 
     def as_dict(self) -> dict[str, Any]:
         """The fields as plain JSON-ready values."""
@@ -128,7 +144,10 @@ def _num(x: float | None, scale: float = 1.0, fmt: str = ".3g") -> str:
 
 
 def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}"
+    """A fraction as a percentage; above the measured ceiling it reads ">100" (see the table's note)."""
+    if x is None:
+        return "-"
+    return ">100" if x > 1 else f"{100 * x:.1f}"
 
 
 def _cells(r: Any, projected: bool) -> tuple[str, ...]:
@@ -168,7 +187,8 @@ def format_profile(p: Profile) -> str:
         f"({pk.matmul_size}^3 product), "
         f"copy {pk.bandwidth / 1e9:.1f} GB/s ({pk.copy_mib} MiB"
         + (f"; {pk.cache_bandwidth / 1e9:.0f} GB/s over {pk.cache_mib} MiB, in cache" if pk.cache_bandwidth else "")
-        + f"); ridge point {pk.ridge(p.dtype):.1f} FLOP/B",
+        + f"); ridge point {pk.ridge(p.dtype):.1f} FLOP/B"
+        + (f" ({pk.peak(p.dtype) / pk.cache_bandwidth:.1f} in cache)" if pk.cache_bandwidth else ""),
     ]
     if p.accelerator:
         a = p.accelerator
@@ -187,7 +207,10 @@ def format_profile(p: Profile) -> str:
             )
     lines.append(
         "FLOPs and bytes: XLA's cost analysis of each program timed; ms: median per call; fwd: eval mode; fwd+bwd: "
-        "train mode, gradients for the parameters and the input. %BW over 100: the layer's bytes come from "
-        "caches, the bandwidth ceiling is main memory's."
+        "train mode, gradients for the parameters and the input. >100 %BW: the layer's bytes come from "
+        "caches (the ceiling is main memory's); >100 %peak: the peak was measured low (a busy machine). bound: "
+        "intensity against the ridge point of the caches (a program whose bytes fit there) or of main memory, and "
+        "compute for any program at half the matmul peak or more."
     )
+    lines += [f"note: {n}" for n in pk.notes]
     return "\n".join(lines)
