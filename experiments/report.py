@@ -225,8 +225,7 @@ def verdict_latency(seq: dict | None, mm: dict | None) -> tuple[str, str]:
             h = min(per, key=float)
             ratio = f", {pen[h]:.1f}x the time of the equal-FLOP parallel product" if h in pen else ""
             return NOT_MEASURED, (
-                f"CPU only: a dependent step costs {per[h]:.2f} µs at hidden {h}{ratio}; "
-                "no GPU here to compare with"
+                f"CPU only: a dependent step costs {per[h]:.2f} µs at hidden {h}{ratio}; no GPU here to compare with"
             )
         return NOT_MEASURED, "no CPU rows"
     small = {case: per[min(per, key=float)] for case, per in s["winner"].items()}

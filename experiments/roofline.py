@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from experiments import common
+from jaxnn.cli.profile import IMAGE_SHAPE  # the input `jaxnn profile` and `jaxnn train` use by default
 from jaxnn.models.factory import train_default_model
 from jaxnn.precision import get_policy
 from jaxnn.profile import measure_peaks, profile_layers
@@ -24,7 +25,7 @@ MODELS = ("cnn", "gpt")
 POLICIES = ("fp32", "bf16")
 WHOLE = "whole model"  # the name jaxnn.profile gives the whole model's rows
 # Per preset: (size of the models, batch size per model, matmul size, copy MiB, timing windows). "quick" is what
-# `jaxnn profile` does by default: `jaxnn train`'s models and batch sizes, 28x28x1 images.
+# `jaxnn profile` does by default: `jaxnn train`'s models, batch sizes and input (the 8x8 digits).
 PRESETS = {
     "tiny": ("small", {"cnn": 4, "gpt": 2}, 128, 8, 1),
     "quick": ("base", {"cnn": 64, "gpt": 32}, 2048, 256, 5),
@@ -68,7 +69,7 @@ def run(size: str, out: str | Path) -> list[Path]:
     written = []
     for name in MODELS:
         model, mcfg = train_default_model(name, size=model_size)
-        shape = (mcfg.seq_len,) if name == "gpt" else (28, 28, 1)
+        shape = (mcfg.seq_len,) if name == "gpt" else IMAGE_SHAPE
         budget = common.Budget(None)
         profiles = [
             profile_layers(
@@ -208,10 +209,13 @@ def section(results: dict[str, dict[str, dict]], report_dir: Path, results_root:
         "",
         "Each top-level layer compiled and timed alone (`make exp-roofline`, i.e. `python -m experiments.roofline`; "
         "`jaxnn profile --model cnn|gpt` prints the same table): median time, XLA's FLOPs and bytes of the timed "
-        "program, and the bound (compute above the ridge point peak/bandwidth, memory below). Ceilings are the "
-        "fastest of five windows of a large matmul per dtype and of a large elementwise pass; the bandwidth roof is "
-        "main memory's, so a layer whose bytes stay in cache can run above it (the dotted roof in the plots is a "
-        "pass of a few MiB). Measured figures and projections are separate tables.",
+        "program, and the bound: compute when the intensity is above the ridge point (peak/bandwidth) of the "
+        "memory its bytes come from (the caches' for a layer whose bytes stay there, main memory's otherwise) or "
+        'the layer runs at half the matmul peak or more; memory otherwise (docs/profiling.md, "The ceilings"). '
+        "Ceilings are the fastest window of three interleaved rounds of a large matmul per dtype and of a large "
+        "elementwise pass; the solid bandwidth roof is main memory's, the dotted one a pass of a few MiB, which "
+        "stays in cache. Images are the 8x8 digits `jaxnn train` trains on (results from before that default "
+        "profiled 28x28x1: see each machine's table title). Measured figures and projections are separate tables.",
         "",
     ]
     if not gpu_tags:
