@@ -164,8 +164,10 @@ def profile_layers(
         measure.forward("whole model", model, params, state, x)[0],
         measure.backward("whole model", model, params, state, x, wrt_input=False),
     )
-    rows, whole = _bounded(rows, peaks, dtype), _bounded(list(whole), peaks, dtype)
-    result = Profile(model.name, shape, policy.name, dtype.name, peaks, tuple(rows), tuple(whole), accelerator)
+    bounded_rows, bounded_whole = _bounded(rows, peaks, dtype), _bounded(list(whole), peaks, dtype)
+    result = Profile(
+        model.name, shape, policy.name, dtype.name, peaks, tuple(bounded_rows), tuple(bounded_whole), accelerator
+    )
     if print_fn is not None:
         print_fn(str(result))
     return result
