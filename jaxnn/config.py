@@ -304,7 +304,7 @@ def parse_model_config(items: list[str], flag: str = "--model-config") -> dict[s
 # (the FitConfig's are its RUN_ONLY).
 RUN_ONLY_FIELDS = ("mesh", "sharding_rules", "backend", "workers", "sample_bytes", "init_from")
 SCHEDULES = ("cosine", "constant")
-LATER_DEFAULTS = {"schedule": "cosine", "label_smoothing": 0.0, "augment": ""}
+LATER_DEFAULTS = {"schedule": "cosine", "label_smoothing": 0.0, "augment": "", "pack": False}
 BACKENDS = ("grain", "inline")
 
 
@@ -327,6 +327,8 @@ class TrainConfig:
     `augment`: random augmentation in the train step on the device, as `jaxnn.augment.parse_augment` reads it
     ("crop,flip,mixup"); `crop_pad` and `flip` are the host pipeline's.
     `lora`: train LoRA adapters alone, as `jaxnn.lora.parse_lora` reads them ("r=8,alpha=16,targets=*qkv.w").
+    `pack`: gpt on JSON Lines records: pack the records into windows with segment ids (`jaxnn.data.packing`)
+    instead of cutting the joined stream into windows.
     """
 
     model: str = "cnn"
@@ -350,6 +352,7 @@ class TrainConfig:
     init_from: str | None = None
     augment: str = ""
     lora: str = ""
+    pack: bool = False
     fit: FitConfig = dataclasses.field(default_factory=_quick_fit)
 
     def __post_init__(self):
@@ -414,6 +417,8 @@ def _validate(cfg: TrainConfig) -> None:
             parse_lora(cfg.lora)
         except ValueError as err:
             raise ConfigError(str(err)) from None
+    if cfg.pack and cfg.model != "gpt":
+        raise ConfigError(f"pack: packing is for text (--model gpt), not {cfg.model!r}")
     if cfg.backend not in BACKENDS:
         raise ConfigError(f"unknown backend {cfg.backend!r}; choose one of {list(BACKENDS)}")
     if cfg.fit.batch_size % cfg.fit.devices:

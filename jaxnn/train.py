@@ -174,6 +174,11 @@ def make_optimizer(
     return optax.chain(optax.clip_by_global_norm(clip_norm), adamw) if clip_norm else adamw
 
 
+# A packed batch's keys that reach the model as side inputs, where it takes them (`jaxnn.data.packing`); a batch's
+# other keys (`y`, `mask` of padded examples, `loss_mask`) are the loss's.
+PACKED_SIDE_INPUTS = ("segment_ids", "positions")
+
+
 def forward_batch(
     model: Layer,
     policy: Policy,
@@ -185,7 +190,8 @@ def forward_batch(
     train: bool,
 ) -> tuple[Any, State]:
     """The model's output for `batch["x"]` under `policy` (parameters and input cast to its compute dtype, the
-    output to its output dtype), and the model state after it: what every step, evaluation and prediction runs."""
+    output to its output dtype), and the model state after it: what every step, evaluation and prediction runs.
+    A packed batch's `segment_ids` and `positions` go to a model that takes them."""
     logits, model_state = run(
         model,
         policy.cast_to_compute(params),
@@ -194,6 +200,7 @@ def forward_batch(
         key=key,
         train=train,
         policy=policy,
+        **{k: batch[k] for k in PACKED_SIDE_INPUTS if k in batch and k in model.side_inputs},
     )
     return policy.cast_to_output(logits), model_state
 

@@ -146,12 +146,13 @@ def train(
     example = (cfg.seq_len,) if isinstance(data, TextCorpus) else data.image_shape
     if print_summary is not None and jax.process_index() == 0:
         model_summary(model, (batch_size, *example), policy=run.precision, print_fn=print_summary)
+    train_data, eval_data, packing = _packed(cfg, data) if cfg.pack else (data, data, [])
     inputs = FitInputs(
         loss=_loss(cfg, is_text),
         optimizer=tx,
-        eval_data=data,
+        eval_data=eval_data,
         pipeline=pipeline,
-        callbacks=[LearningRateLogger(schedule), *_tokenizer_keeper(tokenizer_folder), *callbacks],
+        callbacks=[LearningRateLogger(schedule), *_tokenizer_keeper(tokenizer_folder), *packing, *callbacks],
         config={**cfg.trajectory(), "model_config": dataclasses.asdict(mcfg), **_tokenizer_entry(tokenizer_folder)},
         mesh=cfg.mesh,
         sharding_rules=cfg.sharding_rules,
@@ -162,7 +163,7 @@ def train(
         **_starting_point(cfg, model, mcfg, example),
     )
     try:
-        result = run_fit(model, data, run, inputs)
+        result = run_fit(model, train_data, run, inputs)
     except FitInterrupted as stopped:  # Ctrl-C: the checkpoint is written; `jaxnn train` exits 130 after the summary
         result = stopped.result
     summary = {"model": cfg.model, "dataset": data.name, **result.summary}
@@ -174,6 +175,31 @@ def train(
         if jax.process_index() == 0 and run.run_dir:
             write_json_atomic(pathlib.Path(run.run_dir) / "summary.json", summary)
     return summary
+
+
+def _packed(cfg: TrainConfig, data: Any) -> tuple[dict, dict, list[Callback]]:
+    """The records packed into windows (train, test) and a callback that reports the packing efficiency: in the
+    log at the start, and in summary.json."""
+    from jaxnn.callbacks import Callback
+    from jaxnn.data.packing import pack_corpus, padding_efficiency
+
+    train, test = pack_corpus(data, cfg.seq_len)
+    unpacked = padding_efficiency(_train_documents(data), cfg.seq_len)
+    log.info("train: %d records packed into %d windows of %d: %.1f%% real tokens (one record per window: %.1f%%)",
+             train.documents, len(train.arrays["x"]), cfg.seq_len, 100 * train.efficiency, 100 * unpacked)  # fmt: skip
+
+    class ReportPacking(Callback):
+        def on_end(self, run: Any, summary: dict) -> None:
+            summary["packing_efficiency"] = train.efficiency
+            summary["unpacked_efficiency"] = unpacked
+
+    return train.arrays, test.arrays, [ReportPacking()]
+
+
+def _train_documents(data: Any) -> list:
+    from jaxnn.data.packing import documents_of
+
+    return documents_of(data.train, data.train_starts, data.train_targets)[0]
 
 
 def _tokenizer_folder(cfg: TrainConfig) -> pathlib.Path | None:

@@ -140,6 +140,13 @@ def add_run_dir_flags(p: argparse.ArgumentParser) -> None:
         "tokenizer.json tokenises the text) or a torchvision ResNet .pth/.safetensors file",
     )
     a(
+        "--pack",
+        action="store_true",
+        help="gpt on JSON Lines records: pack records into windows with segment ids (attention and positions "
+        "restart per record, no loss across a boundary) instead of cutting the joined text; reports the packing "
+        "efficiency",
+    )
+    a(
         "--lora",
         default="",
         metavar="SETTINGS",
@@ -392,6 +399,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         init_from=args.init_from,
         augment=args.augment,
         lora=args.lora,
+        pack=args.pack,
         fit=fit,
     )
 

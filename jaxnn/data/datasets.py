@@ -81,6 +81,10 @@ class TextCorpus:
     # test; None: every token counts. Prompt/completion records weigh only the completions (jaxnn.data.records).
     train_targets: np.ndarray | None = None
     test_targets: np.ndarray | None = None
+    # Where each document starts in train and test (records: one document each); None for a plain stream.
+    # Packing (jaxnn.data.packing) needs them.
+    train_starts: np.ndarray | None = None
+    test_starts: np.ndarray | None = None
 
 
 def make_image_dataset(
@@ -352,7 +356,16 @@ def load_text(directory: StrPath | None = None, *, max_bytes: int = 8 << 20, tes
         )
     corpus = np.frombuffer(b"".join(chunks), np.uint8)
     n_test = max(int(total * test_fraction), 513)
-    return TextCorpus(name, corpus[:-n_test], corpus[-n_test:], len(chunks))
+    train_starts, test_starts = _split_starts([len(c) for c in chunks], len(corpus) - n_test)
+    return TextCorpus(name, corpus[:-n_test], corpus[-n_test:], len(chunks), train_starts=train_starts,
+                      test_starts=test_starts)  # fmt: skip
+
+
+def _split_starts(lengths: list[int], cut: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where each file (a document, for packing) starts in the train part (before `cut`) and the test part."""
+    starts = np.cumsum([0, *lengths[:-1]]).astype(np.int64)
+    test = starts[starts >= cut] - cut
+    return starts[starts < cut], test if test.size and test[0] == 0 else np.r_[0, test].astype(np.int64)
 
 
 def tokenize_corpus(corpus: TextCorpus, tokenizer_file: StrPath) -> TextCorpus:

@@ -112,9 +112,14 @@ def load_text_records(
 
     vocab = 256 if tokenizer is None else tokenizer.get_vocab_size()
     name = pathlib.Path(path).stem + ("-tokens" if tokenizer is not None else "")
+
+    def starts(part: list) -> np.ndarray:
+        return np.cumsum([0] + [len(p[0]) for p in part[:-1]]).astype(np.int64)
+
     return TextCorpus(name, joined(train, 0), joined(test, 0), len(_files(pathlib.Path(path))), vocab,
                       train_targets=joined(train, 1).astype(np.float32),
-                      test_targets=joined(test, 1).astype(np.float32))  # fmt: skip
+                      test_targets=joined(test, 1).astype(np.float32),
+                      train_starts=starts(train), test_starts=starts(test))  # fmt: skip
 
 
 __all__ = ["END_TOKENS", "end_token", "is_record_source", "load_text_records", "read_records"]

@@ -256,8 +256,10 @@ def MultiHeadAttention(
     - `num_kv_heads` < num_heads: grouped-query attention (1: multi-query); each key/value head serves
       num_heads // num_kv_heads query heads.
     - `mask`: (B, T) bool padding mask of x's positions, True for real tokens; `causal=True` lets position t see
-      positions <= t only. `rope=True` rotates queries and keys by their positions (`positions` side input, default
-      0..T-1; `rotary_embedding`).
+      positions <= t only. `segment_ids` (B, T) ints: a packed batch (`jaxnn.data.packing`), where a position sees
+      only positions of its own segment (with `positions` restarting per segment for rotary attention).
+      `rope=True` rotates queries and keys by their positions (`positions` side input, default 0..T-1;
+      `rotary_embedding`).
     - Params: `qkv` (one fused Dense) for self-attention with num_kv_heads == num_heads, else `q` and `kv`; `out`;
       `bias=False` leaves out their biases (as Llama does).
     - Causal self-attention decodes with a cache (`init_cache`): keys, values and padding mask of every position
@@ -270,7 +272,9 @@ def MultiHeadAttention(
     """
     kv_heads = _check_config(num_heads, head_dim, num_kv_heads, implementation, cross, causal, rope)
     fused = not cross and kv_heads == num_heads
-    side_inputs = frozenset({"context", "context_mask"} if cross else {"mask", *(("positions",) if rope else ())})
+    side_inputs = frozenset(
+        {"context", "context_mask"} if cross else {"mask", "segment_ids", *(("positions",) if rope else ())}
+    )
 
     heads = _Projections(num_heads, kv_heads, head_dim, fused, context_features, w_init, rope, bias, name)
 
@@ -286,6 +290,7 @@ def MultiHeadAttention(
         positions = kwargs.get("positions")
         if positions is not None:
             check_positions(name, positions, x_BTD.shape)
+        segments = _check_segments(name, kwargs.get("segment_ids"), x_BTD.shape[:2], cache)
         q, k, v = heads.project(params, x_BTD, source, policy)
         if cache is not None:
             o, cache = _decode(name, q, k, v, cache, positions, key_mask, rope_base if rope else None, policy)
@@ -293,7 +298,7 @@ def MultiHeadAttention(
             if rope:
                 positions = jnp.broadcast_to(jnp.arange(T), (B, T)) if positions is None else positions
                 q, k = rotary_embedding(q, positions, rope_base), rotary_embedding(k, positions, rope_base)
-            o = _dispatch(implementation, q, k, v, key_mask, causal, policy)
+            o = _dispatch(implementation, q, k, v, _with_segments(key_mask, segments), causal, policy)
         y = heads.dense(D, "out").apply(params["out"], o.reshape(B, T, -1), policy=policy)
         return y if cache is None else (y, cache)
 
@@ -308,6 +313,27 @@ def MultiHeadAttention(
     return Layer(
         init, with_name(name, apply), name, side_inputs=side_inputs, init_cache=init_cache if decodes else None
     )
+
+
+def _check_segments(name: str, segment_ids: Any, shape: tuple[int, int], cache: Any) -> jax.Array | None:
+    """A packed batch's (B, T) integer segment ids (`jaxnn.data.packing`), checked; None when not given."""
+    if segment_ids is None:
+        return None
+    if cache is not None:
+        raise LayerError(name, "segment_ids are for packed training batches; decoding with a cache takes none")
+    if tuple(segment_ids.shape) != tuple(shape) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise LayerError(
+            name, f"segment_ids must be integers of shape {tuple(shape)}, got {segment_ids.dtype} {segment_ids.shape}"
+        )
+    return segment_ids
+
+
+def _with_segments(key_mask_B11S: jax.Array | None, segments_BT: jax.Array | None) -> jax.Array | None:
+    """The key mask, narrowed to keys of the query's own segment: (B, 1, T, S), or the key mask unchanged."""
+    if segments_BT is None:
+        return key_mask_B11S
+    same_B1TS = segments_BT[:, None, :, None] == segments_BT[:, None, None, :]
+    return same_B1TS if key_mask_B11S is None else same_B1TS & key_mask_B11S
 
 
 def _source_and_key_mask(name, cross, x_BTD, side):
