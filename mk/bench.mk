@@ -1,6 +1,6 @@
 # Benchmarks against the peer libraries, and the GPU MFU check (benchmarks/). The peers live in the `bench` extra,
 # never in the runtime deps.
-.PHONY: bench-peers bench-generation bench-gpu bench-gpu-dry install-bench bench-augment bench-lora
+.PHONY: bench-peers bench-generation bench-gpu bench-gpu-dry install-bench bench-augment bench-lora bench-remat
 
 BENCH_STAMP := $(VENV)/.installed-bench
 
@@ -25,6 +25,9 @@ bench-gpu-dry: $(STAMP) ## the bench-gpu code path at a tiny size, on the CPU
 
 bench-augment: $(STAMP) ## random crop+flip for the CNN on 32x32 images: host numpy vs inside the step (dm-pix), one run
 	$(PY) -m benchmarks.augment_placement $(ARGS)
+
+bench-remat: $(STAMP) ## remat policies: a GPT step's temporaries and time per policy at sequence lengths 512-4096, H200 projection
+	$(PY) -m benchmarks.remat_memory --json results/bench/remat_memory.json $(ARGS)
 
 bench-lora: $(STAMP) ## LoRA r=8/16 vs full fine-tuning: trainable params, optimizer state, step memory and time, H200 projection
 	$(PY) -m benchmarks.lora_memory --json results/bench/lora_memory.json $(ARGS)

@@ -92,6 +92,13 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     a("--d-model", type=int, default=None, help="gpt: model width (default 128)")
     a("--layers", type=int, default=None, help="gpt: number of transformer blocks")
     a(
+        "--remat",
+        default=None,
+        metavar="POLICY",
+        help="gpt: recompute each block's activations in the backward pass, keeping what POLICY says: nothing, "
+        "dots, dots_no_batch, everything or offload (docs/performance.md, 'Rematerialisation')",
+    )
+    a(
         "--model-config",
         nargs="+",
         default=[],
@@ -345,6 +352,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         if getattr(args, flag) is not None:
             overrides[field] = getattr(args, flag)
     overrides.update(parse_model_config(args.model_config))
+    if args.remat is not None:
+        if model != "gpt":
+            raise ConfigError(f"--remat {args.remat}: rematerialisation is offered for --model gpt, not {model!r}")
+        overrides["remat"] = args.remat
 
     def pick(name: str, fallback: Any) -> Any:
         return getattr(args, name) if getattr(args, name) is not None else defaults.get(name, fallback)

@@ -31,6 +31,7 @@ from jaxnn.layers.core import (
 from jaxnn.layers.core import init_cache as init_cache_of
 from jaxnn.layers.linear import Dense, check_positions
 from jaxnn.layers.norm import LayerNorm, RMSNorm
+from jaxnn.layers.stack import remat_layer, remat_policy
 from jaxnn.parallel.activations import BATCH, HIDDEN, constrain
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "f32acc")
@@ -482,6 +483,7 @@ def TransformerBlock(
     context_features: int | None = None,
     attention_implementation: str = "auto",
     w_init: initializers.Initializer = initializers.lecun_normal(),
+    remat: Any = None,
     name: str = "block",
 ) -> Layer:
     """Pre-norm transformer block: x + Attention(Norm(x)), [x + CrossAttention(Norm(x), context)],
@@ -493,9 +495,11 @@ def TransformerBlock(
     `rope_base` as in `MultiHeadAttention`; `w_init` initialises every projection (attention and MLP);
     `cross_attention=True` adds a cross-attention sublayer reading the `context` side input (an encoder-decoder
     block). Side inputs (mask, positions, context, context_mask) reach the sublayers that read them; a causal block
-    decodes with a cache.
+    decodes with a cache. `remat`: recompute the block's activations in the backward pass under this policy
+    (`jaxnn.layers.remat`: "nothing", "dots", "dots_no_batch", "everything", "offload").
     """
     _check_block(mlp_ratio, mlp_hidden, mlp, norm, norm_eps, drop_prob)
+    remat_policy(remat)  # an unknown name is refused here, not at the first call
     Norm = LayerNorm if norm == "layer" else RMSNorm
 
     def attention(cross: bool) -> Layer:
@@ -522,7 +526,8 @@ def TransformerBlock(
         if cross_attention:
             sublayers.append(pre_norm([attention(True)], "cross"))
         sublayers.append(pre_norm(_mlp(mlp, mlp_hidden or mlp_ratio * width, bias, w_init, width), "mlp"))
-        return serial(*sublayers, name=name)
+        block = serial(*sublayers, name=name)
+        return block if remat is None else remat_layer(block, checkpoint_policy=remat)
 
     template = build(1)  # the sublayers' side inputs and cache do not depend on the width
 

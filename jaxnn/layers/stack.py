@@ -22,11 +22,36 @@ from jaxnn.layers.core import init_cache as init_cache_of
 _STATIC = ("train", "policy")
 
 
+# Rematerialisation policies by name: what the backward pass keeps of a remat layer's forward (the rest it
+# recomputes). "offload" moves the kept products to host memory instead of holding them on the device.
+REMAT_POLICIES: dict[str, Any] = {
+    "nothing": jax.checkpoint_policies.nothing_saveable,  # keep only the layer's inputs: least memory, most compute
+    "dots": jax.checkpoint_policies.dots_saveable,  # keep every matmul output, recompute the elementwise work
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep the weight products only
+    "everything": jax.checkpoint_policies.everything_saveable,  # keep all: as without remat (a reference point)
+    "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+}
+
+
+def remat_policy(policy: Any) -> Any:
+    """A `jax.checkpoint` policy from its name in `REMAT_POLICIES` (a policy function or None is kept as is)."""
+    if policy is None or callable(policy):
+        return policy
+    if isinstance(policy, str) and policy in REMAT_POLICIES:
+        return REMAT_POLICIES[policy]
+    raise ValueError(
+        f"remat: unknown policy {policy!r}; choose one of {', '.join(REMAT_POLICIES)} or a jax.checkpoint_policies "
+        "function"
+    )
+
+
 @describe
 def remat(layer: Layer, *, checkpoint_policy: Any = None) -> Layer:
-    """`layer` with its activations recomputed in the backward pass (`jax.checkpoint`): the backward pass keeps
-    only the layer's inputs, at the cost of running its forward twice. `checkpoint_policy` is one of
-    `jax.checkpoint_policies` (e.g. `dots_with_no_batch_dims_saveable` keeps the matmul outputs)."""
+    """`layer` with its activations recomputed in the backward pass (`jax.checkpoint`): by default the backward
+    pass keeps only the layer's inputs, at the cost of running its forward twice. `checkpoint_policy` says what
+    else to keep: a name in `REMAT_POLICIES` ("nothing", "dots", "dots_no_batch", "everything", "offload") or one
+    of `jax.checkpoint_policies`."""
+    policy = remat_policy(checkpoint_policy)
 
     def apply(params, x, **kwargs):
         static = {k: kwargs.pop(k) for k in _STATIC if k in kwargs}
@@ -34,7 +59,7 @@ def remat(layer: Layer, *, checkpoint_policy: Any = None) -> Layer:
         def body(params, x, arrays):
             return layer.apply(params, x, **static, **arrays)
 
-        return jax.checkpoint(body, policy=checkpoint_policy)(params, x, kwargs)
+        return jax.checkpoint(body, policy=policy)(params, x, kwargs)
 
     return layer._replace(apply=apply)
 
@@ -60,6 +85,8 @@ def _decode(layer, num_layers, unroll, policy, params, x, state, cache, side):
     return lax.scan(step, x, (params, state, cache), length=num_layers, unroll=unroll)
 
 
+remat_layer = remat  # for constructors whose own `remat` keyword hides the function
+
 # Under jax.jit with the layer static, an eager call reuses the scan compiled for the same shapes (a fresh closure
 # passed to lax.scan would be traced and compiled on every call); nested in an outer jit it is inlined.
 _scan_jit = jax.jit(_scan, static_argnums=(0, 1, 2, 3, 4))
@@ -67,14 +94,17 @@ _decode_jit = jax.jit(_decode, static_argnums=(0, 1, 2, 3))
 
 
 @describe
-def Repeat(layer: Layer, num_layers: int, *, unroll: int = 1, name: str = "repeat") -> Layer:
+def Repeat(layer: Layer, num_layers: int, *, unroll: int = 1, remat: Any = None, name: str = "repeat") -> Layer:
     """`num_layers` copies of `layer` (each with its own parameters) applied in sequence inside one `lax.scan`.
 
     Params, state and cache are the layer's with a leading `num_layers` axis; layer i is initialised with
     `fold_in(key, i)` and gets `fold_in(key, i)` for dropout, as the i-th child of a `serial` would. The layer must
     keep the shape of its input. Side inputs reach every copy. `unroll` is lax.scan's (more unrolling: longer
-    compile, sometimes a faster step)."""
+    compile, sometimes a faster step). `remat`: a policy (see `remat`) under which each copy's activations are
+    recomputed in the backward pass."""
     check_positive("Repeat", num_layers=num_layers)
+    if remat is not None:
+        layer = remat_layer(layer, checkpoint_policy=remat)
 
     def init(key, in_shape):
         def one(i):

@@ -52,7 +52,8 @@ def _checked_value(model: str, field: str, value: Any, default: Any) -> Any:
     if default is None:  # an optional field: any value the model's own checks accept
         return value
     if isinstance(default, bool):
-        ok = isinstance(value, bool)
+        # `remat` also takes a policy's name, which the config itself checks
+        ok = isinstance(value, bool) or (field == "remat" and isinstance(value, str))
     elif isinstance(default, int):
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif isinstance(default, float):

@@ -19,6 +19,7 @@ from jaxnn.layers import (
 )
 from jaxnn.layers.attention import MLPS
 from jaxnn.layers.core import describe
+from jaxnn.layers.stack import REMAT_POLICIES
 
 POSITIONS = ("learned", "rope")
 
@@ -41,7 +42,9 @@ class GPTConfig:
     norm: str = "layer"  # "layer" (LayerNorm) or "rms" (RMSNorm)
     num_kv_heads: int | None = None  # grouped-query attention; None: one key/value head per query head
     scan_layers: bool = False  # one Repeat (lax.scan) over the blocks: compile time independent of depth
-    remat: bool = False  # recompute each block's activations in the backward pass (less memory, more compute)
+    # Recompute each block's activations in the backward pass (less memory, more compute): False, True (keep only
+    # the block's input) or a policy name of jaxnn.layers.REMAT_POLICIES ("dots", "dots_no_batch", "offload", ...).
+    remat: bool | str = False
     # What published checkpoints differ in (GPT-2: tied, eps 1e-5; Llama: swiglu, no biases, its own hidden width).
     tie_embeddings: bool = False  # next-token logits from the embedding table (no separate output layer)
     mlp: str = "gelu"  # "gelu" (fc, tanh-GELU, proj) or "swiglu" (gate, up, down)
@@ -59,6 +62,10 @@ class GPTConfig:
             raise ValueError(f"GPTConfig: unknown position {self.position!r}; choose one of {POSITIONS}")
         if self.mlp not in MLPS:
             raise ValueError(f"GPTConfig: unknown mlp {self.mlp!r}; choose one of {MLPS}")
+        if not isinstance(self.remat, bool) and self.remat not in REMAT_POLICIES:
+            raise ValueError(
+                f"GPTConfig: remat must be true, false or a policy ({', '.join(REMAT_POLICIES)}), got {self.remat!r}"
+            )
 
     def small(self) -> GPTConfig:
         """Width 64, 2 blocks of 2 heads, 32 bytes of context: the same model for tests and smoke runs."""
@@ -106,7 +113,7 @@ def GPT(cfg: GPTConfig = GPTConfig()) -> Layer:
         attention_implementation=cfg.attention_implementation,
     )
     if cfg.remat:
-        block = remat(block)
+        block = remat(block, checkpoint_policy=None if cfg.remat is True else cfg.remat)
     blocks = [Repeat(block, cfg.num_layers, name="blocks")] if cfg.scan_layers else [block] * cfg.num_layers
     positions = [PositionEmbedding(cfg.seq_len)] if cfg.position == "learned" else []
     Norm = LayerNorm if cfg.norm == "layer" else RMSNorm
