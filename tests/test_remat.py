@@ -30,6 +30,7 @@ def _data(seq_len, batch=4):
     return jnp.asarray(np.random.default_rng(0).integers(0, 64, (batch, seq_len + 1)), jnp.int32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", [False, True])
 def test_every_policy_gives_the_gradients_of_no_remat(scan):
     x = _data(64)
@@ -67,6 +68,7 @@ def test_a_policy_name_is_checked_where_it_is_given():
     assert block.apply(params, jnp.ones((1, 4, 8))).shape == (1, 4, 8)
 
 
+@pytest.mark.slow
 def test_the_remat_benchmark_measures_every_policy():
     from benchmarks.remat_memory import POLICIES, main
 

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxnn.data.datasets import DataError
+from jaxnn.data.datasets import DataError, TextCorpus
 
 KEYS = ("x", "y", "segment_ids", "positions", "loss_mask")
 
@@ -126,7 +126,7 @@ def documents_of(tokens: np.ndarray, starts: np.ndarray | None, targets: np.ndar
     return docs, weights
 
 
-def pack_corpus(corpus, seq_len: int) -> tuple[Packed, Packed]:
+def pack_corpus(corpus: TextCorpus, seq_len: int) -> tuple[Packed, Packed]:
     """A TextCorpus of records packed: (train, test), each split's documents into windows of `seq_len`."""
     train = documents_of(corpus.train, corpus.train_starts, corpus.train_targets)
     test = documents_of(corpus.test, corpus.test_starts, corpus.test_targets)
