@@ -50,6 +50,7 @@ def _temp_bytes(remat, seq_len=512):
     return grad.lower(params, x).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_the_policies_that_keep_less_hold_less_memory():
     """With the blocks scanned (`scan_layers`): unrolled, XLA's CPU scheduler runs the recomputations early and
     the compiled step holds as much as without remat (docs/performance.md, "Rematerialisation")."""

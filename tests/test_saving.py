@@ -173,6 +173,7 @@ def test_a_saved_model_resumes_only_with_its_optimizer_and_from_a_train_state(tm
         jaxnn.fit(_mlp(), (x, y), steps=8, resume=str(tmp_path), **_FIT)
 
 
+@pytest.mark.slow
 def test_a_resume_whose_learning_rate_is_zero_is_refused_for_any_optimizer(tmp_path):
     x, y = _data()
     run = tmp_path / "run"

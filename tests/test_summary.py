@@ -151,7 +151,7 @@ def test_bad_model_and_depth():
         L.summary(L.Dense(3), (2, 3), in_dtype="not a dtype", print_fn=None)
 
 
-@pytest.mark.parametrize("scan_layers", [False, True])
+@pytest.mark.parametrize("scan_layers", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_depth_opens_repeat_and_transformer_blocks_with_counts_that_add_up(scan_layers):
     model = GPT(GPTConfig(vocab_size=32, seq_len=8, d_model=16, num_layers=3, num_heads=2, scan_layers=scan_layers))
     shallow = L.summary(model, (2, 8), depth=1, flops=False, print_fn=None)

@@ -132,6 +132,7 @@ def test_cnn_learns_the_bundled_digits(key):
     assert float(accuracy) >= 0.95
 
 
+@pytest.mark.slow
 def test_grad_norm_metric_is_the_global_norm_and_can_be_left_out(key):
     model = L.serial(L.Dense(8), L.Relu, L.Dense(3))
     tx = optax.sgd(0.1)
