@@ -121,7 +121,7 @@ def test_rotary_embedding_matches_complex_rotation_and_is_relative(key):
 @pytest.mark.slow
 def test_mask_and_positions_travel_through_serial_and_blocks(key):
     model = L.serial(L.Dense(8), L.TransformerBlock(2, causal=False, rope=True), L.TransformerBlock(2, causal=False))
-    assert model.side_inputs == {"mask", "positions"}
+    assert model.side_inputs == {"mask", "positions", "segment_ids"}
     x = jax.random.normal(key, (2, 6, 4))
     _, params = model.init(key, x.shape)
     mask = jnp.array([[1, 1, 1, 1, 0, 0], [1] * 6], bool)

@@ -48,6 +48,7 @@ from jaxnn.loop._setup import (
     initial_state,
     input_record,
     json_record,
+    local_value,
     lora_start,
     model_record,
     output_spec,
@@ -241,8 +242,8 @@ def _train(model, loss, tx, cfg, source, evals, mesh, state, record, files, call
     )
     state, start = _restore(ckpt, state, record, source, cfg, files)
     where = str(files.ckpt_dir)
-    if not start and int(state.step):  # the train state of a saved model (fit's resume=)
-        start, where = int(state.step), "the saved model"
+    if not start and local_value(state.step):  # the train state of a saved model (fit's resume=)
+        start, where = int(local_value(state.step)), "the saved model"
     if start:
         try:
             refuse_idle_resume(tx, state, start, cfg.steps, where)
@@ -340,7 +341,7 @@ def _restore(ckpt, state, record, source, cfg, files) -> tuple[Any, int]:
         return state, 0
     restored = ckpt.restore(state, record)
     if restored is None:
-        if not int(state.step):  # else a saved model's state is where the run starts
+        if not local_value(state.step):  # else a saved model's state is where the run starts
             log.warning("resume: no checkpoint in %s; starting from step 0", ckpt.directory)
         return state, 0
     state, data_state, start = restored

@@ -429,14 +429,15 @@ def refuse_idle_resume(tx: Any, state: Any, start: int, steps: int, where: str) 
         return
     import optax
 
-    probe = jax.tree.map(lambda p: p * 0 + 1, state.params)
-    extra = (
-        {"value": jax.numpy.zeros((), jax.numpy.float32)}
-        if isinstance(tx, optax.GradientTransformationExtraArgs)
-        else {}
-    )
-    updates, _ = tx.update(probe, state.opt_state, state.params, **extra)
-    if any(bool(jax.numpy.any(u != 0)) for u in jax.tree.leaves(updates)):
+    extra = {"value": np.float32(0)} if isinstance(tx, optax.GradientTransformationExtraArgs) else {}
+
+    def moves(params, opt_state):
+        updates, _ = tx.update(jax.tree.map(lambda p: p * 0 + 1, params), opt_state, params, **extra)
+        moved = [jax.numpy.any(u != 0) for u in jax.tree.leaves(updates)]
+        return jax.numpy.any(jax.numpy.stack(moved)) if moved else jax.numpy.asarray(True)
+
+    # Compiled, so that sharded (and, with many processes, not fully addressable) states give one replicated flag.
+    if local_value(jax.jit(moves)(state.params, state.opt_state)):
         return
     raise ConfigError(
         f"fit: the run resumed from {where} at step {start} would train to step {steps} with a learning rate of 0 "
@@ -444,6 +445,11 @@ def refuse_idle_resume(tx: Any, state: Any, start: int, steps: int, where: str) 
         "start a new run from its parameters with a new optimizer (params= and model_state= of "
         "jaxnn.checkpoint.load_params or jaxnn.load_model)"
     )
+
+
+def local_value(x: Any) -> Any:
+    """A replicated scalar's value on this process (a global array of many processes is not fully addressable)."""
+    return np.asarray(x.addressable_data(0)).item() if isinstance(x, jax.Array) else np.asarray(x).item()
 
 
 def input_record(source: Any) -> dict | None:
