@@ -7,6 +7,7 @@ K key/value heads (N a multiple of K), G = N // K query heads per key/value head
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -463,6 +464,25 @@ def _check_block(mlp_ratio, mlp_hidden, mlp, norm, norm_eps, drop_prob) -> None:
     (LayerNorm if norm == "layer" else RMSNorm)(norm_eps)
 
 
+def _built_per_width(name: str, build: Callable[[int], Layer]) -> tuple[Callable, Callable, Callable]:
+    """`init`, `apply` and `init_cache` of a (batch, time, features) layer that is `build(features)`."""
+
+    def init(key, in_shape):
+        if len(in_shape) != 3:
+            raise shape_error(name, "of rank 3 (batch, time, features)", in_shape)
+        return build(in_shape[-1]).init(key, in_shape)
+
+    def apply(params, x, **kwargs):
+        if x.ndim != 3:
+            raise shape_error(name, "of rank 3 (batch, time, features)", x.shape)
+        return build(x.shape[-1]).apply(params, constrain(x, (BATCH, None, None)), **kwargs)
+
+    def init_cache(in_shape, max_len, dtype):
+        return init_cache_of(build(in_shape[-1]), in_shape, max_len, dtype)
+
+    return init, apply, init_cache
+
+
 @describe
 def TransformerBlock(
     num_heads: int,
@@ -530,20 +550,7 @@ def TransformerBlock(
         return block if remat is None else remat_layer(block, checkpoint_policy=remat)
 
     template = build(1)  # the sublayers' side inputs and cache do not depend on the width
-
-    def init(key, in_shape):
-        if len(in_shape) != 3:
-            raise shape_error(name, "of rank 3 (batch, time, features)", in_shape)
-        return build(in_shape[-1]).init(key, in_shape)
-
-    def apply(params, x, **kwargs):
-        if x.ndim != 3:
-            raise shape_error(name, "of rank 3 (batch, time, features)", x.shape)
-        return build(x.shape[-1]).apply(params, constrain(x, (BATCH, None, None)), **kwargs)
-
-    def init_cache(in_shape, max_len, dtype):
-        return init_cache_of(build(in_shape[-1]), in_shape, max_len, dtype)
-
+    init, apply, init_cache = _built_per_width(name, build)
     decodes = template.init_cache is not None
     return Layer(
         init,

@@ -240,17 +240,7 @@ def _train(model, loss, tx, cfg, source, evals, mesh, state, record, files, call
         if files.ckpt_dir
         else None
     )
-    state, start = _restore(ckpt, state, record, source, cfg, files)
-    where = str(files.ckpt_dir)
-    if not start and local_value(state.step):  # the train state of a saved model (fit's resume=)
-        start, where = int(local_value(state.step)), "the saved model"
-    if start:
-        try:
-            refuse_idle_resume(tx, state, start, cfg.steps, where)
-        except ConfigError:
-            if ckpt:  # the refused run leaves its checkpoints as they were, with nothing in flight
-                ckpt.close()
-            raise
+    state, start = _start(ckpt, state, record, source, cfg, files, tx)
     if start >= cfg.steps:
         return _already_finished(ckpt, state, start, files), False
     place = _placer(dp, mesh, cfg.batch_size)
@@ -334,6 +324,23 @@ def _evaluator(model, loss, cfg, mesh, dp, evals):
     return lambda state: mean_over(
         lambda b: sums(state.params, state.model_state, b), (place(padded(h, size)) for h in evals)
     )
+
+
+def _start(ckpt, state, record, source, cfg, files, tx) -> tuple[Any, int]:
+    """The state and step the run starts from: its newest checkpoint when resuming, else the given state's own
+    step (a saved model's, with fit's `resume=`); a start whose learning rate is 0 for the rest is refused."""
+    state, start = _restore(ckpt, state, record, source, cfg, files)
+    where = str(files.ckpt_dir)
+    if not start and local_value(state.step):
+        start, where = int(local_value(state.step)), "the saved model"
+    if start:
+        try:
+            refuse_idle_resume(tx, state, start, cfg.steps, where)
+        except ConfigError:
+            if ckpt:  # the refused run leaves its checkpoints as they were, with nothing in flight
+                ckpt.close()
+            raise
+    return state, start
 
 
 def _restore(ckpt, state, record, source, cfg, files) -> tuple[Any, int]:

@@ -122,7 +122,7 @@ def fit(
     SIGTERM does the same and returns normally.
     """
     # Over 80 lines only through its signature and docstring, and kept whole: every FitConfig field is a keyword so
-    # that help() and editors list them. The body is three lines: one FitConfig, validated once here, and the
+    # that help() and editors list them. The body is four lines: one FitConfig, validated once here, and the
     # objects, handed to the loop (jaxnn.loop._run) whole.
     values = dict(locals())
     values["resume_from"] = None if isinstance(resume, bool) else _saved_model_to_resume(resume)
