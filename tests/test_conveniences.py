@@ -110,13 +110,18 @@ def test_the_history_reads_by_name_and_keeps_its_rows():
         history["val_loss"]
 
 
-def test_a_sharded_fit_prints_its_layout_and_warns_at_the_users_line(capsys):
+def test_a_sharded_fit_prints_its_layout_and_warns_at_the_users_line(capsys, request):
+    import logging
     import warnings
 
     from jaxnn.models import MLP
     from jaxnn.parallel.report import ShardingWarning
 
     x, y = np.zeros((8, 64), np.float32), np.arange(8) % 10
+    # A plain script's logging: not at INFO (another test in this process may have left the root logger there).
+    report_log = logging.getLogger("jaxnn.parallel.report")
+    request.addfinalizer(lambda level=report_log.level: report_log.setLevel(level))
+    report_log.setLevel(logging.WARNING)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         jaxnn.fit(MLP(), (x, y), steps=1, batch_size=8, mesh="fsdp=8", plots=False,
