@@ -136,25 +136,48 @@ def _unsaved_initialiser(name: str, value: Any) -> bool:
     return name.endswith("_init") and callable(value) and _path_of(value) is None
 
 
-def decode(value: Any) -> Any:
-    """The objects `encode` wrote, built again by the same calls."""
+def decode(value: Any, trust: Sequence[str] = ()) -> Any:
+    """The objects `encode` wrote, built again by the same calls. A folder is data from outside, so nothing in it
+    runs but jaxnn's layer constructors (`describe`) and config dataclasses; functions it names (activations) come
+    from jax or jaxnn, or from the modules in `trust` (a user's own, by top-level package name)."""
+    roots = ("jaxnn", "jax", *trust)
+
+    def again(v: Any) -> Any:
+        return decode(v, trust)
+
     if isinstance(value, list):
-        return [decode(v) for v in value]
+        return [again(v) for v in value]
     if not isinstance(value, dict):
         return value
     if "tuple" in value:
-        return tuple(decode(v) for v in value["tuple"])
+        return tuple(again(v) for v in value["tuple"])
     if "dict" in value:
-        return {k: decode(v) for k, v in value["dict"].items()}
+        return {k: again(v) for k, v in value["dict"].items()}
     if "instance" in value:
-        return _resolve(value["instance"])
+        return _trusted(value["instance"], ("jaxnn",), lambda obj: isinstance(obj, Layer), "a jaxnn layer")
     if "function" in value:
-        return _resolve(value["function"])
+        return _trusted(value["function"], roots, callable, "a function")
     if "config" in value:
-        return _resolve(value["config"])(**{k: decode(v) for k, v in value["fields"].items()})
+        config = _trusted(value["config"], ("jaxnn",), dataclasses.is_dataclass, "a jaxnn config")
+        return config(**{k: again(v) for k, v in value["fields"].items()})
     if "call" in value:
-        return _resolve(value["call"])(*decode(value["args"]), **{k: decode(v) for k, v in value["kwargs"].items()})
+        build = _trusted(value["call"], ("jaxnn",), lambda obj: getattr(obj, "builds_layers", False), "a layer")
+        return build(*again(value["args"]), **{k: again(v) for k, v in value["kwargs"].items()})
     raise ModelSaveError(f"load_model: unknown entry {sorted(value)} in the architecture")
+
+
+def _trusted(path: Any, roots: Sequence[str], is_kind: Any, kind: str) -> Any:
+    """The object at `path` when its top-level package is one of `roots` and it is of the kind expected; else a
+    ModelSaveError, before anything outside those packages is imported."""
+    if not isinstance(path, str) or path.split(".", 1)[0] not in roots:
+        raise ModelSaveError(
+            f"load_model: the architecture names {path!r}, outside {', '.join(roots)}; a model folder is data and "
+            "runs only jaxnn's constructors (pass trust=('package',) to load_model for your own functions)"
+        )
+    obj = _resolve(path)
+    if not is_kind(obj):
+        raise ModelSaveError(f"load_model: the architecture names {path!r}, which is not {kind}")
+    return obj
 
 
 # --------------------------------------------------------------------------------------------------- save, load
@@ -320,15 +343,16 @@ def is_saved_model(path: str | os.PathLike) -> bool:
     return (pathlib.Path(path) / ARCHITECTURE_FILE).is_file() and (pathlib.Path(path) / WEIGHTS_FILE).is_file()
 
 
-def load_model(path: str | os.PathLike) -> tuple[Layer, Any, Any]:
+def load_model(path: str | os.PathLike, *, trust: Sequence[str] = ()) -> tuple[Layer, Any, Any]:
     """`(model, params, model_state)` of a `save_model` folder, built without the code that made the model;
-    params and state as numpy arrays. A folder that is not one, or of a newer version, is one ModelSaveError."""
+    params and state as numpy arrays. A folder that is not one, or of a newer version, is one ModelSaveError.
+    Only jaxnn's constructors run; functions named in it come from jax and jaxnn, or the packages in `trust`."""
     from jaxnn.export import load_safetensors
 
     folder = pathlib.Path(path)
     record = saved_record(folder)
     try:
-        model = decode(record["architecture"])
+        model = decode(record["architecture"], trust)
     except (ImportError, AttributeError, TypeError, KeyError) as err:
         raise ModelSaveError(f"{folder}: its architecture cannot be built by this jaxnn ({err})") from None
     params, state, _ = load_safetensors(folder / WEIGHTS_FILE)

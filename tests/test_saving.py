@@ -217,3 +217,24 @@ def test_the_committed_train_state_of_this_version_resumes():
     want = np.load(FIXTURE.parent / "saved_model_v1_trained_step10.npz")
     for name, value in jaxnn.export.flat_weights(result.state.params).items():
         np.testing.assert_allclose(value, want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_a_folder_is_data_and_runs_nothing_but_jaxnns_constructors(tmp_path):
+    marker = tmp_path / "ran"
+    evil = {"call": "os.system", "args": [f"touch {marker}"], "kwargs": {}}
+    writer = {"call": "jaxnn._src.storage.write_bytes_atomic", "args": [str(marker), "x"], "kwargs": {}}
+    activation = {"call": "jaxnn.layers.linear.Dense", "args": [2], "kwargs": {"activation": {"function": "os.getcwd"}}}
+    for name, architecture, match in [
+        ("a", evil, "names 'os.system', outside jaxnn;"),
+        ("b", writer, "names 'jaxnn._src.storage.write_bytes_atomic', which is not a layer"),
+        ("c", activation, "names 'os.getcwd', outside jaxnn, jax"),
+    ]:
+        folder = tmp_path / name
+        folder.mkdir()
+        for f in FIXTURE.iterdir():
+            (folder / f.name).write_bytes(f.read_bytes())
+        record = json.loads((folder / "model.json").read_text())
+        (folder / "model.json").write_text(json.dumps({**record, "architecture": architecture}))
+        with pytest.raises(ModelSaveError, match=match):
+            load_model(folder)
+    assert not marker.exists()

@@ -157,6 +157,7 @@ def describe(constructor: F) -> F:
     def build(*args: Any, **kwargs: Any) -> Layer:
         return constructor(*args, **kwargs)._replace(spec=Spec(path, args, kwargs))
 
+    build.builds_layers = True  # type: ignore[attr-defined]  # what jaxnn.load_model may call
     return build  # type: ignore[return-value]
 
 
