@@ -85,7 +85,8 @@ def main(argv=None) -> int:
     for row in rows:
         for name, p in row["programs"].items():
             kernels = ", ".join(p["library_calls"]) or "(no library call: XLA's own kernels)"
-            print(f"{row['n']:6d} {name:16s} {p['ms']:8.3f} {p['tflops']:8.1f} {p['rel_error_vs_bf16']:8.4f}  {kernels}")
+            figures = f"{p['ms']:8.3f} {p['tflops']:8.1f} {p['rel_error_vs_bf16']:8.4f}"
+            print(f"{row['n']:6d} {name:16s} {figures}  {kernels}")
     if args.json:
         record = {"machine": machine_info(), "jax_version": jax.__version__, "rows": rows}
         with open(args.json, "w") as f:

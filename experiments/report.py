@@ -508,14 +508,26 @@ def section_libraries(m: Machines) -> tuple[str, dict]:
         ("bf16 matmul kernels", lambda t: kernels(t, "matmul", "bf16")),
         ("fp32 matmul kernels", lambda t: kernels(t, "matmul", "fp32")),
         ("bf16 conv kernels", lambda t: kernels(t, "conv", "bf16")),
-        (
-            "gpu-check: bf16 GEMM on bf16 operands",
-            lambda t: None if chk(t)["dry_run"] else str(chk(t)["check"]["bf16_gemm"]),
-        ),
-        ("gpu-check: cuDNN convolution", lambda t: None if chk(t)["dry_run"] else str(chk(t)["check"]["cudnn_conv"])),
+        ("gpu-check: bf16 GEMM on bf16 operands", lambda t: None if chk(t)["dry_run"] else _gemm_check(chk(t))),
+        ("gpu-check: cuDNN convolution", lambda t: None if chk(t)["dry_run"] else _conv_check(chk(t))),
     ]
     verdicts = {t: _guard(verdict_libraries, chk(t), m.get(t, "exp_precision")) for t in m.cpu + m.gpu}
     return _table(m, rows, lambda p: {}), verdicts
+
+
+def _gemm_check(record: dict) -> str:
+    """gpu-check's tensor-core check in words: the GEMM kernel and the rate its bf16 product reached."""
+    check = record["check"]
+    kernels = ", ".join(sorted({f"`{c['target']}`" for c in check["gemm_calls"]})) or "no library GEMM"
+    answer = "yes" if check["bf16_gemm"] else "no"
+    return f"{answer} ({kernels}, {check['bf16_tflops']:,.0f} TFLOP/s at n={check['matmul_n']})"
+
+
+def _conv_check(record: dict) -> str:
+    check = record["check"]
+    kernels = ", ".join(sorted({f"`{c['target']}`" for c in check["conv_calls"]})) or "no library call"
+    answer = "yes, on bf16 operands" if check.get("bf16_conv") else ("yes" if check["cudnn_conv"] else "no")
+    return f"{answer} ({kernels})"
 
 
 def _costs(pipe, t, m: Machines) -> list:
