@@ -233,21 +233,26 @@ def gpt_model_flops(cfg: dict) -> float:
     return 6.0 * params * tokens + 12.0 * layers * t * d * tokens
 
 
-def _gpt_step_mfu(cfg: dict, impl: str, batch: dict, tx, peak: dict, steps: int, repeats: int) -> dict:
-    """Compiles and times the bf16 GPT step with attention `impl`; its figures, or raises what failed."""
+def _gpt_step_mfu(
+    cfg: dict, impl: str, batch: dict, tx, peak: dict, steps: int, repeats: int, policy: str = "bf16"
+) -> dict:
+    """Compiles and times the GPT step in `policy` with attention `impl`; its figures, or raises what failed."""
     from jaxnn import models, train
 
     gpt_cfg = gpt_config(cfg, attention_implementation=impl)
     model = models.GPT(gpt_cfg)
-    state = train.create_train_state(model, tx, jax.random.key(0), batch["x"].shape, "bf16")
-    step = train.make_train_step(model, train.language_model_loss, tx, "bf16")
+    state = train.create_train_state(model, tx, jax.random.key(0), batch["x"].shape, policy)
+    step = train.make_train_step(model, train.language_model_loss, tx, policy)
     t0 = time.perf_counter()
     compiled = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
     timing = time_fn(stepper(compiled, state, batch), warmup=2, repeats=repeats, number=steps)
     model_flops = gpt_model_flops(cfg)
+    float8_gemms = sum("$f8" in line for line in compiled.as_text().splitlines() if "custom_call_target" in line)
     return {
         "attention": impl,
+        "policy": policy,
+        "float8_gemm_calls": float8_gemms,
         "compile_s": compile_s,
         "num_params": gpt_cfg.num_params(),
         "step_s": timing.median,
@@ -258,6 +263,17 @@ def _gpt_step_mfu(cfg: dict, impl: str, batch: dict, tx, peak: dict, steps: int,
         "compiled_flops_per_step": flops_of(compiled),
         "mfu": model_flops / timing.median / (peak["gflops"] * 1e9),
     }
+
+
+def _fp8_against_bf16(cfg: dict, impl: str, batch: dict, tx, bf16: dict, steps: int, repeats: int) -> dict:
+    """The same step under the "fp8" policy (Dense products in float8, jaxnn.fp8): its time against bf16's and how
+    many of its GEMMs XLA made fp8 ones (cuBLASLt's `$f8` calls on Hopper; none on a CPU, where it is emulated)."""
+    try:
+        fp8 = _gpt_step_mfu(cfg, impl, batch, tx, bf16["peak"], steps, repeats, policy="fp8")
+    except Exception as err:  # the bf16 figures stand without it
+        return {"error": f"{type(err).__name__}: {err}"[:500]}
+    keys = ("step_s", "timing", "compile_s", "float8_gemm_calls", "model_tflops")
+    return {**{k: fp8[k] for k in keys}, "speedup_over_bf16": bf16["step_s"] / fp8["step_s"]}
 
 
 def gpu_mfu(out_dir, dry_run: bool = False, *, steps: int = 3, repeats: int = 5) -> dict:
@@ -294,6 +310,8 @@ def gpu_mfu(out_dir, dry_run: bool = False, *, steps: int = 3, repeats: int = 5)
         for impl in ["cudnn", "xla"] if on_gpu else ["auto"]:
             try:
                 result.update(_gpt_step_mfu(cfg, impl, batch, tx, result["peak"], steps, repeats))
+                save()
+                result["fp8"] = _fp8_against_bf16(cfg, impl, batch, tx, result, steps, repeats)
                 break
             except Exception as err:  # e.g. no cuDNN attention for this GPU/jax build: record it, try the next one
                 result["notes"].append(f"attention {impl!r} failed: {type(err).__name__}: {err}"[:500])
@@ -331,7 +349,13 @@ def main(argv=None) -> int:
             f"{res['peak']['gflops'] / 1e3:.3g} TFLOP/s; MFU {'-' if mfu is None else f'{100 * mfu:.1f}%'}"
             f"{' (dry run)' if args.dry_run else ''}"
         )
-        for note in res["notes"]:
+        fp8 = res.get("fp8") or {}
+        if "step_s" in fp8:
+            print(
+                f"fp8 policy: {fp8['step_s'] * 1e3:.1f} ms/step, {fp8['speedup_over_bf16']:.2f}x bf16's speed, "
+                f"{fp8['float8_gemm_calls']} fp8 GEMM calls"
+            )
+        for note in [*res["notes"], *([f"fp8: {fp8['error']}"] if "error" in fp8 else [])]:
             print("note:", note)
         return 0 if mfu is not None else 1
     result = run_benchmarks(

@@ -41,8 +41,9 @@ BUDGETS = {
 TOTAL_LIMIT_S = 430  # 8 minutes of device time, less the start of the machine and the copy of the results
 OVERRUN_MARGIN_S = 40  # what one measurement that starts just inside a budget may take beyond it
 MIN_EXPERIMENT_S = 15  # an experiment given less than this is skipped, not started
-MFU_RESERVE_S = 90  # kept back from the experiments for the MFU child when it will run
-MFU_TIMEOUT_S = 150  # the child's hard limit: a hung compile costs at most this
+# The MFU child measures the bf16 step and then the fp8 policy's (about 35 s and 45 s on an H200, 2026-12-04).
+MFU_RESERVE_S = 120  # kept back from the experiments for the MFU child when it will run
+MFU_TIMEOUT_S = 180  # the child's hard limit: a hung compile costs at most this
 # The child may end this far past TOTAL_LIMIT_S (430 + 60 s: still well inside one 10-minute command), so that
 # experiments that overran still leave it a full measurement.
 MFU_GRACE_S = 60
@@ -405,7 +406,19 @@ def mfu_headline(mfu: dict | None, ended: str) -> str:
         f"GPT {mfu.get('num_params', 0) / 1e6:.3g}M bf16 attention {mfu.get('attention')}: "
         f"{mfu['step_s'] * 1e3:.1f} ms/step, MFU {100 * mfu['mfu']:.1f}% of the run's "
         f"{mfu['peak']['gflops'] / 1e3:.3g} TFLOP/s bf16 GEMM peak, {100 * mfu['mfu_datasheet']:.1f}% of the "
-        f"datasheet's {H200_DENSE_BF16_TFLOPS:.0f} TFLOP/s dense bf16"
+        f"datasheet's {H200_DENSE_BF16_TFLOPS:.0f} TFLOP/s dense bf16{_fp8_clause(mfu.get('fp8'))}"
+    )
+
+
+def _fp8_clause(fp8: dict | None) -> str:
+    """The fp8 policy's step against bf16's, as the MFU child measured it (jaxnn.fp8)."""
+    if not fp8:
+        return ""
+    if "step_s" not in fp8:
+        return f"; fp8 failed: {fp8.get('error', '?')[:80]}"
+    return (
+        f"; fp8 policy {fp8['step_s'] * 1e3:.1f} ms/step ({fp8['speedup_over_bf16']:.2f}x bf16's speed, "
+        f"{fp8['float8_gemm_calls']} fp8 GEMMs)"
     )
 
 

@@ -95,7 +95,7 @@ class FitConfig:
       data's batches per pass.
     batch_size: global batch size for arrays and jaxnn data sets (None for an iterable of ready batches).
     accumulate: micro-batches per optimizer step; their gradients are averaged (`batch_size` must divide by it).
-    precision: a `jaxnn.precision` preset name ("fp32", "tf32", "bf16", "fp16").
+    precision: a `jaxnn.precision` preset name ("fp32", "tf32", "bf16", "fp16", "fp8").
     seed: initialisation, shuffling and per-step randomness.
     eval_every: (run) evaluate every N steps; 0 means five times per run.
     log_every: (run) write a metrics row every N steps.

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import DTypeLike
 
+from jaxnn import fp8
 from jaxnn.kernels import onednn
 
 Tree = TypeVar("Tree")  # a pytree of arrays; the casts below keep its structure and change leaf dtypes only
@@ -33,6 +34,10 @@ MATMUL_PRECISIONS = {
 }
 
 
+def _is_half(dtype: DTypeLike) -> bool:
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """Which dtype parameters are stored in, computed in, and returned in; and how fp32 products are computed."""
@@ -43,8 +48,15 @@ class Policy:
     matmul_precision: str = "highest"
     loss_scaling: bool = False
     name: str = "fp32"
+    # Dense products in float8 (e4m3 forward, e5m2 gradients, per-tensor current scaling: `jaxnn.fp8`); needs a
+    # half-precision compute dtype, whose products everything else (attention, convolutions) keeps.
+    fp8_products: bool = False
 
     def __post_init__(self) -> None:
+        if self.fp8_products and not _is_half(self.compute_dtype):
+            raise ValueError(
+                f"Policy: fp8_products needs a bf16 or fp16 compute_dtype, got {jnp.dtype(self.compute_dtype)}"
+            )
         if not isinstance(self.matmul_precision, str) or self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(
                 f"Policy: unknown matmul_precision {self.matmul_precision!r}; choose one of {sorted(MATMUL_PRECISIONS)}"
@@ -78,12 +90,13 @@ FP32 = Policy()
 TF32 = Policy(matmul_precision="tensorfloat32", name="tf32")
 BF16 = Policy(compute_dtype=jnp.bfloat16, name="bf16")
 FP16 = Policy(compute_dtype=jnp.float16, loss_scaling=True, name="fp16")
+FP8 = Policy(compute_dtype=jnp.bfloat16, fp8_products=True, name="fp8")
 
-PRESETS = {p.name: p for p in (FP32, TF32, BF16, FP16)}
+PRESETS = {p.name: p for p in (FP32, TF32, BF16, FP16, FP8)}
 
 
 def get_policy(policy: Policy | str | None) -> Policy:
-    """A Policy from a preset name ('fp32', 'tf32', 'bf16', 'fp16'), a Policy, or None (fp32)."""
+    """A Policy from a preset name ('fp32', 'tf32', 'bf16', 'fp16', 'fp8'), a Policy, or None (fp32)."""
     if policy is None:
         return FP32
     if isinstance(policy, Policy):
@@ -154,10 +167,6 @@ def all_finite(tree: Any) -> jax.Array:
 # cotangent, and JAX then upcasts the bf16 operand and runs the backward products as f32 x f32 -> f32 (measured
 # on this CPU: ~220 GFLOP/s instead of ~1070 on the AMX units). Mixed-precision training rounds the cotangent to
 # the compute dtype instead, so that the backward products take the same bf16 x bf16 -> f32 form as the forward.
-
-
-def _is_half(dtype: DTypeLike) -> bool:
-    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def _onednn_product(a) -> bool:
@@ -265,8 +274,13 @@ def einsum(spec: str, a: jax.Array, b: jax.Array, policy: Policy | None = None) 
 
 def dense(x: jax.Array, w: jax.Array, policy: Policy | None = None) -> jax.Array:
     """`x @ w` over the last axis of `x` (any batch axes before it), `w` cast to `x`'s dtype, accumulated as
-    `einsum` does: the product of Dense, the recurrent cells and every projection."""
-    y = einsum("mk,kn->mn", x.reshape(-1, x.shape[-1]), w.astype(x.dtype), policy)
+    `einsum` does: the product of Dense, the recurrent cells and every projection. Under a policy with
+    `fp8_products`, in float8 where the widths allow (`jaxnn.fp8`)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if policy is not None and policy.fp8_products and _is_half(x.dtype) and fp8.fits(*w.shape):
+        y = fp8.matmul(x2, w.astype(x.dtype))
+    else:
+        y = einsum("mk,kn->mn", x2, w.astype(x.dtype), policy)
     return y.reshape(*x.shape[:-1], w.shape[-1])
 
 

@@ -272,3 +272,46 @@ def test_bf16_attention_lowered_for_cuda_takes_cudnn(cudnn_present, key):
     assert "__cudnn$fmhaSoftmax(" in text and "__cudnn$fmhaSoftmaxBackward(" in text
     assert set(products(text)) == {("dot_general", "bf16", "bf16", "f32")}, products(text)
     assert_no_cpu_only_lowering(text)
+
+
+SCATTER_OPERAND = re.compile(r'"stablehlo\.scatter"\(.*?\}\) : \(tensor<([^>]+)>', re.S)
+
+
+def test_a_half_precision_embedding_gradient_is_summed_in_f32_where_lowered_for_gpus():
+    """GPUs add bf16 to memory with compare-and-swap loops that serialise on frequent ids; the embedding lookup
+    upcasts its table where the step is lowered for CUDA, so its gradient's scatter-add is an f32 one."""
+    import optax
+
+    model, tx, shape = GPT(GPT_CFG), optax.adam(1e-3), (2, GPT_CFG.seq_len)
+    state = jax.eval_shape(lambda k: train.create_train_state(model, tx, k, shape, "bf16"), jax.random.key(0))
+    batch = {"x": jax.ShapeDtypeStruct(shape, jnp.int32), "y": jax.ShapeDtypeStruct(shape, jnp.int32)}
+    step = train.make_train_step(model, train.language_model_loss, tx, "bf16")
+    table = f"{GPT_CFG.vocab_size}x{GPT_CFG.d_model}x"
+    for platform, dtype in (("cuda", "f32"), ("cpu", "bf16")):
+        text = step.trace(state, batch).lower(lowering_platforms=(platform,)).as_text()
+        assert [t for t in SCATTER_OPERAND.findall(text) if t.startswith(table)] == [table + dtype], platform
+
+
+def test_the_f32_accumulating_lookup_reads_the_same_rows_and_sums_repeats_more_exactly():
+    from jaxnn.layers import linear
+
+    table = jax.random.normal(jax.random.key(0), (16, 8), jnp.bfloat16)
+    ids = jnp.array([[0, 3, 3, 3, 3, 3, 15, 2, 16]])  # 16: past the end, a NaN row in both
+    cotangent = jax.random.normal(jax.random.key(1), (1, ids.shape[1], 8), jnp.float32)
+    # bf16-representable, as the cotangent of a bf16 lookup is: the f32 sum of a few of them is then exact.
+    cotangent = cotangent.at[:, -1].set(0.0).astype(jnp.bfloat16).astype(jnp.float32)
+    plain, f32 = linear._take(table, ids), linear._take_accumulating_in_f32(table, ids)
+    np.testing.assert_array_equal(np.asarray(plain, np.float32), np.asarray(f32, np.float32))
+    grads = {
+        name: jax.grad(lambda t, fn=fn: jnp.sum(jnp.nan_to_num(fn(t, ids).astype(jnp.float32)) * cotangent))(table)
+        for name, fn in (("plain", linear._take), ("f32", linear._take_accumulating_in_f32))
+    }
+    exact = np.zeros((16, 8))
+    np.add.at(exact, np.asarray(ids[0, :-1]), np.asarray(cotangent[0, :-1], np.float64))
+    assert grads["f32"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(grads["f32"], np.float32), exact.astype(jnp.bfloat16).astype(np.float32))
+    # The bf16 scatter rounds after every repeated id: never closer to the exact sum than one rounding at the end.
+    assert (
+        np.abs(np.asarray(grads["plain"], np.float64) - exact).max()
+        >= np.abs(np.asarray(grads["f32"], np.float64) - exact).max()
+    )
