@@ -37,6 +37,7 @@ SUBMODULES = (
     "evaluation",
     "export",
     "finetune",
+    "fp8",
     "generate",
     "interop",
     "kernels",

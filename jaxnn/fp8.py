@@ -19,6 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import DTypeLike
 
 FORWARD_DTYPE = jnp.float8_e4m3fn  # 4 exponent bits, 3 mantissa: precision for weights and activations
 GRADIENT_DTYPE = jnp.float8_e5m2  # 5 exponent bits, 2 mantissa: range for gradients
@@ -30,7 +31,7 @@ def fits(inner: int, outer: int) -> bool:
     return inner % ALIGNMENT == 0 and outer % ALIGNMENT == 0
 
 
-def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+def quantize(x: jax.Array, dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
     """`x` as float8 `dtype` and the f32 scale one unit of it stands for: `x ~= q.astype(f32) * scale`.
 
     The scale maps `x`'s largest magnitude to the format's largest finite value; an all-zero `x` gets scale 1. A

@@ -27,7 +27,7 @@ def refused(capsys, argv, match):
     "argv, match",
     [
         (["--model", "transformer"], "unknown model 'transformer'"),
-        (["--precision", "fp8"], "unknown precision 'fp8'"),
+        (["--precision", "fp4"], "unknown precision 'fp4'"),
         (["--devices", "3", "--batch-size", "16"], "batch size 16 is not divisible by the 3 devices"),
         (["--steps", "0"], "steps must be a positive integer, got 0"),
         (["--lr", "-0.1"], "lr must be a positive number, got -0.1"),

@@ -143,7 +143,7 @@ def test_array_batches_are_a_function_of_seed_and_step(digits):
             DataError("batch size 64 is larger than the 10 training examples"),
         ),
         ((np.zeros((32, 8, 8, 1)), np.zeros(32, np.int32)), {"stesp": 3}, ConfigError("unknown setting(s) ['stesp']")),
-        ((np.zeros((32, 8, 8, 1)), np.zeros(32, np.int32)), {"precision": "fp8"}, ConfigError("unknown precision")),
+        ((np.zeros((32, 8, 8, 1)), np.zeros(32, np.int32)), {"precision": "fp4"}, ConfigError("unknown precision")),
         ((np.zeros((32, 8, 8, 1)), np.zeros((32, 3), np.int32)), {}, ConfigError("the model and loss cannot run")),
         ((np.zeros((32, 5)), np.zeros(32, np.int32)), {"devices": 3}, ValueError("not divisible by the 3 devices")),
         ((np.zeros((32, 5)), np.zeros(32, np.int32)), {"resume": True, "overwrite": True}, ConfigError("exclude")),

@@ -102,8 +102,8 @@ def test_half_einsum_gradients_match_float32(key):
 
 
 def test_unknown_policy_and_precision_are_refused():
-    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
-        precision.get_policy("fp8")
+    with pytest.raises(ValueError, match="unknown precision 'fp4'"):
+        precision.get_policy("fp4")
     with pytest.raises(ValueError, match="unknown matmul_precision 'fast'"):
         precision.Policy(matmul_precision="fast")
 

@@ -101,7 +101,7 @@ def test_cli_profile_writes_table_json_and_plots(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "flags", [["--model", "nope"], ["--peak-bf16", "-5"], ["--in-shape", "28,x"], ["--precision", "fp8"]]
+    "flags", [["--model", "nope"], ["--peak-bf16", "-5"], ["--in-shape", "28,x"], ["--precision", "fp4"]]
 )
 def test_cli_profile_refuses_bad_input_before_writing(tmp_path, capsys, flags):
     from jaxnn.cli import main

@@ -48,6 +48,7 @@ MODULES = (
     "jaxnn.callbacks",
     "jaxnn.metrics",
     "jaxnn.train",
+    "jaxnn.fp8",
     "jaxnn.precision",
     "jaxnn.data",
     "jaxnn.augment",

@@ -64,7 +64,7 @@ from jaxnn.loop.rundir import RunFiles
 from jaxnn.parallel.forms import data_parallel_train_step
 from jaxnn.parallel.mesh import batch_devices, check_batch_divisible, make_mesh, process_slice
 from jaxnn.parallel.placement import create_sharded_state
-from jaxnn.parallel.rules import RulesLike
+from jaxnn.parallel.rules import RulesLike, as_rules
 from jaxnn.precision import all_finite, get_policy
 from jaxnn.saving import load_model, load_training_state
 from jaxnn.train import LossFn, TrainState, make_optimizer, masked_classification_loss
@@ -123,6 +123,8 @@ def run_fit(model: Layer, data: TrainData, cfg: FitConfig, inputs: FitInputs | N
     if pipeline is not None and cfg.batch_size not in (None, pipeline.batch_size):
         raise ConfigError(f"fit: batch_size {cfg.batch_size} differs from the pipeline's {pipeline.batch_size}")
     callbacks = checked_callbacks(inputs.callbacks)
+    if inputs.sharding_rules is not None:  # a rules file is read first: its error is the run's only output line
+        inputs = inputs._replace(sharding_rules=as_rules(inputs.sharding_rules))
     source = as_train_source(data, pipeline, cfg.batch_size, cfg.seed, check=cfg.check_data)
     example = source.example()
     batch_size = batch_size_of(example)  # an iterable's own batch size counts
@@ -158,6 +160,7 @@ def run_fit(model: Layer, data: TrainData, cfg: FitConfig, inputs: FitInputs | N
     if inputs.resume_from is not None:
         state = load_training_state(inputs.resume_from, state)
     check_step_runs(model, inputs.loss, tx, cfg, state, example, source, aug, output)
+    _say_if_devices_idle(mesh)
     check_eval_data(evals, example, inputs.loss, output)
     check_monitors(callbacks, cfg, evals, model, inputs.loss, state)
     # The record: config.json's one serialisation, of which the precheck saw the part known then.
@@ -194,18 +197,22 @@ class UnusedDevicesWarning(UserWarning):
 
 
 def _mesh(mesh: Mesh | str | None, cfg: FitConfig) -> Mesh:
-    """fit's `mesh` as a Mesh: given, built from its text, or `devices` local devices (all, with many processes).
-    A mesh that leaves some of the process's devices idle is said once, at the user's call."""
+    """fit's `mesh` as a Mesh: given, built from its text, or `devices` local devices (all, with many processes)."""
     if isinstance(mesh, Mesh):
         built = mesh
     elif isinstance(mesh, str):
         built = make_mesh(mesh)
     else:
         built = make_mesh(None if jax.process_count() > 1 else checked_devices(cfg.devices))
-    used, present = built.devices.size, jax.device_count()
+    return built
+
+
+def _say_if_devices_idle(mesh: Mesh) -> None:
+    """A mesh that leaves some of the process's devices idle is said once, when the run goes ahead (after every
+    refusal, so that a refused run's one line stays its only output)."""
+    used, present = mesh.devices.size, jax.device_count()
     if used < present:
         _say_unused_devices(used, present, jax.devices()[0].platform)
-    return built
 
 
 @functools.cache

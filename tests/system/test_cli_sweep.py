@@ -62,7 +62,7 @@ CASES = [
     (["generate", "--run-dir", "{root}/run", "--step", "x"], "argument --step: invalid int value: 'x'"),
     ([*TRAIN, "--run-dir", "{root}/r", "--mesh", "data=x"], "mesh 'data=x': the size of 'data' must be a positive"),
     ([*TRAIN, "--run-dir", "{root}/r", "--model-config", "nosuch=3"], "model 'mlp' has no config field(s) ['nosuch']"),
-    ([*TRAIN, "--run-dir", "{root}/r", "--precision", "fp8"], "unknown precision 'fp8'"),
+    ([*TRAIN, "--run-dir", "{root}/r", "--precision", "fp4"], "unknown precision 'fp4'"),
     (
         [*TRAIN, "--run-dir", "{root}/r", "--mesh", "tensor=2", "--sharding-rules", "{root}/nope.json"],
         "sharding rules '{root}/nope.json': cannot read a JSON table",
