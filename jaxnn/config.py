@@ -96,6 +96,8 @@ class FitConfig:
     batch_size: global batch size for arrays and jaxnn data sets (None for an iterable of ready batches).
     accumulate: micro-batches per optimizer step; their gradients are averaged (`batch_size` must divide by it).
     precision: a `jaxnn.precision` preset name ("fp32", "tf32", "bf16", "fp16", "fp8").
+    remat: recompute activations in the backward pass, layer by layer, under this `jaxnn.layers.REMAT_POLICIES`
+      name ("nothing", "dots", "dots_no_batch", "everything", "offload"; see `jaxnn.layers.rematerialised`).
     seed: initialisation, shuffling and per-step randomness.
     eval_every: (run) evaluate every N steps; 0 means five times per run.
     log_every: (run) write a metrics row every N steps.
@@ -127,6 +129,7 @@ class FitConfig:
     batch_size: int | None = 64
     accumulate: int = 1
     precision: str = "fp32"
+    remat: str | None = None
     seed: int = 0
     eval_every: int = 0
     log_every: int = 50
@@ -179,6 +182,7 @@ class FitConfig:
     )
 
     def __post_init__(self):
+        from jaxnn.layers.stack import REMAT_POLICIES
         from jaxnn.precision import PRESETS
 
         owner = "fit"
@@ -199,6 +203,8 @@ class FitConfig:
         check_seed(owner, self.seed)
         if not isinstance(self.precision, str) or self.precision not in PRESETS:
             raise ConfigError(f"{owner}: unknown precision {self.precision!r}; choose one of {sorted(PRESETS)}")
+        if self.remat is not None and (not isinstance(self.remat, str) or self.remat not in REMAT_POLICIES):
+            raise ConfigError(f"{owner}: unknown remat policy {self.remat!r}; choose one of {list(REMAT_POLICIES)}")
         if not isinstance(self.check_data, str) or self.check_data not in CHECK_DATA:
             raise ConfigError(f"{owner}: check_data must be one of {list(CHECK_DATA)}, got {self.check_data!r}")
         if not isinstance(self.form, str) or self.form not in FIT_FORMS:
@@ -247,8 +253,10 @@ class FitConfig:
         return new
 
     def record(self) -> dict:
-        """The fields that fix a run's results, as saved in config.json and compared on resume."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.RUN_ONLY}
+        """The fields that fix a run's results, as saved in config.json and compared on resume. A field added
+        after runs were saved (`remat`) joins only when set, so that those runs still resume."""
+        fields = dataclasses.asdict(self).items()
+        return {k: v for k, v in fields if k not in self.RUN_ONLY and not (k == "remat" and v is None)}
 
     def eval_interval(self) -> int:
         """Steps between evaluations: `eval_every`, or a fifth of the run when it is 0."""

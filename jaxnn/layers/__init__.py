@@ -41,7 +41,7 @@ from jaxnn.layers.linear import Dense, Embedding, Flatten, PositionEmbedding, Re
 from jaxnn.layers.norm import BatchNorm, GroupNorm, InstanceNorm, LayerNorm, RMSNorm
 from jaxnn.layers.pool import AvgPool, GlobalAvgPool, MaxPool
 from jaxnn.layers.recurrent import RNN, Bidirectional, GRUCell, LSTMCell
-from jaxnn.layers.stack import REMAT_POLICIES, Repeat, remat
+from jaxnn.layers.stack import REMAT_POLICIES, Repeat, remat, rematerialised
 from jaxnn.layers.tabulate import ModelSummary, SummaryRow, summary
 
 __all__ = [
@@ -98,6 +98,7 @@ __all__ = [
     "output_shape",
     "parallel",
     "remat",
+    "rematerialised",
     "REMAT_POLICIES",
     "residual",
     "rotary_embedding",

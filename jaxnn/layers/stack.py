@@ -8,6 +8,8 @@ layer's activations in the backward pass instead of keeping them (`jax.checkpoin
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 from typing import Any
 
 import jax
@@ -62,6 +64,42 @@ def remat(layer: Layer, *, checkpoint_policy: Any = None) -> Layer:
         return jax.checkpoint(body, policy=policy)(params, x, kwargs)
 
     return layer._replace(apply=apply)
+
+
+# Layers that take a `remat` policy themselves and apply it to each copy or block they hold.
+_TAKES_REMAT = ("jaxnn.layers.stack.Repeat", "jaxnn.layers.attention.TransformerBlock")
+
+
+def rematerialised(model: Layer, policy: str) -> Layer:
+    """`model` with its activations recomputed in the backward pass under the named `policy`, layer by layer (what
+    `jaxnn.fit(remat=)` trains): a model built from a config with a `remat` field (GPT) is rebuilt with it; a
+    `serial` model gets each of its layers recomputed, a `Repeat` or `TransformerBlock` among them per copy or
+    block. Parameters keep their structure. Any other model is refused in one line (wrap its blocks in `remat`):
+    rematerialising a whole model at once saves nothing, since its backward pass recomputes every activation."""
+    remat_policy(policy)
+    spec = model.spec
+    config = spec.args[0] if spec is not None and len(spec.args) == 1 and not spec.kwargs else None
+    if dataclasses.is_dataclass(config) and "remat" in {f.name for f in dataclasses.fields(config)}:
+        return _constructor(spec.path)(dataclasses.replace(config, remat=policy))
+    if spec is not None and spec.path == "jaxnn.layers.core.serial":
+        layers = [_per_block(child, policy) for child in spec.args]
+        return _constructor(spec.path)(*layers, **spec.kwargs)
+    raise ValueError(
+        f"remat={policy!r}: cannot rematerialise {model.name!r} layer by layer (it is neither a serial model nor "
+        "built from a config with a remat field); wrap its blocks in jaxnn.layers.remat(block, "
+        f"checkpoint_policy={policy!r})"
+    )
+
+
+def _per_block(layer: Layer, policy: str) -> Layer:
+    if layer.spec is not None and layer.spec.path in _TAKES_REMAT:
+        return _constructor(layer.spec.path)(*layer.spec.args, **{**layer.spec.kwargs, "remat": policy})
+    return remat(layer, checkpoint_policy=policy)
+
+
+def _constructor(path: str) -> Any:
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 def _stacked(tree: Any, n: int) -> Any:

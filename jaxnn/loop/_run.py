@@ -33,6 +33,7 @@ from jaxnn.data.prefetch import DevicePrefetch
 from jaxnn.data.sources import as_eval_batches, as_train_source
 from jaxnn.evaluation import eval_sums_fn, mean_over, padded, round_up
 from jaxnn.layers.core import Layer
+from jaxnn.layers.stack import rematerialised
 from jaxnn.loop._bookkeeping import Tracker
 from jaxnn.loop._setup import (
     augment_fn,
@@ -118,6 +119,8 @@ def run_fit(model: Layer, data: TrainData, cfg: FitConfig, inputs: FitInputs | N
     runs with the FitConfig it builds from its keywords, and `jaxnn train` with the one it builds from its flags.
     `cfg` is used as it is: only what the data fix (the steps of `epochs`, an iterable's batch size) is filled in."""
     inputs = FitInputs() if inputs is None else inputs
+    if cfg.remat is not None:
+        model = _rematerialised(model, cfg.remat)
     xla_cache.enable(cfg.compile_cache)
     pipeline = inputs.pipeline
     if pipeline is not None and cfg.batch_size not in (None, pipeline.batch_size):
@@ -194,6 +197,13 @@ def _main() -> bool:
 
 class UnusedDevicesWarning(UserWarning):
     """fit trains on fewer devices than the process has (said once per process)."""
+
+
+def _rematerialised(model: Layer, policy: str) -> Layer:
+    try:
+        return rematerialised(model, policy)
+    except ValueError as err:
+        raise ConfigError(f"fit: {err}") from None
 
 
 def _mesh(mesh: Mesh | str | None, cfg: FitConfig) -> Mesh:

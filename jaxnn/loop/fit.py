@@ -53,6 +53,7 @@ def fit(
     batch_size: int | None = 64,
     accumulate: int = 1,
     precision: str = "fp32",
+    remat: str | None = None,
     seed: int = 0,
     eval_every: int = 0,
     log_every: int = 50,
