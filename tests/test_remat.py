@@ -96,7 +96,7 @@ def test_fit_rematerialises_a_model_layer_by_layer_and_trains_as_without():
     assert shapes[0] == shapes[1]
     assert L.rematerialised(GPT(_cfg(False)), "nothing").spec.args[0].remat == "nothing"
 
-    kwargs = dict(steps=4, batch_size=16, progress=False, optimizer=optax.adam(1e-2))
+    kwargs = {"steps": 4, "batch_size": 16, "progress": False, "optimizer": optax.adam(1e-2)}
     plain, recomputed = (jaxnn.fit(model, (x, y), **kwargs, remat=r) for r in (None, "nothing"))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), plain.state.params, recomputed.state.params)
     # A run saved before `remat` existed has no such field: an unset remat leaves the record as it was.
