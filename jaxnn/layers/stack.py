@@ -78,16 +78,28 @@ def rematerialised(model: Layer, policy: str) -> Layer:
     rematerialising a whole model at once saves nothing, since its backward pass recomputes every activation."""
     remat_policy(policy)
     spec = model.spec
-    config = spec.args[0] if spec is not None and len(spec.args) == 1 and not spec.kwargs else None
-    if dataclasses.is_dataclass(config) and "remat" in {f.name for f in dataclasses.fields(config)}:
+    if spec is None:
+        raise ValueError(f"remat={policy!r}: {model.name!r} records no constructor to rebuild it from; {_WRAP}")
+    config: Any = spec.args[0] if len(spec.args) == 1 and not spec.kwargs else None
+    if _has_remat_field(config):
         return _constructor(spec.path)(dataclasses.replace(config, remat=policy))
-    if spec is not None and spec.path == "jaxnn.layers.core.serial":
+    if spec.path == "jaxnn.layers.core.serial":
         layers = [_per_block(child, policy) for child in spec.args]
         return _constructor(spec.path)(*layers, **spec.kwargs)
     raise ValueError(
         f"remat={policy!r}: cannot rematerialise {model.name!r} layer by layer (it is neither a serial model nor "
-        "built from a config with a remat field); wrap its blocks in jaxnn.layers.remat(block, "
-        f"checkpoint_policy={policy!r})"
+        f"built from a config with a remat field); {_WRAP}"
+    )
+
+
+_WRAP = "wrap its blocks in jaxnn.layers.remat(block, checkpoint_policy=...)"
+
+
+def _has_remat_field(config: Any) -> bool:
+    return (
+        dataclasses.is_dataclass(config)
+        and not isinstance(config, type)
+        and "remat" in {f.name for f in dataclasses.fields(config)}
     )
 
 
