@@ -79,6 +79,7 @@ def test_the_remat_benchmark_measures_every_policy():
     assert temp["nothing"] < temp["none"] and all(r["step_ms"] > 0 and r["h200_projected_ms"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_fit_rematerialises_a_model_layer_by_layer_and_trains_as_without():
     import optax
 
