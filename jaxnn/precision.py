@@ -169,11 +169,28 @@ def all_finite(tree: Any) -> jax.Array:
 # the compute dtype instead, so that the backward products take the same bf16 x bf16 -> f32 form as the forward.
 
 
-def _onednn_product(a) -> bool:
-    """Whether a half-precision product of operands like `a` runs on oneDNN's bf16 GEMM where it is lowered for the
-    CPU: the optional kernels are built and switched on (`jaxnn.kernels.onednn.enabled()`, read when tracing), and
-    oneDNN has bfloat16 kernels for this CPU."""
-    return a.dtype == jnp.bfloat16 and onednn.enabled() and onednn.supports_bf16()
+# By default (no switch set) only a plain matrix product of at least this many multiply-adds goes to oneDNN: each
+# call has a fixed cost of tens of microseconds (OpenMP's fork and join, the weights' layout), and it is opaque to
+# XLA, which then materialises the transposes it would fold into a batched product of its own. Measured on the
+# benchmark models (docs/performance.md, "oneDNN kernels"): a tiny MLP's step took 7x as long with every product
+# on oneDNN, and the GPT's fp32 step was slower with its attention's batched products there.
+ONEDNN_MIN_MACS = 1 << 22
+
+
+def _onednn_product(a, b=None, spec: str | None = None) -> bool:
+    """Whether a product of operands like `a` (float32 or bfloat16) runs on oneDNN's GEMM where it is lowered for
+    the CPU: the optional kernels are built and switched on for the dtype (`jaxnn.kernels.onednn.enabled`, read when
+    tracing). Switched on by default (where they measured faster than XLA's dot on this CPU), only for an unbatched
+    product of `spec` of at least ONEDNN_MIN_MACS multiply-adds; a switch set by hand takes every product."""
+    if a.dtype not in (jnp.float32, jnp.bfloat16) or not onednn.enabled("matmul", a.dtype):
+        return False
+    if onednn.forced() or spec is None:
+        return True
+    inputs, out = spec.replace(" ", "").split("->")
+    spec_a, spec_b = inputs.split(",")
+    sizes = {**dict(zip(spec_a, a.shape)), **dict(zip(spec_b, b.shape))}
+    batched = any(c in spec_b and c in out for c in spec_a)
+    return not batched and math.prod(sizes.values()) >= ONEDNN_MIN_MACS
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -181,7 +198,7 @@ def _half_einsum(spec: str, a, b):
     def xla(a, b):
         return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
-    if not _onednn_product(a):
+    if not _onednn_product(a, b, spec):
         return xla(a, b)
     return lax.platform_dependent(a, b, cpu=lambda a, b: onednn.einsum(spec, a, b), default=xla)
 
@@ -249,7 +266,7 @@ def _half_einsum_bwd(spec, residuals, g):
 def _backward_product(spec_x: str, spec_y: str, spec_out: str, x, y):
     """One of a half-precision einsum's gradient products: oneDNN's GEMM on the CPU where it is switched on (it
     reads transposed operands through strides, so none of `_canonical_einsum`'s copies), else the canonical form."""
-    if not _onednn_product(x):
+    if not _onednn_product(x, y, f"{spec_x},{spec_y}->{spec_out}"):
         return _canonical_einsum(spec_x, spec_y, spec_out, x, y)
     return lax.platform_dependent(
         x,
@@ -259,17 +276,58 @@ def _backward_product(spec_x: str, spec_y: str, spec_out: str, x, y):
     )
 
 
+def _swapped_specs(spec: str) -> tuple[tuple[str, str, str], tuple[str, str, str]]:
+    """The specs of a two-operand einsum's gradient products: (out, b -> a) and (a, out -> b). Each index of the
+    einsums used here appears in exactly two of (a, b, out), so the transposes are einsums with the roles swapped."""
+    inputs, out = spec.split("->")
+    spec_a, spec_b = inputs.split(",")
+    return (out, spec_b, spec_a), (spec_a, out, spec_b)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _onednn_f32_einsum(spec: str, kwargs: tuple, a, b):
+    """A float32 einsum, and its two gradient products, on oneDNN's GEMM where the computation is lowered for the
+    CPU; `jnp.einsum(..., **dict(kwargs))` on every other platform."""
+    return _f32_product(spec, kwargs, a, b)
+
+
+def _f32_product(spec: str, kwargs: tuple, x, y):
+    return lax.platform_dependent(
+        x, y, cpu=lambda x, y: onednn.einsum(spec, x, y), default=lambda x, y: jnp.einsum(spec, x, y, **dict(kwargs))
+    )
+
+
+def _onednn_f32_einsum_fwd(spec, kwargs, a, b):
+    return _f32_product(spec, kwargs, a, b), (a, b)
+
+
+def _onednn_f32_einsum_bwd(spec, kwargs, residuals, g):
+    a, b = residuals
+    (spec_ga, spec_b, spec_a), (spec_a2, spec_gb, spec_b2) = _swapped_specs(spec)
+    g = g.astype(jnp.float32)
+    da = _f32_product(f"{spec_ga},{spec_b}->{spec_a}", kwargs, g, b)
+    db = _f32_product(f"{spec_a2},{spec_gb}->{spec_b2}", kwargs, a, g)
+    return da, db
+
+
+_onednn_f32_einsum.defvjp(_onednn_f32_einsum_fwd, _onednn_f32_einsum_bwd)
+
+
 _half_einsum.defvjp(_half_einsum_fwd, _half_einsum_bwd)
 
 
 def einsum(spec: str, a: jax.Array, b: jax.Array, policy: Policy | None = None) -> jax.Array:
     """A two-operand einsum (no ellipsis; every index in exactly two of the operands and output) that
-    accumulates in float32 or wider; half-precision operands get half-precision gradient products too. bf16
-    products run on oneDNN's GEMM where the computation is lowered for the CPU and the optional kernels are switched
-    on (`jaxnn.kernels.onednn.enabled()`); on XLA's dot everywhere else."""
+    accumulates in float32 or wider; half-precision operands get half-precision gradient products too. Float32 and
+    bf16 products (and their gradients) run on oneDNN's GEMM where the computation is lowered for the CPU and the
+    optional kernels are switched on for the dtype (`jaxnn.kernels.onednn.enabled("matmul", dtype)`: by default
+    where they measured faster on this CPU); on XLA's dot everywhere else."""
     if _is_half(a.dtype) and a.dtype == b.dtype:
         return _half_einsum(spec, a, b)
-    return jnp.einsum(spec, a, b, **product_kwargs(a.dtype, policy))
+    kwargs = product_kwargs(a.dtype, policy)
+    if a.dtype == b.dtype == jnp.float32 and _onednn_product(a, b, spec):
+        return _onednn_f32_einsum(spec.replace(" ", ""), tuple(sorted(kwargs.items())), a, b)
+    return jnp.einsum(spec, a, b, **kwargs)
 
 
 def dense(x: jax.Array, w: jax.Array, policy: Policy | None = None) -> jax.Array:

@@ -20,6 +20,9 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")  # on
 # read an entry another process is still writing (jax then warns and compiles again).
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 
+# The oneDNN kernels run where a test asks for them (`onednn.use`): by default jaxnn would take the ones it measured
+# faster on this CPU (`jaxnn.kernels.onednn.choice`), and the tests that read lowered programs expect XLA's ops.
+os.environ.setdefault("JAXNN_ONEDNN", "0")
 # Must happen before jax initialises its backends. The tests check values, never speed, and most of their time is
 # XLA compiling small programs once: LLVM's optimisation level 0 halves that time (tests/test_layers.py: 78 -> 38 s
 # on 2 cores; docs/testing.md) and leaves XLA's HLO passes, which the lowering tests read, as they are. Processes

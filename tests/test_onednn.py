@@ -124,7 +124,7 @@ def test_data_parallel_conv_gradient_under_shard_map_matches_xla():
     assert_close(got / 8, jax.grad(loss(xla_conv))(w, x), jnp.float32)
 
 
-@needs_bf16
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, id="float32"), BF16])
 @pytest.mark.parametrize(
     "spec,a_shape,b_shape",
     [
@@ -134,20 +134,75 @@ def test_data_parallel_conv_gradient_under_shard_map_matches_xla():
         ("bhqk,bkhd->bqhd", (2, 3, 5, 6), (2, 6, 3, 4)),
     ],
 )
-def test_bf16_einsum_and_its_gradients_match_xla(spec, a_shape, b_shape):
-    a, b = rand(a_shape, jnp.bfloat16, 10), rand(b_shape, jnp.bfloat16, 11)
+def test_einsum_and_its_gradients_match_xla(spec, a_shape, b_shape, dtype):
+    a, b = rand(a_shape, dtype, 10), rand(b_shape, dtype, 11)
     with onednn.use(False):
         expected = jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
         ct = rand(expected.shape, jnp.float32, 12)
         ref = jax.jit(jax.grad(lambda a, b: jnp.sum(precision.einsum(spec, a, b) * ct), (0, 1)))(a, b)
+        assert "jaxnn_onednn" not in jax.jit(lambda a, b: precision.einsum(spec, a, b)).lower(a, b).as_text()
     with onednn.use(True):
         fn = jax.jit(lambda a, b: precision.einsum(spec, a, b))
         assert "jaxnn_onednn_matmul" in fn.lower(a, b).as_text()
         assert_close(fn(a, b), expected, jnp.float32)
-        grads = jax.jit(jax.grad(lambda a, b: jnp.sum(precision.einsum(spec, a, b) * ct), (0, 1)))(a, b)
+        loss = lambda a, b: jnp.sum(precision.einsum(spec, a, b) * ct)  # noqa: E731
+        grad_hlo = jax.jit(jax.grad(loss, (0, 1))).lower(a, b).as_text()
+        assert grad_hlo.count("jaxnn_onednn_matmul") == 2  # both gradients (the unused product is dropped)
+        grads = jax.jit(jax.grad(loss, (0, 1)))(a, b)
     for got, want in zip(grads, ref):
-        assert got.dtype == jnp.bfloat16
-        assert_close(got, want, jnp.bfloat16)
+        assert got.dtype == dtype
+        assert_close(got, want, dtype)
+
+
+def test_float32_product_gradients_match_finite_differences():
+    a, b = rand((3, 4), jnp.float32, 20), rand((4, 5), jnp.float32, 21)
+    with onednn.use(True):
+        check_grads(
+            lambda a, b: precision.einsum("mk,kn->mn", a, b), (a, b), order=1, modes=["rev"], atol=1e-2, rtol=1e-2
+        )
+
+
+def test_default_is_this_machines_measured_choice_per_kind(monkeypatch):
+    from jaxnn.kernels.onednn import choice
+
+    monkeypatch.delenv("JAXNN_ONEDNN", raising=False)
+    measured = {"conv_f32": True, "conv_bf16": False, "matmul_f32": False, "matmul_bf16": True}
+    monkeypatch.setattr(choice, "default_choices", lambda: measured)
+    assert onednn.enabled("conv", jnp.float32) and not onednn.enabled("matmul", jnp.float32)
+    assert onednn.enabled("matmul", jnp.bfloat16) == onednn.supports_bf16() and not onednn.enabled("conv", jnp.bfloat16)
+    assert not onednn.enabled("conv", jnp.float16)  # no kernels for it
+    x, w = rand((2, 6, 6, 8), jnp.float32, 22), rand((3, 3, 8, 4), jnp.float32, 23)
+    layer = L.Conv(4, 3)
+    _, p, _ = init_model(layer, jax.random.key(0), x.shape)
+    assert "jaxnn_onednn_conv" in jax.jit(lambda p, x: run(layer, p, x)[0]).lower(p, x).as_text()
+    assert "jaxnn_onednn" not in jax.jit(precision.dense).lower(x[0, 0], w[0, 0]).as_text()
+    monkeypatch.setenv("JAXNN_ONEDNN", "0")  # the switch overrides the measurement
+    assert not onednn.enabled("conv", jnp.float32)
+    with pytest.raises(ValueError, match="kind is 'conv' or 'matmul'"):
+        onednn.enabled("attention")
+
+
+@pytest.mark.slow
+def test_the_measurement_is_made_once_per_machine_and_read_from_its_cache(tmp_path):
+    # A child process with no switch measures (saying so on stderr) and caches; the next one reads the cache.
+    code = (
+        "import jax.numpy as jnp; from jaxnn.kernels import onednn; from jaxnn.kernels.onednn import choice; "
+        "print(sorted(choice.default_choices().items()), onednn.enabled('conv', jnp.float32))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("JAXNN_ONEDNN", "XLA_FLAGS")}
+    env["XDG_CACHE_HOME"] = str(tmp_path)
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)]
+    runs.append(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300))
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:]
+    assert "timing oneDNN's kernels against XLA's on this CPU, once" in runs[0].stderr
+    assert "timing oneDNN" not in runs[1].stderr and runs[0].stdout == runs[1].stdout
+    (cached,) = (tmp_path / "jaxnn" / "onednn").glob("choice-*.json")
+    record = json.loads(cached.read_text())
+    assert set(record["choices"]) == {"conv_f32", "conv_bf16", "matmul_f32", "matmul_bf16"}
+    for kind, row in record["rows"].items():
+        assert "skipped" in row or (row["xla_ms"] > 0 and row["onednn_ms"] > 0)
+        assert record["choices"][kind] == ("ratio" in row and row["ratio"] < record["margin"])
+    assert str(record["choices"]["conv_f32"]) in runs[0].stdout.split("]")[-1]
 
 
 @needs_bf16

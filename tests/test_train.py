@@ -168,3 +168,29 @@ def test_train_state_key_drives_dropout_for_any_key_implementation(impl):
     _, loss_a = step(after_one, batch)
     _, loss_b = step(after_one._replace(step=after_one.step + 1), batch)
     assert float(loss_a["loss"]) != float(loss_b["loss"])  # a different step draws a different dropout mask
+
+
+@pytest.mark.parametrize("shape,classes", [((4,), 3), ((6, 5), 257), ((2, 3, 4), 10)])
+def test_integer_label_cross_entropy_is_optaxs_bit_for_bit_without_a_scatter(shape, classes):
+    rng = np.random.default_rng(classes)
+    logits = jnp.asarray(rng.normal(size=(*shape, classes)) * 4, jnp.float32)
+    labels = jnp.asarray(rng.integers(-classes, classes, size=shape))  # negative labels count from the end
+    ours = jax.jit(train.integer_label_cross_entropy)
+    theirs = jax.jit(optax.softmax_cross_entropy_with_integer_labels)
+    assert np.array_equal(ours(logits, labels), theirs(logits, labels))
+
+    def grad(fn):
+        return jax.jit(jax.grad(lambda x: jnp.sum(fn(x, labels) * jnp.arange(1.0, 1 + labels.size).reshape(shape))))
+
+    assert np.array_equal(grad(train.integer_label_cross_entropy)(logits), grad(theirs)(logits))
+    assert " scatter(" not in grad(train.integer_label_cross_entropy).lower(logits).compile().as_text()
+    assert " scatter(" in grad(theirs).lower(logits).compile().as_text()
+    bf16 = logits.astype(jnp.bfloat16)  # computed in float32 whatever the logits' dtype
+    assert np.array_equal(ours(bf16, labels), theirs(bf16.astype(jnp.float32), labels))
+
+
+def test_integer_label_cross_entropy_of_a_label_out_of_range_is_nan_as_optaxs():
+    logits, labels = jnp.ones((3, 4)), jnp.array([4, -5, 1])
+    got = train.integer_label_cross_entropy(logits, labels)
+    assert np.isnan(got[:2]).all() and np.isfinite(got[2])
+    assert np.allclose(got[2], optax.softmax_cross_entropy_with_integer_labels(logits, labels)[2])

@@ -23,6 +23,7 @@ PEERS = {
     "jaxnn": "peer_jaxnn",
     "jaxnn_metrics": "peer_jaxnn_metrics",
     "jaxnn_onednn": "peer_jaxnn_onednn",
+    "jaxnn_xla": "peer_jaxnn_xla",
     "flax_linen": "peer_linen",
     "flax_nnx": "peer_nnx",
     "equinox": "peer_equinox",
@@ -88,6 +89,16 @@ def format_table(times: dict, libraries, models, precisions) -> str:
     return "\n".join(lines)
 
 
+def format_kernels(results: list[dict]) -> str:
+    """One line per jaxnn row: the kernels its convolutions and products ran on (as each row's process traced)."""
+    seen: dict = {}
+    for res in results:
+        for row in res["rows"]:
+            if row.get("kernels"):
+                seen.setdefault((row["library"], row["model"], row["precision"]), row["kernels"])
+    return "\n".join(f"kernels: {lib} {model} {prec}: {k}" for (lib, model, prec), k in seen.items())
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.peers", description=__doc__.splitlines()[0])
     parser.add_argument("--peers", nargs="+", choices=list(PEERS), default=list(PEERS))
@@ -117,6 +128,7 @@ def main(argv=None) -> int:
             )
     times = collect(results)
     print(format_table(times, libraries, args.models, args.precisions))
+    print(format_kernels(results))
     print(f"measured on {cpu_label()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     path = args.json or os.path.join("results", "bench", time.strftime("peers-%Y%m%dT%H%M%SZ.json", time.gmtime()))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

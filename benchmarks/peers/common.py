@@ -13,8 +13,14 @@ from benchmarks.train_steps import PRECISIONS, SPECS
 from jaxnn.profile.timing import time_fn
 
 
-def main(library: str, build: Callable[[str, str], Callable[[], object]], argv=None) -> int:
-    """Times `build(model, precision)()` for every requested pair and writes one JSON object (stdout or --out)."""
+def main(
+    library: str,
+    build: Callable[[str, str], Callable[[], object]],
+    argv=None,
+    describe: Callable[[str, str], str] | None = None,
+) -> int:
+    """Times `build(model, precision)()` for every requested pair and writes one JSON object (stdout or --out);
+    `describe(model, precision)`, where given, names the kernels the row ran on (its "kernels" field)."""
     parser = argparse.ArgumentParser(prog=f"benchmarks.peers ({library})")
     parser.add_argument("--models", nargs="+", choices=list(SPECS), default=list(SPECS))
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
@@ -30,6 +36,8 @@ def main(library: str, build: Callable[[str, str], Callable[[], object]], argv=N
                 step = build(name, precision)
                 timing = time_fn(step, repeats=args.repeats)
                 row.update(step_ms=timing.median * 1e3, timing=timing.as_dict(), wall_s=time.perf_counter() - t0)
+                if describe is not None:
+                    row["kernels"] = describe(name, precision)
             except Exception as err:  # one failing configuration must not hide the others' figures
                 row["error"] = f"{type(err).__name__}: {err}"[:300]
                 traceback.print_exc(file=sys.stderr)

@@ -1,4 +1,5 @@
-"""jaxnn itself, run through the peers' harness so that it is timed in a process of its own like every peer.
+"""jaxnn itself, run through the peers' harness so that it is timed in a process of its own like every peer, with
+its defaults: the oneDNN kernels this CPU measured faster (`jaxnn.kernels.onednn.choice`), named in each row.
 
 The "jaxnn" row computes what every peer's step computes: the update and the loss, nothing else. The
 "jaxnn_metrics" row (`peer_jaxnn_metrics`) is jaxnn's default step, which also returns the accuracy (or bits per
@@ -19,6 +20,16 @@ from jaxnn import train
 from jaxnn.profile.timing import stepper
 
 
+def kernels(name: str, precision: str) -> str:
+    """Where this row's convolutions and products ran on the CPU: oneDNN's kernels or XLA's (as traced)."""
+    from jaxnn.kernels import onednn
+
+    if not onednn.available():
+        return "XLA (oneDNN kernels not built)"
+    dtype = jnp.bfloat16 if precision == "bf16" else jnp.float32
+    return ", ".join(f"{kind} {'oneDNN' if onednn.enabled(kind, dtype) else 'XLA'}" for kind in ("conv", "matmul"))
+
+
 def build(name: str, precision: str, *, metrics: bool = False):
     model, loss_fn = jaxnn_model(name)
     if not metrics:
@@ -32,4 +43,4 @@ def build(name: str, precision: str, *, metrics: bool = False):
 
 
 if __name__ == "__main__":
-    sys.exit(main("jaxnn", build))
+    sys.exit(main("jaxnn", build, describe=kernels))

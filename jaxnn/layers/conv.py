@@ -164,12 +164,15 @@ def _conv_fn(
         # jitted step (2x faster for a 3-channel stem), 20x and more faster inside lax.scan (make_multi_step),
         # where XLA's weight-gradient convolution falls off a cliff; and in half precision its dots keep every
         # backward product bf16 x bf16 -> f32 (precision.einsum), which XLA's convolution transposes cannot.
-        # "onednn", and "auto" where the oneDNN kernels are switched on (`onednn.enabled()`, read when tracing),
-        # take oneDNN's direct convolutions on the CPU instead (float32 and bfloat16; im2col for other dtypes).
+        # "onednn", and "auto" where oneDNN's convolutions are switched on for the dtype (`onednn.enabled`, read
+        # when tracing: by default where they measured faster than this on this CPU), take oneDNN's direct
+        # convolutions on the CPU instead (float32 and bfloat16; im2col for other dtypes).
         # The choice follows the platform the computation is lowered for, not this process's default backend, so
         # that a program traced here and exported for a GPU (jax.export) gets the GPU's lowering; both branches
         # are traced, only the lowering platform's is lowered (docs/performance.md, "Lowering per platform").
-        use_onednn = lowering == "onednn" or (onednn.enabled() and x.shape[-1] >= ONEDNN_AUTO_MIN_CHANNELS)
+        use_onednn = lowering == "onednn" or (
+            onednn.enabled("conv", x.dtype) and x.shape[-1] >= ONEDNN_AUTO_MIN_CHANNELS
+        )
         if use_onednn and onednn.supports(x.dtype, w.dtype):
             cpu = onednn_conv
         else:
@@ -285,7 +288,8 @@ def Conv(
     `jaxnn.kernels.onednn`; float32 and bfloat16, no feature groups; XLA's convolution on accelerators); "auto"
     takes im2col when the computation is lowered for the CPU (no feature groups), where it measures as fast or
     faster and avoids a slow path of XLA's convolution gradients inside `lax.scan`, or oneDNN's kernels where they
-    are built and switched on (`jaxnn.kernels.onednn.enabled()`; inputs of at least ONEDNN_AUTO_MIN_CHANNELS
+    are built and switched on (`jaxnn.kernels.onednn.enabled("conv", dtype)`: by default where they measured faster
+    on this CPU, `jaxnn.kernels.onednn.choice`; inputs of at least ONEDNN_AUTO_MIN_CHANNELS
     channels, so an image stem keeps im2col), and XLA's convolution when it is lowered for an accelerator, whose
     convolution kernels are the fast path there.
     The platform is the one jax lowers for (`lax.platform_dependent`), so `jax.export(..., platforms=["cuda"])` on

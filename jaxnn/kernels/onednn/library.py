@@ -23,7 +23,8 @@ from jax.typing import DTypeLike
 
 # Versioned like a system library, and so not taken for a Python extension module (pkgutil would import it).
 LIBRARY_NAME = "libjaxnn_onednn.so.0"
-# JAXNN_ONEDNN_LIBRARY: another build of the library; JAXNN_ONEDNN: "1" uses the kernels in layers, "0" never.
+# JAXNN_ONEDNN_LIBRARY: another build of the library; JAXNN_ONEDNN: "1" uses the kernels in layers, "0" never,
+# unset: where they measured faster than XLA's on this CPU (`choice`).
 ENV_LIBRARY = "JAXNN_ONEDNN_LIBRARY"
 ENV_SWITCH = "JAXNN_ONEDNN"
 TARGETS = {
@@ -32,9 +33,6 @@ TARGETS = {
     "conv_bwd_weights": "jaxnn_onednn_conv_bwd_weights",
     "matmul": "jaxnn_onednn_matmul",
 }
-# Whether Conv(lowering="auto") and precision.einsum take the kernels when they are built and nothing says
-# otherwise (docs/performance.md, "oneDNN kernels", has the measurements behind this choice).
-DEFAULT_ENABLED = False
 BUILD_HINT = "build them with `make install` (needs a C++ compiler and `pip install 'jaxnn[onednn]'`)"
 
 _override: contextvars.ContextVar[bool | None] = contextvars.ContextVar("jaxnn_onednn", default=None)
@@ -108,35 +106,54 @@ def check_dtype(dtype: DTypeLike, kernel: str) -> None:
         )
 
 
-def enabled() -> bool:
-    """Whether layers take the kernels on the CPU now: built, and switched on by `use(True)`, else by
-    JAXNN_ONEDNN=1, else by the default (DEFAULT_ENABLED). Read when a computation is traced."""
-    flag = _override.get()
+def enabled(kind: str = "conv", dtype: DTypeLike = "float32") -> bool:
+    """Whether layers take the kernels of `kind` ("conv" or "matmul") for `dtype` on the CPU now: built (with
+    bfloat16 kernels for this CPU, for bf16), and switched on by `use(flag)`, else by JAXNN_ONEDNN=1/0, else by
+    this machine's measured default (`jaxnn.kernels.onednn.choice`: each kind where it beats XLA's kernels here).
+    Read when a computation is traced."""
+    if kind not in ("conv", "matmul"):
+        raise ValueError(f"onednn.enabled: kind is 'conv' or 'matmul', got {kind!r}")
+    dtype = jax.numpy.dtype(dtype)
+    if dtype not in (jax.numpy.dtype(jax.numpy.float32), jax.numpy.dtype(jax.numpy.bfloat16)):
+        return False
+    flag = forced()
+    env = os.environ.get(ENV_SWITCH, "").strip()
+    if _override.get() is None and env and flag and not available():
+        _warn_switch_has_no_effect(env)
+    if not available() or (dtype == jax.numpy.bfloat16 and not supports_bf16()):
+        return False
     if flag is None:
-        env = os.environ.get(ENV_SWITCH, "").strip()
-        flag = _switch_value(env)
-        if env and flag and not available():
-            _warn_switch_has_no_effect(env)
-    return flag and available()
+        from jaxnn.kernels.onednn.choice import default_choices
+
+        return default_choices()[f"{kind}_{'bf16' if dtype == jax.numpy.bfloat16 else 'f32'}"]
+    return flag
 
 
 _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def _switch_value(env: str) -> bool:
-    """JAXNN_ONEDNN's value as on/off; unset is the default, and a value that is neither is said once and ignored."""
+def forced() -> bool | None:
+    """The switch as set by `use(flag)` or JAXNN_ONEDNN (True/False), or None where this machine's measured default
+    applies (then callers may also leave out calls too small to be worth a kernel's fixed cost)."""
+    flag = _override.get()
+    return _switch_value(os.environ.get(ENV_SWITCH, "").strip()) if flag is None else flag
+
+
+def _switch_value(env: str) -> bool | None:
+    """JAXNN_ONEDNN's value as on/off; None (the measured default) when unset or neither, which is said once."""
     if env.lower() in _ON:
         return True
-    if env.lower() in _OFF or env == "":
-        return DEFAULT_ENABLED if env == "" else False
-    _warn_unknown_switch(env)
-    return DEFAULT_ENABLED
+    if env.lower() in _OFF:
+        return False
+    if env:
+        _warn_unknown_switch(env)
+    return None
 
 
 @functools.cache
 def _warn_unknown_switch(value: str) -> None:
-    warnings.warn(f"{ENV_SWITCH}={value!r} is not 1 or 0 (on/off, true/false, yes/no): ignored, the default applies",
-                  RuntimeWarning, stacklevel=4)  # fmt: skip
+    warnings.warn(f"{ENV_SWITCH}={value!r} is not 1 or 0 (on/off, true/false, yes/no): ignored, this CPU's "
+                  "default applies", RuntimeWarning, stacklevel=5)  # fmt: skip
 
 
 @functools.cache

@@ -1,4 +1,5 @@
-"""oneDNN's matrix product for bfloat16 operands (float32 or bfloat16 result), and two-operand einsums on it.
+"""oneDNN's matrix product (float32 operands and result, or bfloat16 operands with a float32 or bfloat16 result),
+and two-operand einsums on it.
 
 oneDNN reads a transposed operand through strides, so an einsum whose operands hold their contracted axes first
 (the weight gradients: "mk,mn->kn") needs no copy, where XLA's CPU dot needs the canonical layout to reach its bf16
@@ -16,17 +17,23 @@ from jax.typing import DTypeLike
 
 from jaxnn.kernels.onednn.library import call, check_dtype
 
+OPERAND_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
 
 def matmul(
     a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False, dtype: DTypeLike = jnp.float32
 ) -> jax.Array:
     """`a @ b` over the last two axes (leading axes are a batch, equal in both), `trans_*` reading an operand as
-    the transpose of its last two axes; bf16 operands, result in `dtype` (float32 or bfloat16), f32 accumulation."""
-    check_dtype(jnp.bfloat16, "matmul")
-    if a.dtype != jnp.bfloat16 or b.dtype != jnp.bfloat16 or a.ndim != b.ndim or a.shape[:-2] != b.shape[:-2]:
+    the transpose of its last two axes; f32 accumulation. Float32 operands give a float32 result; bf16 operands
+    a result in `dtype` (float32 or bfloat16)."""
+    if a.dtype not in OPERAND_DTYPES or a.dtype != b.dtype or a.ndim != b.ndim or a.shape[:-2] != b.shape[:-2]:
         raise TypeError(
-            f"onednn matmul: bfloat16 operands with equal batch axes, got {a.dtype}{a.shape} and {b.dtype}{b.shape}"
+            "onednn matmul: float32 or bfloat16 operands of one dtype with equal batch axes, "
+            f"got {a.dtype}{a.shape} and {b.dtype}{b.shape}"
         )
+    check_dtype(a.dtype, "matmul")
+    if a.dtype == jnp.float32:
+        dtype = jnp.float32
     m = a.shape[-1] if trans_a else a.shape[-2]
     n = b.shape[-2] if trans_b else b.shape[-1]
     if (a.shape[-2] if trans_a else a.shape[-1]) != (b.shape[-1] if trans_b else b.shape[-2]):
@@ -61,8 +68,8 @@ def _as_matrices(x: jax.Array, spec: str, lead: list[str], first: list[str], sec
 
 
 def einsum(spec: str, a: jax.Array, b: jax.Array, dtype: DTypeLike = jnp.float32) -> jax.Array:
-    """A two-operand einsum (no ellipsis; every index in exactly two of a, b and the output) of bf16 operands as
-    one batched oneDNN product, result in `dtype`."""
+    """A two-operand einsum (no ellipsis; every index in exactly two of a, b and the output) of float32 or bf16
+    operands as one batched oneDNN product; bf16 operands give a result in `dtype`, float32 ones a float32 one."""
     inputs, spec_out = spec.replace(" ", "").split("->")
     spec_a, spec_b = inputs.split(",")
     batch = [c for c in spec_a if c in spec_b and c in spec_out]
