@@ -161,10 +161,11 @@ def worker(framework: str, repeats: int) -> list[dict]:
 
 
 def ab_steps(models=("cnn", "gpt"), repeats: int = 5) -> list[dict]:
-    """jaxnn's training steps with and without the kernels, compiled in this process and timed side by side
-    (interleaved windows): the A/B that load from other processes cannot tilt, unlike process-per-library rounds.
-    For the CNN also "onednn_stem": the kernels on the 3-channel stem too (what `ONEDNN_AUTO_MIN_CHANNELS` keeps
-    on im2col)."""
+    """jaxnn's training steps on XLA's kernels only ("xla"), with this machine's defaults ("default": the kinds of
+    kernel it measured faster, `jaxnn.kernels.onednn.choice`) and with every kernel ("onednn", JAXNN_ONEDNN=1),
+    compiled in this process and timed side by side (interleaved windows): the A/B that load from other processes
+    cannot tilt, unlike process-per-library rounds. For the CNN also "onednn_stem": the kernels on the 3-channel
+    stem too (what `ONEDNN_AUTO_MIN_CHANNELS` keeps on im2col)."""
     from benchmarks.peers.peer_jaxnn import build
     from jaxnn.kernels import onednn
     from jaxnn.layers import conv
@@ -172,7 +173,7 @@ def ab_steps(models=("cnn", "gpt"), repeats: int = 5) -> list[dict]:
 
     rows, min_channels = [], conv.ONEDNN_AUTO_MIN_CHANNELS
     for name in models:
-        variants = [("xla", False, min_channels), ("onednn", True, min_channels)]
+        variants = [("xla", False, min_channels), ("default", None, min_channels), ("onednn", True, min_channels)]
         variants += [("onednn_stem", True, 1)] if name == "cnn" else []
         for precision in PRECISIONS:
             steps = {}
@@ -192,7 +193,10 @@ def ab_steps(models=("cnn", "gpt"), repeats: int = 5) -> list[dict]:
 
 def format_ab(rows: list[dict]) -> str:
     """The in-process A/B as text: median ms per step of each variant, and its ratio to the XLA path."""
-    lines = ["jaxnn steps in one process, interleaved windows, median ms (xla: no kernels; onednn: JAXNN_ONEDNN=1)"]
+    lines = [
+        "jaxnn steps in one process, interleaved windows, median ms "
+        "(xla: no kernels; default: this CPU's measured choice; onednn: JAXNN_ONEDNN=1)"
+    ]
     for row in rows:
         cells = [f"{k} {v:8.4g} ({v / row['xla']:.2f}x)" for k, v in row.items() if k not in ("model", "precision")]
         lines.append(f"{row['model']:4} {row['precision']:5} " + "  ".join(cells))
@@ -246,6 +250,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-steps", action="store_true", help="skip the steps against PyTorch (benchmarks.peers)")
     parser.add_argument("--no-primitives", action="store_true", help="skip the primitives")
     parser.add_argument("--no-ab", action="store_true", help="skip the in-process A/B of the jaxnn steps")
+    parser.add_argument("--ab-models", nargs="+", default=["cnn", "gpt"], help="the models of the A/B")
     parser.add_argument("--json", default=None, help="default: results/bench/onednn-<UTC time>.json")
     parser.add_argument("--worker", choices=("jax", "torch"), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -265,7 +270,7 @@ def main(argv=None) -> int:
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
     if not args.no_ab:
-        result["ab_steps"] = ab_steps(repeats=args.repeats)
+        result["ab_steps"] = ab_steps(args.ab_models, repeats=args.repeats)
         print(format_ab(result["ab_steps"]))
         with open(path, "w") as f:
             json.dump(result, f, indent=2)

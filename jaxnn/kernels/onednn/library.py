@@ -35,7 +35,9 @@ TARGETS = {
 }
 BUILD_HINT = "build them with `make install` (needs a C++ compiler and `pip install 'jaxnn[onednn]'`)"
 
-_override: contextvars.ContextVar[bool | None] = contextvars.ContextVar("jaxnn_onednn", default=None)
+# `use`'s setting: True, False, _MEASURED (this machine's measured default), or None (not set: JAXNN_ONEDNN decides).
+_MEASURED = "measured"
+_override: contextvars.ContextVar[bool | str | None] = contextvars.ContextVar("jaxnn_onednn", default=None)
 
 
 def library_path() -> str:
@@ -136,7 +138,9 @@ def forced() -> bool | None:
     """The switch as set by `use(flag)` or JAXNN_ONEDNN (True/False), or None where this machine's measured default
     applies (then callers may also leave out calls too small to be worth a kernel's fixed cost)."""
     flag = _override.get()
-    return _switch_value(os.environ.get(ENV_SWITCH, "").strip()) if flag is None else flag
+    if flag is None:
+        return _switch_value(os.environ.get(ENV_SWITCH, "").strip())
+    return None if flag == _MEASURED else bool(flag)
 
 
 def _switch_value(env: str) -> bool | None:
@@ -193,9 +197,10 @@ def like_primal(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
 
 
 @contextlib.contextmanager
-def use(flag: bool) -> Iterator[None]:
-    """Within the block, programs traced take the oneDNN kernels (`True`, where they are built) or never do."""
-    token = _override.set(flag)
+def use(flag: bool | None) -> Iterator[None]:
+    """Within the block, programs traced take the oneDNN kernels (`True`, where they are built), never do
+    (`False`), or take the ones this machine measured faster (`None`, also over JAXNN_ONEDNN)."""
+    token = _override.set(_MEASURED if flag is None else flag)
     try:
         yield
     finally:
