@@ -192,7 +192,7 @@ def test_an_onednn_switch_value_that_is_neither_on_nor_off_is_said_and_ignored(m
     from jaxnn.kernels.onednn import choice, library
 
     monkeypatch.setenv(library.ENV_SWITCH, "maybe")
-    monkeypatch.setattr(choice, "default_choices", lambda: dict.fromkeys(choice.KINDS, True))
+    monkeypatch.setattr(choice, "default_choices", lambda *_: dict.fromkeys(choice.KINDS, True))
     library._warn_unknown_switch.cache_clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -167,7 +167,7 @@ def test_default_is_this_machines_measured_choice_per_kind(monkeypatch):
 
     monkeypatch.delenv("JAXNN_ONEDNN", raising=False)
     measured = {"conv_f32": True, "conv_bf16": False, "matmul_f32": False, "matmul_bf16": True}
-    monkeypatch.setattr(choice, "default_choices", lambda: measured)
+    monkeypatch.setattr(choice, "default_choices", lambda *_: measured)
     assert onednn.enabled("conv", jnp.float32) and not onednn.enabled("matmul", jnp.float32)
     assert onednn.enabled("matmul", jnp.bfloat16) == onednn.supports_bf16() and not onednn.enabled("conv", jnp.bfloat16)
     assert not onednn.enabled("conv", jnp.float16)  # no kernels for it
@@ -187,7 +187,7 @@ def test_the_measurement_is_made_once_per_machine_and_read_from_its_cache(tmp_pa
     # A child process with no switch measures (saying so on stderr) and caches; the next one reads the cache.
     code = (
         "import jax.numpy as jnp; from jaxnn.kernels import onednn; from jaxnn.kernels.onednn import choice; "
-        "print(sorted(choice.default_choices().items()), onednn.enabled('conv', jnp.float32))"
+        "print(sorted(choice.default_choices(onednn.version()).items()), onednn.enabled('conv', jnp.float32))"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("JAXNN_ONEDNN", "XLA_FLAGS")}
     env["XDG_CACHE_HOME"] = str(tmp_path)

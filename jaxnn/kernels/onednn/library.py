@@ -127,7 +127,7 @@ def enabled(kind: str = "conv", dtype: DTypeLike = "float32") -> bool:
     if flag is None:
         from jaxnn.kernels.onednn.choice import default_choices
 
-        return default_choices()[f"{kind}_{'bf16' if dtype == jax.numpy.bfloat16 else 'f32'}"]
+        return default_choices(version())[f"{kind}_{'bf16' if dtype == jax.numpy.bfloat16 else 'f32'}"]
     return flag
 
 
