@@ -172,8 +172,8 @@ def all_finite(tree: Any) -> jax.Array:
 # By default (no switch set) only a plain matrix product of at least this many multiply-adds goes to oneDNN: each
 # call has a fixed cost of tens of microseconds (OpenMP's fork and join, the weights' layout), and it is opaque to
 # XLA, which then materialises the transposes it would fold into a batched product of its own. Measured on the
-# benchmark models (docs/performance.md, "oneDNN kernels"): a tiny MLP's step took 7x as long with every product
-# on oneDNN, and the GPT's fp32 step was slower with its attention's batched products there.
+# benchmark models (docs/performance.md, "Defaults per CPU"): a tiny MLP's step took 10-16x as long with every
+# product on oneDNN, and the GPT's fp32 step was no faster with its attention's batched products there.
 ONEDNN_MIN_MACS = 1 << 22
 
 

@@ -317,3 +317,15 @@ def test_bench_peers_runs_jaxnn_with_the_kernels(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     medians = {row["library"]: row["step_ms"] for row in json.loads(out.read_text())["median_ms"]}
     assert set(medians) == {"jaxnn", "jaxnn_onednn"} and all(ms and ms > 0 for ms in medians.values())
+
+
+def test_a_raw_jax_export_of_the_kernels_is_refused_naming_them_and_works_with_them_off():
+    # docs/checkpoints.md tells users of jax.export to trace with the kernels off; jaxnn.export does it for them.
+    layer = L.Conv(8, 3)
+    _, p, _ = init_model(layer, jax.random.key(0), (1, 6, 6, 8))
+    forward = jax.jit(lambda p, x: run(layer, p, x)[0])
+    x = jnp.ones((1, 6, 6, 8))
+    with onednn.use(True), pytest.raises(ValueError, match="jaxnn_onednn_conv_fwd"):
+        jax.export.export(forward)(p, x)
+    with onednn.use(False):
+        assert jax.export.export(forward)(p, x).out_avals[0].shape == (1, 6, 6, 8)
