@@ -323,9 +323,12 @@ def test_a_raw_jax_export_of_the_kernels_is_refused_naming_them_and_works_with_t
     # docs/checkpoints.md tells users of jax.export to trace with the kernels off; jaxnn.export does it for them.
     layer = L.Conv(8, 3)
     _, p, _ = init_model(layer, jax.random.key(0), (1, 6, 6, 8))
-    forward = jax.jit(lambda p, x: run(layer, p, x)[0])
     x = jnp.ones((1, 6, 6, 8))
+
+    def forward():  # a new function each time: jit reuses a trace, and the switch is read when tracing
+        return jax.jit(lambda p, x: run(layer, p, x)[0])
+
     with onednn.use(True), pytest.raises(ValueError, match="jaxnn_onednn_conv_fwd"):
-        jax.export.export(forward)(p, x)
+        jax.export.export(forward())(p, x)
     with onednn.use(False):
-        assert jax.export.export(forward)(p, x).out_avals[0].shape == (1, 6, 6, 8)
+        assert jax.export.export(forward())(p, x).out_avals[0].shape == (1, 6, 6, 8)
