@@ -74,8 +74,8 @@ def integer_label_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Arr
     Why not optax's: it reads the label's logit with a gather, whose gradient is a scatter-add. Here the label's
     logit is a masked sum over the classes (one term is non-zero, so the sum is exact), whose gradient is a select
     that XLA fuses into the softmax's gradient. A small step then has three fewer ops to start with, which kept
-    XLA's CPU runtime from handing half of a tiny MLP's bf16 step to a second thread (1.8x Flax's step time,
-    docs/performance.md "The tiny step"); GPUs do without the scatter's atomic adds."""
+    XLA's CPU runtime from handing half of a tiny MLP's bf16 step to a second thread (twice the step time,
+    docs/performance.md, "Defaults per CPU"); GPUs do without the scatter's atomic adds."""
     logits = logits.astype(jnp.float32)
     classes = logits.shape[-1]
     labels = jnp.where(labels < 0, labels + classes, labels)

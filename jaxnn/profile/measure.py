@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pathlib
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxnn._src.cpu import cpu_info
 from jaxnn.layers.core import Layer, init_model, run, splits_input
 from jaxnn.layers.tabulate import guess_input, named_children
 from jaxnn.precision import Policy, get_policy
@@ -48,16 +47,11 @@ def describe_device(device: jax.Device | None = None) -> str:
     device = device or jax.devices()[0]
     if device.platform != "cpu":
         return f"{device.platform} {device.device_kind}"
-    try:
-        info = pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return f"cpu ({os.cpu_count()} cores)"
-    model = re.search(r"^model name\s*:\s*(.*)$", info, re.MULTILINE)
-    flags = re.search(r"^flags\s*:\s*(.*)$", info, re.MULTILINE)
-    features = [f for f in _CPU_FEATURES if flags and f in flags.group(1).split()]
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    name = model.group(1).strip() if model else "cpu"
-    return f"{name}, {cores} cores, {' '.join(features) or 'no AVX-512/AMX'}"
+    model, flags, cores = cpu_info()
+    if model is None and not flags:
+        return f"cpu ({cores} cores)"
+    features = [f for f in _CPU_FEATURES if f in flags]
+    return f"{model or 'cpu'}, {cores} cores, {' '.join(features) or 'no AVX-512/AMX'}"
 
 
 def measure_peaks(

@@ -5,10 +5,10 @@ its convolutions made the CNN's step 1.3-2.4x faster, while its bfloat16 product
 its float32 products gained on some shapes only (docs/performance.md, "Defaults per CPU"). So each kind of kernel
 (`KINDS`: convolutions and matrix products, float32 and bfloat16 apart) is timed against XLA's path on shapes of
 the benchmark models, in a child process (`python -m jaxnn.kernels.onednn.calibrate`; a trace must not run
-programs),
-and taken where it takes at most `MARGIN` of XLA's time. The answer is cached under ~/.cache/jaxnn/onednn/, one file per
-CPU model, core count, oneDNN and jax version; `JAXNN_ONEDNN=0/1` (or `jaxnn.kernels.onednn.use`) overrides it,
-and `JAXNN_ONEDNN_CALIBRATE=0` skips the measurement (XLA's kernels then stay the default).
+programs), and taken where it takes at most `MARGIN` of XLA's time. The answer is cached under
+~/.cache/jaxnn/onednn/, one file per CPU model and features, core count, oneDNN and jax version;
+`JAXNN_ONEDNN=0/1` (or `jaxnn.kernels.onednn.use`) overrides it, and `JAXNN_ONEDNN_CALIBRATE=0` skips the
+measurement (XLA's kernels then stay the default).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import platform
 import subprocess
 import sys
 from typing import Any
+
+from jaxnn._src.cpu import cpu_info
 
 KINDS = ("conv_f32", "conv_bf16", "matmul_f32", "matmul_bf16")
 # oneDNN is chosen where its median time is below this fraction of XLA's. Not just any win: a float32 product
@@ -36,21 +38,9 @@ _SCRUBBED = ("JAXNN_ONEDNN", "XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "JAX_PLATFORMS"
 
 def cpu_signature() -> dict[str, Any]:
     """What decides the kernels' speed on this machine: CPU model and vector/matrix features, usable cores."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and model == (platform.processor() or platform.machine()):
-                    model = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-                    break
-    except OSError:
-        pass
+    model, flags, cores = cpu_info()
     features = sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"model": model, "features": features, "cores": cores}
+    return {"model": model or platform.processor() or platform.machine(), "features": features, "cores": cores}
 
 
 def cache_path(onednn_version: str | None) -> str:
@@ -71,12 +61,8 @@ def default_choices(onednn_version: str | None = None) -> dict[str, bool]:
 
     none = dict.fromkeys(KINDS, False)
     # A machine whose default backend is an accelerator lowers for it; its CPU's kernels are not worth a measurement.
-    if jax.default_backend() != "cpu" or os.environ.get(ENV_CALIBRATE, "").strip().lower() in (
-        "0",
-        "false",
-        "no",
-        "off",
-    ):
+    skipped = os.environ.get(ENV_CALIBRATE, "").strip().lower() in ("0", "false", "no", "off")
+    if skipped or jax.default_backend() != "cpu":
         return none
     path = cache_path(onednn_version)
     record = _read(path)
