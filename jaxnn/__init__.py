@@ -8,7 +8,12 @@ first use, so that `import jaxnn.cli` stays light and leaves jax's device set-up
 is internal: what it holds may change without notice.
 """
 
+from jaxnn._src import malloc as _malloc
 from jaxnn._src.lazy import lazy_exports
+
+# Before jax starts its CPU client: XLA's threads then reuse each run's scratch memory instead of faulting it in
+# afresh (jaxnn/_src/malloc.py; JAXNN_MALLOC=0 leaves malloc alone).
+_malloc.keep_host_memory()
 
 __version__ = "0.1.0"
 

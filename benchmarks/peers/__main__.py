@@ -24,6 +24,7 @@ PEERS = {
     "jaxnn_metrics": "peer_jaxnn_metrics",
     "jaxnn_onednn": "peer_jaxnn_onednn",
     "jaxnn_xla": "peer_jaxnn_xla",
+    "jaxnn_system_malloc": "peer_jaxnn_system_malloc",
     "flax_linen": "peer_linen",
     "flax_nnx": "peer_nnx",
     "equinox": "peer_equinox",

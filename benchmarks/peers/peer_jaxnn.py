@@ -21,13 +21,17 @@ from jaxnn.profile.timing import stepper
 
 
 def kernels(name: str, precision: str) -> str:
-    """Where this row's convolutions and products ran on the CPU: oneDNN's kernels or XLA's (as traced)."""
+    """Where this row's convolutions and products ran on the CPU (oneDNN's kernels or XLA's, as traced), and how
+    malloc treated XLA's scratch memory between steps (`jaxnn._src.malloc`)."""
+    from jaxnn._src import malloc
     from jaxnn.kernels import onednn
 
+    memory = f"host memory {malloc.status()}"
     if not onednn.available():
-        return "XLA (oneDNN kernels not built)"
+        return f"XLA (oneDNN kernels not built); {memory}"
     dtype = jnp.bfloat16 if precision == "bf16" else jnp.float32
-    return ", ".join(f"{kind} {'oneDNN' if onednn.enabled(kind, dtype) else 'XLA'}" for kind in ("conv", "matmul"))
+    products = ", ".join(f"{kind} {'oneDNN' if onednn.enabled(kind, dtype) else 'XLA'}" for kind in ("conv", "matmul"))
+    return f"{products}; {memory}"
 
 
 def build(name: str, precision: str, *, metrics: bool = False):
