@@ -12,8 +12,8 @@ import pytest
 
 from jaxnn._src import malloc
 
-# A program whose scratch buffer (a 64 MB product) is too large for a thread's malloc arena; reports the minor page
-# faults of its later calls.
+# A program whose scratch buffer is one product of `rows` x `cols` float32 (rows, cols from the command line);
+# reports the status of jaxnn's malloc settings and the minor page faults of its later calls.
 _FAULTS = textwrap.dedent(
     """
     import resource, sys
@@ -22,16 +22,18 @@ _FAULTS = textwrap.dedent(
     from jaxnn._src import malloc
 
     @jax.jit
-    def f(a):
-        y = a @ a.T
-        return jnp.tanh(y).sum(0) + y.max(1)
+    def f(a, b):
+        y = a @ b.T
+        return jnp.tanh(y).sum() + y.max()
 
-    a = jnp.ones((4096, 8))
-    for _ in range(3):
-        f(a).block_until_ready()
+    rows, cols = int(sys.argv[1]), int(sys.argv[2])
+    a = jnp.ones((rows, 8))
+    b = jnp.ones((cols, 8))
+    for _ in range(8):  # a few runs' buffers may be alive at once: the heap settles after some calls
+        f(a, b).block_until_ready()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(5):
-        f(a).block_until_ready()
+        f(a, b).block_until_ready()
     after = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     print(malloc.status())
     print((after - before) / 5)
@@ -39,10 +41,11 @@ _FAULTS = textwrap.dedent(
 )
 
 
-def _run(code: str, **env: str) -> list[str]:
+def _run(code: str, *args: str, **env: str) -> list[str]:
     environ = {k: v for k, v in os.environ.items() if k not in ("JAXNN_MALLOC", "JAX_PLATFORMS")}
     environ.update(env, XLA_FLAGS="", JAX_NUM_CPU_DEVICES="1")
-    out = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=120)
+    cmd = [sys.executable, "-c", code, *args]
+    out = subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout.strip().splitlines()
 
@@ -53,14 +56,31 @@ needs_glibc = pytest.mark.skipif(
 
 
 @needs_glibc
-def test_a_large_program_stops_faulting_its_scratch_memory_in_on_every_call():
-    kept_status, kept = _run(_FAULTS, JAX_PLATFORMS="cpu")
-    left_status, left = _run(_FAULTS, JAX_PLATFORMS="cpu", JAXNN_MALLOC="0")
-    assert kept_status.startswith("kept between runs"), kept_status
+def test_a_program_stops_faulting_its_scratch_memory_in_on_every_call():
+    # 48 MB: above glibc's largest mmap threshold (32 MB), within what a thread's arena holds (64 MB).
+    kept_status, kept = _run(_FAULTS, "4096", "3072", JAX_PLATFORMS="cpu")
+    left_status, left = _run(_FAULTS, "4096", "3072", JAX_PLATFORMS="cpu", JAXNN_MALLOC="0")
+    assert kept_status == "kept between runs (no mmap, trimmed after each compilation)", kept_status
     assert left_status == "left as it is (JAXNN_MALLOC=0)"
-    # Untouched, each call maps its 64 MB scratch buffer afresh: thousands of 4 KiB pages.
+    # Left as it is, each call maps its scratch buffer afresh: thousands of 4 KiB pages.
     assert float(left) > 4000, left
     assert float(kept) < float(left) / 20, (kept, left)
+
+
+@needs_glibc
+def test_one_arena_is_asked_for_by_name():
+    (line,) = _run("import jaxnn\nfrom jaxnn._src import malloc\nprint(malloc.status())", JAXNN_MALLOC="one-arena")
+    assert line == "kept between runs (one arena, no mmap, trimmed after each compilation)"
+
+
+def test_an_unknown_setting_is_one_line_naming_it():
+    code = "import jaxnn"
+    environ = {**os.environ, "JAXNN_MALLOC": "yes"}
+    out = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1] == (
+        "ValueError: JAXNN_MALLOC='yes': choose one of 1, one-arena, 0 (unset means 1)"
+    )
 
 
 def test_it_is_left_alone_once_jax_has_started_and_where_an_accelerator_is_configured():

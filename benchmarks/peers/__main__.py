@@ -25,6 +25,7 @@ PEERS = {
     "jaxnn_onednn": "peer_jaxnn_onednn",
     "jaxnn_xla": "peer_jaxnn_xla",
     "jaxnn_system_malloc": "peer_jaxnn_system_malloc",
+    "jaxnn_one_arena": "peer_jaxnn_one_arena",
     "flax_linen": "peer_linen",
     "flax_nnx": "peer_nnx",
     "equinox": "peer_equinox",

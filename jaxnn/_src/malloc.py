@@ -1,18 +1,23 @@
-"""Keep the memory of XLA's CPU programs mapped from one call to the next (glibc's malloc, Linux).
+"""Keep the memory of XLA's CPU programs mapped from one run to the next (glibc's malloc, Linux).
 
-Why: XLA's CPU runtime allocates each run's scratch buffer (`Compiled.memory_analysis().temp_size_in_bytes`: 267
-MB for the benchmark GPT's step) with malloc on one of its own threads and frees it at the end of the run. glibc
-serves a request that large from a fresh `mmap` (a thread's arena cannot hold it), so every step the kernel maps
-and zeroes every page again: 80,000 page faults and ~140 ms of system time per 360 ms GPT step on a 2-core EPYC
-(docs/performance.md, "Host memory between steps"). With one arena, no mmap and no trimming, the freed buffer is
-reused: no faults, and the step took 283-288 ms.
+Why: XLA's CPU runtime allocates each run's scratch buffer (`Compiled.memory_analysis().temp_size_in_bytes`) with
+malloc on one of its own threads and frees it when the run ends. glibc serves a large request from a fresh `mmap`
+and returns it with `munmap`, so every step the kernel maps and zeroes each page again: 10,000 page faults and ~19
+ms of system time per 36 ms CNN step, 80,000 and ~140 ms per 360 ms GPT step, on a 2-core EPYC (docs/performance.md,
+"Host memory between steps").
+
+By default (`JAXNN_MALLOC` unset or 1) jaxnn turns off malloc's mmap and its trimming of the heap's free top, so a
+freed buffer is reused: the CNN's faults go to 0 and its fp32 step from 36 to 26-29 ms. A thread's arena cannot
+hold a request over 64 MB, though (glibc maps those whatever the settings), and the GPT's 267 MB buffer is one:
+`JAXNN_MALLOC=one-arena` also puts every thread on the main arena, which can (GPT fp32 360 -> 288 ms), at a price
+measured here: threads then contend for one lock, and a dispatch-bound step (the tiny MLP's 30 us) took twice as
+long. `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` in the environment of the process (set before it starts) maps large
+blocks in 2 MB pages instead, 512 times fewer faults, without that price. `JAXNN_MALLOC=0` leaves malloc as it is.
 
 glibc reads these settings when a thread first allocates, so they must be made before jax starts its CPU client
-(its threads); jaxnn makes them when it is imported, where jax has not started yet and no accelerator is present.
-The cost: memory freed by the process stays with it, and all threads share one arena. To keep that from holding
-on to the compiler's peak, the free memory is handed back once after each compilation (`trim_after_compiles`,
-malloc_trim(3)); the next run faults its scratch buffer in once more, then reuses it. `JAXNN_MALLOC=0` leaves malloc
-as it is.
+(its threads): jaxnn makes them when it is imported, where jax has not started yet and no accelerator is present.
+Memory a run frees stays with the process; so that it does not also keep the compiler's peak, the free memory is
+handed back once after each compilation (`trim_after_compiles`, malloc_trim(3)).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import platform
 import sys
 
 ENV_SWITCH = "JAXNN_MALLOC"
+MODES = ("1", "one-arena", "0")
 
 # mallopt(3) parameters (malloc.h).
 M_TRIM_THRESHOLD = -1
@@ -68,8 +74,15 @@ def _accelerator_present() -> bool:
         return True
 
 
-def _reason_not_to() -> str | None:
-    if os.environ.get(ENV_SWITCH, "").strip() == "0":
+def _mode() -> str:
+    mode = os.environ.get(ENV_SWITCH, "").strip() or "1"
+    if mode not in MODES:
+        raise ValueError(f"{ENV_SWITCH}={mode!r}: choose one of {', '.join(MODES)} (unset means 1)")
+    return mode
+
+
+def _reason_not_to(mode: str) -> str | None:
+    if mode == "0":
         return f"left as it is ({ENV_SWITCH}=0)"
     if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
         return "left as it is (not glibc)"
@@ -81,21 +94,24 @@ def _reason_not_to() -> str | None:
 
 
 def keep_host_memory() -> str:
-    """Sets glibc's malloc to one arena, no mmap and no trimming, where that helps (see the module's docstring);
-    returns and records `status()`. Safe to call more than once; never raises."""
-    global _status
-    reason = _reason_not_to()
+    """Sets glibc's malloc to map no blocks of its own and keep the heap's free top (and, with
+    `JAXNN_MALLOC=one-arena`, one arena for every thread) where that helps (see the module's docstring); returns and
+    records `status()`. Safe to call more than once; raises only for an unknown `JAXNN_MALLOC`."""
+    global _status, _libc
+    mode = _mode()
+    reason = _reason_not_to(mode)
     if reason is not None:
         _status = reason
         return _status
-    global _libc
+    settings = ([(M_ARENA_MAX, 1)] if mode == "one-arena" else []) + [(M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, _NEVER_TRIM)]
     try:
         libc = ctypes.CDLL("libc.so.6")
-        done = [libc.mallopt(p, v) for p, v in ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, _NEVER_TRIM))]
+        done = [libc.mallopt(p, v) for p, v in settings]
     except (OSError, AttributeError):
         done = []
     if done and all(done):
-        _libc, _status = libc, "kept between runs (one arena, no mmap, trimmed after each compilation)"
+        arenas = "one arena, " if mode == "one-arena" else ""
+        _libc, _status = libc, f"kept between runs ({arenas}no mmap, trimmed after each compilation)"
     else:
         _status = "left as it is (mallopt)"
     return _status
@@ -104,7 +120,7 @@ def keep_host_memory() -> str:
 def trim_after_compiles() -> None:
     """Where `keep_host_memory` took effect, hands the process's free memory back to the system after every jax
     compilation (once per process; imports jax). Without it the heap would keep the compiler's peak: the GPT
-    benchmark's process held 1.3-1.8 GB instead of 0.8 GB."""
+    benchmark's process held 1.3-1.8 GB instead of 0.8 GB with one arena."""
     global _trimming
     if _libc is None or _trimming:
         return

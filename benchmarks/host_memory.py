@@ -1,0 +1,93 @@
+"""Host memory between steps: the benchmark models' jaxnn steps under jaxnn's default malloc settings, with one
+arena (JAXNN_MALLOC=one-arena) and with glibc's malloc left as it is (JAXNN_MALLOC=0); jaxnn/_src/malloc.py. Each
+run is a process of its own; the settings take turns in every round.
+
+    python -m benchmarks.host_memory [--models cnn gpt] [--precisions fp32 bf16] [--rounds 3] [--steps 10]
+
+Per row: median ms per step over rounds, and from the last round the minor page faults and system CPU time per step
+(getrusage over the timed steps) and the process's resident memory after them (VmRSS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+from benchmarks.machine import cpu_label
+from benchmarks.train_steps import PRECISIONS, SPECS
+
+SETTINGS = {"jaxnn default": "1", "one-arena": "one-arena", "left as it is": "0"}
+
+# One child: builds the step as the "jaxnn" peer row does, warms it up, times `steps` steps and reports one JSON line.
+_CHILD = """
+import json, resource, sys, time
+import jax
+from benchmarks.peers.peer_jaxnn import build
+from jaxnn._src import malloc
+
+name, precision, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+call = build(name, precision)
+for _ in range(3):
+    jax.block_until_ready(call())
+before, times = resource.getrusage(resource.RUSAGE_SELF), []
+for _ in range(steps):
+    start = time.perf_counter()
+    jax.block_until_ready(call())
+    times.append(time.perf_counter() - start)
+after = resource.getrusage(resource.RUSAGE_SELF)
+rss = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS"))
+print(json.dumps({
+    "step_ms": sorted(times)[len(times) // 2] * 1e3,
+    "faults_per_step": (after.ru_minflt - before.ru_minflt) / steps,
+    "sys_ms_per_step": (after.ru_stime - before.ru_stime) / steps * 1e3,
+    "rss_mb": rss / 1024,
+    "malloc": malloc.status(),
+}))
+"""
+
+
+def run_child(name: str, precision: str, setting: str, steps: int) -> dict:
+    env = {**os.environ, "JAXNN_MALLOC": SETTINGS[setting]}
+    cmd = [sys.executable, "-c", _CHILD, name, precision, str(steps)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=list(SPECS), default=["cnn", "gpt"])
+    parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per process")
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    args = parser.parse_args(argv)
+    print(f"CPU: {cpu_label()}")
+    rows = []
+    for name in args.models:
+        for precision in args.precisions:
+            runs: dict[str, list[dict]] = {s: [] for s in SETTINGS}
+            for _ in range(args.rounds):
+                for setting in SETTINGS:
+                    runs[setting].append(run_child(name, precision, setting, args.steps))
+            for setting, results in runs.items():
+                last = results[-1]
+                row = {"model": name, "precision": precision, "malloc": setting, **last}
+                row["step_ms"] = statistics.median(r["step_ms"] for r in results)
+                rows.append(row)
+                print(
+                    f"{name:5} {precision:5} {setting:14} {row['step_ms']:9.2f} ms/step  "
+                    f"{row['faults_per_step']:8.0f} faults/step  sys {row['sys_ms_per_step']:6.1f} ms/step  "
+                    f"RSS {row['rss_mb']:6.0f} MB"
+                )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cpu": cpu_label(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
