@@ -1,6 +1,7 @@
 """Host memory between steps: the benchmark models' jaxnn steps under jaxnn's default malloc settings, with one
-arena (JAXNN_MALLOC=one-arena) and with glibc's malloc left as it is (JAXNN_MALLOC=0); jaxnn/_src/malloc.py. Each
-run is a process of its own; the settings take turns in every round.
+arena (JAXNN_MALLOC=one-arena), with glibc's malloc left as it is (JAXNN_MALLOC=0) and with glibc's huge pages for
+large blocks instead (JAXNN_MALLOC=0 GLIBC_TUNABLES=glibc.malloc.hugetlb=1); jaxnn/_src/malloc.py. Each run is a
+process of its own; the settings take turns in every round.
 
     python -m benchmarks.host_memory [--models cnn gpt] [--precisions fp32 bf16] [--rounds 3] [--steps 10]
 
@@ -20,7 +21,13 @@ import sys
 from benchmarks.machine import cpu_label
 from benchmarks.train_steps import PRECISIONS, SPECS
 
-SETTINGS = {"jaxnn default": "1", "one-arena": "one-arena", "left as it is": "0"}
+# The environment of each setting's processes.
+SETTINGS: dict[str, dict[str, str]] = {
+    "jaxnn default": {"JAXNN_MALLOC": "1"},
+    "one-arena": {"JAXNN_MALLOC": "one-arena"},
+    "left as it is": {"JAXNN_MALLOC": "0"},
+    "hugetlb": {"JAXNN_MALLOC": "0", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
+}
 
 # One child: builds the step as the "jaxnn" peer row does, warms it up, times `steps` steps and reports one JSON line.
 _CHILD = """
@@ -51,7 +58,7 @@ print(json.dumps({
 
 
 def run_child(name: str, precision: str, setting: str, steps: int) -> dict:
-    env = {**os.environ, "JAXNN_MALLOC": SETTINGS[setting]}
+    env = {**os.environ, **SETTINGS[setting]}
     cmd = [sys.executable, "-c", _CHILD, name, precision, str(steps)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -7,12 +7,11 @@ ms of system time per 36 ms CNN step, 80,000 and ~140 ms per 360 ms GPT step, on
 "Host memory between steps").
 
 By default (`JAXNN_MALLOC` unset or 1) jaxnn turns off malloc's mmap and its trimming of the heap's free top, so a
-freed buffer is reused: the CNN's faults go to 0 and its fp32 step from 36 to 26-29 ms. A thread's arena cannot
-hold a request over 64 MB, though (glibc maps those whatever the settings), and the GPT's 267 MB buffer is one:
-`JAXNN_MALLOC=one-arena` also puts every thread on the main arena, which can (GPT fp32 360 -> 288 ms), at a price
-measured here: threads then contend for one lock, and a dispatch-bound step (the tiny MLP's 30 us) took twice as
-long. `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` in the environment of the process (set before it starts) maps large
-blocks in 2 MB pages instead, 512 times fewer faults, without that price. `JAXNN_MALLOC=0` leaves malloc as it is.
+freed buffer is reused: the CNN's faults go to 0 and its fp32 step from 39 to 27 ms in `make bench-peers`. A
+thread's arena cannot hold a block over 64 MB, though (glibc maps those whatever the settings), and the GPT's 267 MB
+buffer is one: `JAXNN_MALLOC=one-arena` also puts every thread on the main arena, which can (GPT fp32 376 -> 300
+ms), at a price measured there: the threads then share one lock, and a dispatch-bound step (the tiny MLP's 30 us)
+took twice as long. `JAXNN_MALLOC=0` leaves malloc as it is.
 
 glibc reads these settings when a thread first allocates, so they must be made before jax starts its CPU client
 (its threads): jaxnn makes them when it is imported, where jax has not started yet and no accelerator is present.
@@ -60,8 +59,8 @@ def _jax_started() -> bool:
 
 def _accelerator_present() -> bool:
     """Whether jax may run on something other than the CPU here: JAX_PLATFORMS (or jax's config) names another
-    platform, or, where neither is set, a PJRT plugin (CUDA, ROCm) or libtpu is installed. Host memory matters
-    little there, and the one arena would serialise the input pipeline's threads for nothing."""
+    platform, or, where neither is set, a PJRT plugin (CUDA, ROCm) or libtpu is installed. Scratch buffers live
+    on the device there, and malloc is best left to the host's own work."""
     jax_module = sys.modules.get("jax")
     platforms = os.environ.get("JAX_PLATFORMS") or getattr(getattr(jax_module, "config", None), "jax_platforms", None)
     if platforms:
