@@ -126,7 +126,7 @@ def trim_after_compiles() -> None:
 
     libc = _libc
 
-    def trim(event: str, duration: float, **kwargs: object) -> None:
+    def trim(event: str, duration_secs: float, **kwargs: str | int) -> None:
         if event == COMPILE_EVENT:
             libc.malloc_trim(0)
 
