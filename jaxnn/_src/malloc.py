@@ -2,8 +2,8 @@
 
 Why: XLA's CPU runtime allocates each run's scratch buffer (`Compiled.memory_analysis().temp_size_in_bytes`) with
 malloc on one of its own threads and frees it when the run ends. glibc serves a large request from a fresh `mmap`
-and returns it with `munmap`, so every step the kernel maps and zeroes each page again: 10,000 page faults and ~19
-ms of system time per 36 ms CNN step, 80,000 and ~140 ms per 360 ms GPT step, on a 2-core EPYC (docs/performance.md,
+and returns it with `munmap`, so every step the kernel maps and zeroes each page again: 10,500 page faults and 23 ms
+of system time per 40 ms CNN step, 80,000 and 143 ms per 384 ms GPT step, on a 2-core EPYC (docs/performance.md,
 "Host memory between steps").
 
 By default (`JAXNN_MALLOC` unset or 1) jaxnn turns off malloc's mmap and its trimming of the heap's free top, so a
