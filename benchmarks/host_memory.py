@@ -1,7 +1,7 @@
 """Host memory between steps: the benchmark models' jaxnn steps under jaxnn's default malloc settings, with one
-arena (JAXNN_MALLOC=one-arena), with glibc's malloc left as it is (JAXNN_MALLOC=0) and with glibc's huge pages for
-large blocks instead (JAXNN_MALLOC=0 GLIBC_TUNABLES=glibc.malloc.hugetlb=1); jaxnn/_src/malloc.py. Each run is a
-process of its own; the settings take turns in every round.
+arena (JAXNN_MALLOC=one-arena), with glibc's malloc (and XLA's flags) left as they are (JAXNN_MALLOC=0) and with
+glibc's huge pages for large blocks instead (JAXNN_MALLOC=0 GLIBC_TUNABLES=glibc.malloc.hugetlb=1);
+jaxnn/_src/malloc.py. Each run is a process of its own; the settings take turns in every round.
 
     python -m benchmarks.host_memory [--models cnn gpt] [--precisions fp32 bf16] [--rounds 3] [--steps 10]
 

@@ -1,12 +1,13 @@
 """One GPT training step in each precision policy and attention implementation, timed side by side on this device:
 which variant a user should pick here, and where a policy costs more than it saves.
 
-`python -m benchmarks.step_variants [--size small|large|tiny] [--variants fp32:xla bf16:auto fp8:auto ...]
+`python -m benchmarks.step_variants [--size small|large|bench|tiny] [--variants fp32:xla bf16:auto fp8:auto ...]
 [--json PATH] [--trace-dir DIR] [--hlo-dir DIR]`. Sizes: `small` is REPORT.md's GPU training model (d=512, 6 layers,
-T=256, batch 64), `large` the MFU benchmark's (d=1024, 24 layers, T=1024, batch 16), `tiny` a CPU smoke size. Each
-variant compiles once (no donation, so every timing window runs the same step on the same state); the medians come
-from interleaved rounds. `--trace-dir` also writes a jax profiler trace (Perfetto JSON) of a few steps of each
-variant, `--hlo-dir` each compiled program's HLO: the evidence for why one variant is slower than another.
+T=256, batch 64), `large` the MFU benchmark's (d=1024, 24 layers, T=1024, batch 16), `bench` the GPT of `make
+bench-peers` (d=256, 4 layers, T=128, batch 16), `tiny` a CPU smoke size. Each variant compiles once (no
+donation, so every timing window runs the same step on the same state); the medians come from interleaved rounds.
+`--trace-dir` also writes a jax profiler trace (Perfetto JSON) of a few steps of each variant, `--hlo-dir` each
+compiled program's HLO: the evidence for why one variant is slower than another.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from jaxnn.profile.timing import time_interleaved
 
 SIZES = {
     "tiny": {"batch": 4, "seq_len": 32, "d_model": 64, "num_layers": 2, "num_heads": 2},
+    "bench": {"batch": 16, "seq_len": 128, "d_model": 256, "num_layers": 4, "num_heads": 4},
     "small": {"batch": 64, "seq_len": 256, "d_model": 512, "num_layers": 6, "num_heads": 8},
     "large": {"batch": 16, "seq_len": 1024, "d_model": 1024, "num_layers": 24, "num_heads": 16},
 }

@@ -1,5 +1,6 @@
-"""jaxnn's "jaxnn" row with every thread on glibc's main arena (JAXNN_MALLOC=one-arena), which also keeps scratch
-buffers over 64 MB (the GPT's) between steps, at the cost of one lock for every thread (jaxnn/_src/malloc.py)."""
+"""jaxnn's "jaxnn" row with every thread on glibc's main arena (JAXNN_MALLOC=one-arena), which keeps the memory
+XLA's scratch takes in one place instead of in each worker thread's arena, at the cost of one lock for every thread
+(jaxnn/_src/malloc.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""jaxnn's "jaxnn" row with glibc's malloc left as it is (JAXNN_MALLOC=0): every step maps and zeroes XLA's scratch
-buffer afresh, as jaxnn did before it kept that memory between steps (jaxnn/_src/malloc.py)."""
+"""jaxnn's "jaxnn" row with glibc's malloc and XLA's flags left as they are (JAXNN_MALLOC=0): every step maps and
+zeroes XLA's scratch buffer afresh, as jaxnn did before it kept that memory between steps (jaxnn/_src/malloc.py)."""
 
 from __future__ import annotations
 

@@ -6,17 +6,23 @@ and returns it with `munmap`, so every step the kernel maps and zeroes each page
 of system time per 40 ms CNN step, 80,000 and 143 ms per 384 ms GPT step, on a 2-core EPYC (docs/performance.md,
 "Host memory between steps").
 
-By default (`JAXNN_MALLOC` unset or 1) jaxnn turns off malloc's mmap and its trimming of the heap's free top, so a
-freed buffer is reused: the CNN's faults go to 0 and its fp32 step from 39 to 27 ms in `make bench-peers`. A
-thread's arena cannot hold a block over 64 MB, though (glibc maps those whatever the settings), and the GPT's 267 MB
-buffer is one: `JAXNN_MALLOC=one-arena` also puts every thread on the main arena, which can (GPT fp32 376 -> 300
-ms), at a price measured there: the threads then share one lock, and a dispatch-bound step (the tiny MLP's 30 us)
-took twice as long. `JAXNN_MALLOC=0` leaves malloc as it is.
+By default (`JAXNN_MALLOC` unset or 1) jaxnn
+- turns off malloc's mmap and its trimming of the heap's free top, so a freed buffer is reused;
+- has XLA split each program's scratch into blocks of at most 48 MB (`--xla_multiheap_size_constraint_per_heap`
+  appended to `XLA_FLAGS`, unless it is set there already): a thread's arena lives in heaps of 64 MB, and glibc
+  maps any larger block afresh whatever its settings (the GPT's scratch is 267 MB in one block otherwise);
+- keeps a thread's heap when it empties (a top pad of a whole heap, `M_TOP_PAD`), which glibc would otherwise
+  unmap, so the next run's blocks are faulted in again;
+- caps malloc at 8 arenas: each of XLA's worker threads keeps the scratch it last freed in its own arena, so the
+  memory kept is at most 8 copies of a program's scratch on a machine of many cores.
+The GPT's fp32 step then runs without faults (375 -> 282 ms). `JAXNN_MALLOC=one-arena` puts every thread on the
+main arena instead (one copy kept, but jax's dispatch thread and XLA's then share one lock: the tiny MLP's 30 us step
+took twice as long). `JAXNN_MALLOC=0` leaves malloc and XLA_FLAGS as they are.
 
-glibc reads these settings when a thread first allocates, so they must be made before jax starts its CPU client
-(its threads): jaxnn makes them when it is imported, where jax has not started yet and no accelerator is present.
-Memory a run frees stays with the process; so that it does not also keep the compiler's peak, the free memory is
-handed back once after each compilation (`trim_after_compiles`, malloc_trim(3)).
+glibc reads these settings when a thread first allocates, and XLA its flags when jax first compiles, so they must be
+made before jax starts its CPU client: jaxnn makes them when it is imported, where jax has not started yet and no
+accelerator is present. Memory a run frees stays with the process; so that it does not also keep the compiler's
+peak, the free memory is handed back once after each compilation (`trim_after_compiles`, malloc_trim(3)).
 """
 
 from __future__ import annotations
@@ -33,9 +39,18 @@ MODES = ("1", "one-arena", "0")
 
 # mallopt(3) parameters (malloc.h).
 M_TRIM_THRESHOLD = -1
+M_TOP_PAD = -2
 M_MMAP_MAX = -4
 M_ARENA_MAX = -8
 _NEVER_TRIM = 2**31 - 1  # mallopt takes an int: the largest free top of the heap kept instead of returned
+# glibc's heaps for threads' arenas are 64 MB on 64-bit machines (HEAP_MAX_SIZE); a top pad of a whole heap makes
+# glibc keep a heap that empties (its check for unmapping one compares the room left against the pad).
+_THREAD_HEAP = 64 * 2**20
+ARENAS = 8
+
+# XLA's scratch in blocks a thread's heap holds, with room for the heap's own header and the run's small buffers.
+XLA_FLAG = "--xla_multiheap_size_constraint_per_heap"
+SCRATCH_BLOCK = 48 * 2**20
 
 # jax's monitoring event recorded after each backend compilation (jax._src.dispatch.BACKEND_COMPILE_EVENT).
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -93,27 +108,42 @@ def _reason_not_to(mode: str) -> str | None:
 
 
 def keep_host_memory() -> str:
-    """Sets glibc's malloc to map no blocks of its own and keep the heap's free top (and, with
-    `JAXNN_MALLOC=one-arena`, one arena for every thread) where that helps (see the module's docstring); returns and
-    records `status()`. Safe to call more than once; raises only for an unknown `JAXNN_MALLOC`."""
+    """Sets glibc's malloc to map no blocks of its own, keep its heaps and use at most 8 arenas (one with
+    `JAXNN_MALLOC=one-arena`), and XLA to split its scratch into blocks those heaps hold, where that helps (see the
+    module's docstring); returns and records `status()`. Safe to call more than once; raises only for an unknown
+    `JAXNN_MALLOC`."""
     global _status, _libc
     mode = _mode()
     reason = _reason_not_to(mode)
     if reason is not None:
         _status = reason
         return _status
-    settings = ([(M_ARENA_MAX, 1)] if mode == "one-arena" else []) + [(M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, _NEVER_TRIM)]
+    arenas = 1 if mode == "one-arena" else ARENAS
+    settings = [(M_ARENA_MAX, arenas), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, _NEVER_TRIM), (M_TOP_PAD, _THREAD_HEAP)]
     try:
         libc = ctypes.CDLL("libc.so.6")
         done = [libc.mallopt(p, v) for p, v in settings]
     except (OSError, AttributeError):
         done = []
-    if done and all(done):
-        arenas = "one arena, " if mode == "one-arena" else ""
-        _libc, _status = libc, f"kept between runs ({arenas}no mmap, trimmed after each compilation)"
-    else:
+    if not (done and all(done)):
         _status = "left as it is (mallopt)"
+        return _status
+    _libc = libc
+    arena_text = "one arena" if arenas == 1 else f"at most {arenas} arenas"
+    _status = f"kept between runs ({arena_text}, {_split_scratch()}, no mmap, trimmed after each compilation)"
     return _status
+
+
+def _split_scratch() -> str:
+    """Asks XLA (through XLA_FLAGS, read at jax's first compilation) for scratch blocks a thread's heap holds;
+    a constraint the user set there already is theirs. Returns the part of `status()` that says which."""
+    ours = f"{XLA_FLAG}={SCRATCH_BLOCK}"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if XLA_FLAG in flags and ours not in flags:
+        return "scratch blocks as XLA_FLAGS sets them"
+    if ours not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {ours}".strip()
+    return f"scratch in blocks of at most {SCRATCH_BLOCK // 2**20} MB"
 
 
 def trim_after_compiles() -> None:
