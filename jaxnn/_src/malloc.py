@@ -12,12 +12,13 @@ By default (`JAXNN_MALLOC` unset or 1) jaxnn
   appended to `XLA_FLAGS`, unless it is set there already): a thread's arena lives in heaps of 64 MB, and glibc
   maps any larger block afresh whatever its settings (the GPT's scratch is 267 MB in one block otherwise);
 - keeps a thread's heap when it empties (a top pad of a whole heap, `M_TOP_PAD`), which glibc would otherwise
-  unmap, so the next run's blocks are faulted in again;
-- caps malloc at 8 arenas: each of XLA's worker threads keeps the scratch it last freed in its own arena, so the
-  memory kept is at most 8 copies of a program's scratch on a machine of many cores.
-The GPT's fp32 step then runs without faults (375 -> 282 ms). `JAXNN_MALLOC=one-arena` puts every thread on the
-main arena instead (one copy kept, but jax's dispatch thread and XLA's then share one lock: the tiny MLP's 30 us step
-took twice as long). `JAXNN_MALLOC=0` leaves malloc and XLA_FLAGS as they are.
+  unmap, so the next run's blocks are faulted in again.
+The GPT's fp32 step then runs without faults (336 -> 287 ms in `make bench-peers`). The cost is memory: each of XLA's
+worker threads that runs a program keeps that program's scratch in its own arena (two threads took turns on the
+2-core machine measured). `JAXNN_MALLOC=one-arena` puts every thread on the main arena instead, one copy for all,
+but jax's dispatch thread and XLA's then share one lock (the tiny MLP's 30 us step took twice as long). Arenas are
+not capped either: glibc puts the threads beyond a cap on arenas in turn, the main thread's among them, which is
+one arena's lock again for some of XLA's workers. `JAXNN_MALLOC=0` leaves malloc and XLA_FLAGS as they are.
 
 glibc reads these settings when a thread first allocates, and XLA its flags when jax first compiles, so they must be
 made before jax starts its CPU client: jaxnn makes them when it is imported, where jax has not started yet and no
@@ -46,7 +47,6 @@ _NEVER_TRIM = 2**31 - 1  # mallopt takes an int: the largest free top of the hea
 # glibc's heaps for threads' arenas are 64 MB on 64-bit machines (HEAP_MAX_SIZE); a top pad of a whole heap makes
 # glibc keep a heap that empties (its check for unmapping one compares the room left against the pad).
 _THREAD_HEAP = 64 * 2**20
-ARENAS = 8
 
 # XLA's scratch in blocks a thread's heap holds, with room for the heap's own header and the run's small buffers.
 XLA_FLAG = "--xla_multiheap_size_constraint_per_heap"
@@ -108,9 +108,9 @@ def _reason_not_to(mode: str) -> str | None:
 
 
 def keep_host_memory() -> str:
-    """Sets glibc's malloc to map no blocks of its own, keep its heaps and use at most 8 arenas (one with
-    `JAXNN_MALLOC=one-arena`), and XLA to split its scratch into blocks those heaps hold, where that helps (see the
-    module's docstring); returns and records `status()`. Safe to call more than once; raises only for an unknown
+    """Sets glibc's malloc to map no blocks of its own and keep its heaps (with `JAXNN_MALLOC=one-arena`, one arena
+    for every thread), and XLA to split its scratch into blocks those heaps hold, where that helps (see the module's
+    docstring); returns and records `status()`. Safe to call more than once; raises only for an unknown
     `JAXNN_MALLOC`."""
     global _status, _libc
     mode = _mode()
@@ -118,8 +118,11 @@ def keep_host_memory() -> str:
     if reason is not None:
         _status = reason
         return _status
-    arenas = 1 if mode == "one-arena" else ARENAS
-    settings = [(M_ARENA_MAX, arenas), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, _NEVER_TRIM), (M_TOP_PAD, _THREAD_HEAP)]
+    settings = ([(M_ARENA_MAX, 1)] if mode == "one-arena" else []) + [
+        (M_MMAP_MAX, 0),
+        (M_TRIM_THRESHOLD, _NEVER_TRIM),
+        (M_TOP_PAD, _THREAD_HEAP),
+    ]
     try:
         libc = ctypes.CDLL("libc.so.6")
         done = [libc.mallopt(p, v) for p, v in settings]
@@ -129,8 +132,8 @@ def keep_host_memory() -> str:
         _status = "left as it is (mallopt)"
         return _status
     _libc = libc
-    arena_text = "one arena" if arenas == 1 else f"at most {arenas} arenas"
-    _status = f"kept between runs ({arena_text}, {_split_scratch()}, no mmap, trimmed after each compilation)"
+    arenas = "one arena, " if mode == "one-arena" else ""
+    _status = f"kept between runs ({arenas}{_split_scratch()}, no mmap, trimmed after each compilation)"
     return _status
 
 
