@@ -4,9 +4,11 @@ glibc's huge pages for large blocks instead (JAXNN_MALLOC=0 GLIBC_TUNABLES=glibc
 jaxnn/_src/malloc.py. Each run is a process of its own; the settings take turns in every round.
 
     python -m benchmarks.host_memory [--models cnn gpt] [--precisions fp32 bf16] [--rounds 3] [--steps 10]
+        [--warmup 10]
 
-Per row: median ms per step over rounds, and from the last round the minor page faults and system CPU time per step
-(getrusage over the timed steps) and the process's resident memory after them (VmRSS).
+Per row, each a median over the rounds: ms per step, the minor page faults and system CPU time per step (getrusage
+over the timed steps), the faults per step of the warm-up steps before them (where a kept heap is first built) and
+the process's resident memory after the timed steps (VmRSS).
 """
 
 from __future__ import annotations
@@ -36,9 +38,11 @@ import jax
 from benchmarks.peers.peer_jaxnn import build
 from jaxnn._src import malloc
 
-name, precision, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+name, precision, steps, warmup = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 call = build(name, precision)
-for _ in range(3):
+jax.block_until_ready(call())  # compiles
+start_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(warmup):
     jax.block_until_ready(call())
 before, times = resource.getrusage(resource.RUSAGE_SELF), []
 for _ in range(steps):
@@ -51,15 +55,16 @@ print(json.dumps({
     "step_ms": sorted(times)[len(times) // 2] * 1e3,
     "faults_per_step": (after.ru_minflt - before.ru_minflt) / steps,
     "sys_ms_per_step": (after.ru_stime - before.ru_stime) / steps * 1e3,
+    "warmup_faults_per_step": (before.ru_minflt - start_faults) / max(warmup, 1),
     "rss_mb": rss / 1024,
     "malloc": malloc.status(),
 }))
 """
 
 
-def run_child(name: str, precision: str, setting: str, steps: int) -> dict:
+def run_child(name: str, precision: str, setting: str, steps: int, warmup: int) -> dict:
     env = {**os.environ, **SETTINGS[setting]}
-    cmd = [sys.executable, "-c", _CHILD, name, precision, str(steps)]
+    cmd = [sys.executable, "-c", _CHILD, name, precision, str(steps), str(warmup)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -70,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per process")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps before them, after the compiling one")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     print(f"CPU: {cpu_label()}")
@@ -79,16 +85,16 @@ def main(argv: list[str] | None = None) -> int:
             runs: dict[str, list[dict]] = {s: [] for s in SETTINGS}
             for _ in range(args.rounds):
                 for setting in SETTINGS:
-                    runs[setting].append(run_child(name, precision, setting, args.steps))
+                    runs[setting].append(run_child(name, precision, setting, args.steps, args.warmup))
             for setting, results in runs.items():
-                last = results[-1]
-                row = {"model": name, "precision": precision, "malloc": setting, **last}
-                row["step_ms"] = statistics.median(r["step_ms"] for r in results)
+                row = {"model": name, "precision": precision, "malloc": setting, "rounds": results}
+                for key in ("step_ms", "faults_per_step", "sys_ms_per_step", "warmup_faults_per_step", "rss_mb"):
+                    row[key] = statistics.median(r[key] for r in results)
                 rows.append(row)
                 print(
                     f"{name:5} {precision:5} {setting:14} {row['step_ms']:9.2f} ms/step  "
                     f"{row['faults_per_step']:8.0f} faults/step  sys {row['sys_ms_per_step']:6.1f} ms/step  "
-                    f"RSS {row['rss_mb']:6.0f} MB"
+                    f"warm-up {row['warmup_faults_per_step']:8.0f} faults/step  RSS {row['rss_mb']:6.0f} MB"
                 )
     if args.json:
         with open(args.json, "w") as f:
