@@ -95,6 +95,7 @@ needs_glibc = pytest.mark.skipif(
 )
 
 
+@pytest.mark.system  # starts processes
 @needs_glibc
 @pytest.mark.parametrize("where", ["main", "thread"])
 def test_freed_memory_is_reused_instead_of_mapped_and_faulted_in_afresh(where):
@@ -108,6 +109,7 @@ def test_freed_memory_is_reused_instead_of_mapped_and_faulted_in_afresh(where):
     assert float(kept) < 100, kept
 
 
+@pytest.mark.system  # starts processes
 @needs_glibc
 def test_a_program_with_more_scratch_than_a_thread_heap_stops_faulting():
     kept = sorted(int(n) for n in _run(_XLA_FAULTS, JAX_PLATFORMS="cpu"))
@@ -119,6 +121,7 @@ def test_a_program_with_more_scratch_than_a_thread_heap_stops_faulting():
     assert kept[5] < 1000, kept
 
 
+@pytest.mark.system  # starts processes
 @needs_glibc
 def test_scratch_blocks_are_asked_of_xla_unless_the_user_set_them():
     status, flags = _run(_STATUS, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_cpu_enable_fast_math=false")
@@ -131,12 +134,14 @@ def test_scratch_blocks_are_asked_of_xla_unless_the_user_set_them():
     assert flags == "--xla_cpu_enable_fast_math=false"
 
 
+@pytest.mark.system  # starts processes
 @needs_glibc
 def test_one_arena_is_asked_for_by_name():
     (line, _) = _run(_STATUS, JAXNN_MALLOC="one-arena")
     assert line == KEPT.replace("(", "(one arena, ")
 
 
+@pytest.mark.system  # starts processes
 def test_an_unknown_setting_is_one_line_naming_it():
     code = "import jaxnn"
     environ = {**os.environ, "JAXNN_MALLOC": "yes"}
@@ -147,6 +152,7 @@ def test_an_unknown_setting_is_one_line_naming_it():
     )
 
 
+@pytest.mark.system  # starts processes
 def test_it_is_left_alone_once_jax_has_started_and_where_an_accelerator_is_configured():
     started = "import jax; jax.numpy.ones(1).block_until_ready()\nimport jaxnn\nfrom jaxnn._src import malloc\n"
     (line,) = _run(started + "print(malloc.status())", JAX_PLATFORMS="cpu")

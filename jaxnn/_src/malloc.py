@@ -13,12 +13,13 @@ By default (`JAXNN_MALLOC` unset or 1) jaxnn
   maps any larger block afresh whatever its settings (the GPT's scratch is 267 MB in one block otherwise);
 - keeps a thread's heap when it empties (a top pad of a whole heap, `M_TOP_PAD`), which glibc would otherwise
   unmap, so the next run's blocks are faulted in again.
-The GPT's fp32 step then runs without faults (336 -> 287 ms in `make bench-peers`). The cost is memory: each of XLA's
-worker threads that runs a program keeps that program's scratch in its own arena (two threads took turns on the
-2-core machine measured). `JAXNN_MALLOC=one-arena` puts every thread on the main arena instead, one copy for all,
-but jax's dispatch thread and XLA's then share one lock (the tiny MLP's 30 us step took twice as long). Arenas are
-not capped either: glibc puts the threads beyond a cap on arenas in turn, the main thread's among them, which is
-one arena's lock again for some of XLA's workers. `JAXNN_MALLOC=0` leaves malloc and XLA_FLAGS as they are.
+The GPT's fp32 step then runs without faults (343 -> 290 ms over 7 rounds of `make bench-peers`). The cost is
+memory: each of XLA's worker threads that runs a program keeps that program's scratch in its own arena (two threads
+took turns on the 2-core machine measured). `JAXNN_MALLOC=one-arena` puts every thread on the main arena instead,
+one copy for all, but jax's dispatch thread and XLA's then share one lock (the tiny MLP's 30 us step took twice as
+long). Arenas are not capped either: glibc puts the threads beyond a cap on arenas in turn, the main thread's among
+them, which is one arena's lock again for some of XLA's workers. `JAXNN_MALLOC=0` leaves malloc and XLA_FLAGS as
+they are.
 
 glibc reads these settings when a thread first allocates, and XLA its flags when jax first compiles, so they must be
 made before jax starts its CPU client: jaxnn makes them when it is imported, where jax has not started yet and no
