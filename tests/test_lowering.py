@@ -182,7 +182,7 @@ def test_cpu_jit_of_auto_is_bitwise_the_explicit_cpu_lowering(policy):
     assert not re.search(r"\bconditional\(", compiled.as_text())
 
 
-@pytest.mark.parametrize("dtype, cpu_impl", [(jnp.float32, "xla"), (jnp.bfloat16, "f32acc")])
+@pytest.mark.parametrize("dtype, cpu_impl", [(jnp.float32, "blocked"), (jnp.bfloat16, "f32acc")])
 def test_cpu_jit_of_auto_attention_is_bitwise_the_explicit_one(dtype, cpu_impl):
     auto, explicit = (L.MultiHeadAttention(2, causal=True, implementation=i) for i in ("auto", cpu_impl))
     params = jax.tree.map(lambda p: p.astype(dtype), random_params(auto, (2, 6, 8)))

@@ -53,6 +53,7 @@ def _gpt(position, implementation):
         pytest.param("rope", "xla", marks=pytest.mark.slow),
         pytest.param("learned", "xla", marks=pytest.mark.slow),
         pytest.param("learned", "f32acc", marks=pytest.mark.slow),
+        pytest.param("learned", "blocked", marks=pytest.mark.slow),
     ],
 )
 def test_a_packed_document_gives_the_logits_and_loss_it_gives_alone(position, implementation):

@@ -16,6 +16,7 @@ from jax import lax
 from jax.nn import initializers
 
 from jaxnn import precision
+from jaxnn.layers import blocked_attention
 from jaxnn.layers.activation import Dropout, Gelu
 from jaxnn.layers.core import (
     Lambda,
@@ -35,7 +36,7 @@ from jaxnn.layers.norm import LayerNorm, RMSNorm
 from jaxnn.layers.stack import remat_layer, remat_policy
 from jaxnn.parallel.activations import BATCH, HIDDEN, constrain
 
-IMPLEMENTATIONS = ("auto", "xla", "cudnn", "f32acc")
+IMPLEMENTATIONS = ("auto", "xla", "cudnn", "f32acc", "blocked")
 
 
 def rotary_embedding(x_BTNH: jax.Array, positions_BT: jax.Array, base: float = 10000.0) -> jax.Array:
@@ -93,7 +94,8 @@ def _is_half(dtype) -> bool:
 
 
 def _choose_implementation(implementation: str, dtype) -> str:
-    """The implementation for every lowering platform but CUDA (where "auto" may take cuDNN, `_cudnn_traces`)."""
+    """The implementation for every lowering platform but CUDA (where "auto" may take cuDNN, `_cudnn_traces`) and
+    the CPU (where "auto" takes the blocked path for float32, `_dispatch`)."""
     if implementation != "auto":
         return implementation
     if _is_half(dtype) or jnp.dtype(dtype) == jnp.float64:
@@ -123,33 +125,37 @@ def _cudnn_traces(q_BTNH, k_BSKH, v_BSKH, mask_B11S, causal) -> bool:
     return True
 
 
-def _attention(impl, q_BTNH, k_BSKH, v_BSKH, mask_B11S, causal, policy):
+def _attention(impl, q_BTNH, k_BSKH, v_BSKH, mask_B11S, causal, policy, padded):
     if impl == "f32acc":
         T, S = q_BTNH.shape[1], k_BSKH.shape[1]
         valid = jnp.tril(jnp.ones((1, 1, T, S), bool)) if causal else None
         if mask_B11S is not None:
             valid = mask_B11S if valid is None else valid & mask_B11S
         return _attention_f32acc(q_BTNH, k_BSKH, v_BSKH, valid, policy)
+    if impl == "blocked":
+        G = q_BTNH.shape[2] // k_BSKH.shape[2]
+        k_BSNH, v_BSNH = (jnp.repeat(x, G, axis=2) if G > 1 else x for x in (k_BSKH, v_BSKH))
+        return blocked_attention.attention(q_BTNH, k_BSNH, v_BSNH, mask_B11S, causal, skip_hidden_keys=not padded)
     return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_B11S, is_causal=causal, implementation=impl)
 
 
-def _dispatch(implementation, q_BTNH, k_BSKH, v_BSKH, mask_B11S, causal, policy):
-    """Attention in the implementation asked for; "auto" picks per lowering platform (see MultiHeadAttention)."""
+def _dispatch(implementation, q_BTNH, k_BSKH, v_BSKH, mask_B11S, causal, policy, padded):
+    """Attention in the implementation asked for; "auto" picks per lowering platform (see MultiHeadAttention).
+    `padded`: whether `mask_B11S` holds a padding mask (a query may then see no key at all)."""
     impl = _choose_implementation(implementation, q_BTNH.dtype)
-    if not (
-        implementation == "auto" and _is_half(q_BTNH.dtype) and _cudnn_traces(q_BTNH, k_BSKH, v_BSKH, mask_B11S, causal)
-    ):
-        return _attention(impl, q_BTNH, k_BSKH, v_BSKH, mask_B11S, causal, policy)
-    # cuDNN's fused flash-attention kernel where the computation is lowered for CUDA; the choice follows the
-    # platform jax lowers for (a program traced here can be exported for another), not the default backend.
-    return lax.platform_dependent(
-        q_BTNH,
-        k_BSKH,
-        v_BSKH,
-        mask_B11S,
-        cuda=lambda q, k, v, mask: _attention("cudnn", q, k, v, mask, causal, policy),
-        default=lambda q, k, v, mask: _attention(impl, q, k, v, mask, causal, policy),
-    )
+
+    def run(impl):
+        return lambda q, k, v, mask: _attention(impl, q, k, v, mask, causal, policy, padded)
+
+    args = (q_BTNH, k_BSKH, v_BSKH, mask_B11S)
+    if implementation == "auto" and _is_half(q_BTNH.dtype) and _cudnn_traces(*args, causal):
+        # cuDNN's fused flash-attention kernel where the computation is lowered for CUDA; the choice follows the
+        # platform jax lowers for (a program traced here can be exported for another), not the default backend.
+        return lax.platform_dependent(*args, cuda=run("cudnn"), default=run(impl))
+    if implementation == "auto" and impl == "xla" and k_BSKH.shape[2] == q_BTNH.shape[2]:
+        # Float32 on the CPU: the blocked path (`jaxnn.layers.blocked_attention`, measured faster there).
+        return lax.platform_dependent(*args, cpu=run("blocked"), default=run(impl))
+    return run(impl)(*args)
 
 
 def _check_mask(name: str, arg: str, mask: jax.Array | None, shape: tuple[int, int]) -> jax.Array | None:
@@ -269,8 +275,11 @@ def MultiHeadAttention(
       cache's length is refused in eager calls and gives NaN outputs under jit.
     `implementation`: "auto" uses cuDNN's fused kernel for bf16/fp16 when the computation is lowered for CUDA and
     jax can trace cuDNN attention here (a CUDA jax with cuDNN, and shapes the kernel takes), the f32-accumulating
-    path for half precision and float64 otherwise, and jax's XLA path for float32; "xla", "cudnn" and "f32acc" force
-    one. The platform is the one jax lowers for (`lax.platform_dependent`), not the process's default backend.
+    path for half precision and float64 otherwise, and for float32 the blocked path where the computation is lowered
+    for the CPU (`jaxnn.layers.blocked_attention`: causal query blocks that skip hidden keys, a written-out
+    gradient; with query and key/value heads equal) and jax's XLA path elsewhere; "xla", "cudnn", "f32acc" and
+    "blocked" force one. The platform is the one jax lowers for (`lax.platform_dependent`), not the process's
+    default backend.
     """
     kv_heads = _check_config(num_heads, head_dim, num_kv_heads, implementation, cross, causal, rope)
     fused = not cross and kv_heads == num_heads
@@ -300,7 +309,8 @@ def MultiHeadAttention(
             if rope:
                 positions = jnp.broadcast_to(jnp.arange(T), (B, T)) if positions is None else positions
                 q, k = rotary_embedding(q, positions, rope_base), rotary_embedding(k, positions, rope_base)
-            o = _dispatch(implementation, q, k, v, _with_segments(key_mask, segments), causal, policy)
+            mask = _with_segments(key_mask, segments)
+            o = _dispatch(implementation, q, k, v, mask, causal, policy, padded=key_mask is not None)
         y = heads.dense(D, "out").apply(params["out"], o.reshape(B, T, -1), policy=policy)
         return y if cache is None else (y, cache)
 

@@ -1,0 +1,139 @@
+"""Attention in query blocks with a hand-written gradient: the "blocked" implementation of MultiHeadAttention,
+and what "auto" runs for float32 where the computation is lowered for the CPU.
+
+Why not jax's XLA path on CPUs: under a causal mask, the queries of the first block see only the first block's
+keys, so computing every block against only the keys it can see skips up to half of the products (with at most
+`MAX_BLOCKS` blocks of at least `MIN_BLOCK` queries, 5/8 of them are left at T = 128, 9/16 at T >= 256). The
+gradient is written out: one product per operand gradient and the softmax's gradient from the saved
+probabilities (dS = P * (dP - rowsum(dO * O)), as flash attention does), where autodiff of jax's path re-derives
+the normalisation. Every product runs on (B, N, T, H) copies of q, k and v, the batched layout XLA's CPU dot
+takes without a transpose per product. The GPT of `make bench-peers`: docs/performance.md, "Attention on CPUs".
+
+Shape suffixes as in `jaxnn.layers.attention`; here N is the number of heads of q, k and v alike.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+MIN_BLOCK = 32  # queries per block at least: smaller products lose more to overhead than the skipped keys save
+MAX_BLOCKS = 8  # at T = 1024, 16 blocks were slower than 8 (docs/performance.md)
+
+
+def query_blocks(T: int, S: int, causal: bool) -> tuple[tuple[int, int], ...]:
+    """(start, end) of each query block. Several only for causal self-attention (T == S), where block
+    [start, end) sees keys [0, end) only; otherwise one block that sees every key."""
+    if not causal or T != S or T < 2 * MIN_BLOCK:
+        return ((0, T),)
+    n = min(MAX_BLOCKS, T // MIN_BLOCK)
+    edges = [round(i * T / n) for i in range(n + 1)]
+    return tuple(zip(edges[:-1], edges[1:]))
+
+
+def attention(
+    q_BTNH: jax.Array,
+    k_BSNH: jax.Array,
+    v_BSNH: jax.Array,
+    valid: jax.Array | None,
+    causal: bool,
+    skip_hidden_keys: bool = True,
+) -> jax.Array:
+    """Softmax attention, the same function as `jax.nn.dot_product_attention(q, k, v, mask=valid,
+    is_causal=causal)`: `valid` None or bool broadcasting to (B, 1, T, S); causal masks are aligned at the first
+    position. A query that sees no key attends to every key equally, as in jax's path; so that this holds under
+    a padding mask too, `skip_hidden_keys=False` keeps one block (no key is skipped). Products accumulate and the
+    softmax runs in float32 (float64 for float64 inputs)."""
+    T, S = q_BTNH.shape[1], k_BSNH.shape[1]
+    blocks = query_blocks(T, S, causal) if skip_hidden_keys else ((0, T),)
+    return _blocked(blocks, causal, q_BTNH, k_BSNH, v_BSNH, valid)
+
+
+def _wide(dtype) -> jnp.dtype:
+    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
+
+
+def _product(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, a, b, precision=lax.Precision.HIGHEST, preferred_element_type=_wide(a.dtype))
+
+
+def _keys_seen(block: tuple[int, int], causal: bool, S: int) -> int:
+    return block[1] if causal else S
+
+
+def _keep(block, causal, valid, S) -> jax.Array | None:
+    """Which logits of a block count: the block's rows of `valid`, and the causal mask."""
+    start, end = block
+    seen = _keys_seen(block, causal, S)
+    keep = None if valid is None else valid[:, :, start:end, :seen] if valid.shape[2] > 1 else valid[..., :seen]
+    if causal:
+        below = ((start + jnp.arange(end - start))[:, None] >= jnp.arange(seen)[None, :])[None, None]
+        keep = below if keep is None else keep & below
+    return keep
+
+
+def _large_negative(dtype) -> float:
+    # As jax's path: finite, so that a row with every key masked gets equal weights rather than NaNs.
+    return -0.7 * float(min(jnp.finfo(dtype).max, jnp.finfo(jnp.float32).max))
+
+
+def _block_probs(q_BNtH, k_BNsH, keep) -> jax.Array:
+    logits = _product("bnth,bnsh->bnts", q_BNtH, k_BNsH) / math.sqrt(q_BNtH.shape[-1])
+    if keep is not None:
+        logits = jnp.where(keep, logits, _large_negative(logits.dtype))
+    return jax.nn.softmax(logits, axis=-1)
+
+
+def _heads_first(x_BTNH: jax.Array) -> jax.Array:
+    return jnp.transpose(x_BTNH, (0, 2, 1, 3))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _blocked(blocks, causal, q_BTNH, k_BSNH, v_BSNH, valid):
+    return _forward(blocks, causal, q_BTNH, k_BSNH, v_BSNH, valid)[0]
+
+
+def _forward(blocks, causal, q_BTNH, k_BSNH, v_BSNH, valid):
+    q, k, v = (_heads_first(x) for x in (q_BTNH, k_BSNH, v_BSNH))
+    S = k.shape[2]
+    probs, outs = [], []
+    for block in blocks:
+        start, end = block
+        seen = _keys_seen(block, causal, S)
+        p = _block_probs(q[:, :, start:end], k[:, :, :seen], _keep(block, causal, valid, S))
+        probs.append(p)
+        outs.append(_product("bnts,bnsh->bnth", p.astype(v.dtype), v[:, :, :seen]))
+    o_BNTH = jnp.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]
+    o_BTNH = _heads_first(o_BNTH).astype(q_BTNH.dtype)
+    return o_BTNH, (q, k, v, valid, tuple(probs), o_BNTH)
+
+
+def _backward(blocks, causal, residuals, do_BTNH):
+    q, k, v, valid, probs, o = residuals
+    S, H = k.shape[2], q.shape[-1]
+    do = _heads_first(do_BTNH).astype(o.dtype)
+    # rowsum(dP * P) of the softmax's gradient, from the outputs: rowsum(dO * O) is the same sum, T x H not T x S.
+    delta_BNT1 = jnp.sum(do * o, axis=-1, keepdims=True)
+    dq_blocks, dk, dv = [], jnp.zeros(k.shape, o.dtype), jnp.zeros(v.shape, o.dtype)
+    for block, p in zip(blocks, probs, strict=True):
+        start, end = block
+        seen = _keys_seen(block, causal, S)
+        do_t = do[:, :, start:end]
+        dv = dv.at[:, :, :seen].add(_product("bnts,bnth->bnsh", p, do_t))
+        dp = _product("bnth,bnsh->bnts", do_t, v[:, :, :seen].astype(o.dtype))
+        ds = p * (dp - delta_BNT1[:, :, start:end]) / math.sqrt(H)
+        keep = _keep(block, causal, valid, S)
+        if keep is not None:  # a row with every key masked has weights there, but its logits were constants
+            ds = jnp.where(keep, ds, 0)
+        dq_blocks.append(_product("bnts,bnsh->bnth", ds, k[:, :, :seen].astype(o.dtype)))
+        dk = dk.at[:, :, :seen].add(_product("bnts,bnth->bnsh", ds, q[:, :, start:end].astype(o.dtype)))
+    dq = jnp.concatenate(dq_blocks, axis=2) if len(dq_blocks) > 1 else dq_blocks[0]
+    grads = (_heads_first(g).astype(x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
+    return (*grads, None)
+
+
+_blocked.defvjp(_forward, _backward)
