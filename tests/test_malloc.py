@@ -136,6 +136,28 @@ def test_scratch_blocks_are_asked_of_xla_unless_the_user_set_them():
 
 @pytest.mark.system  # starts processes
 @needs_glibc
+def test_buffers_larger_than_a_block_compile_without_xla_warning_about_each_unless_the_user_asks():
+    # Two 64 MB intermediates alive at once: XLA warns about each buffer over the block size while it places them.
+    code = textwrap.dedent(
+        """
+        import sys, jaxnn, jax, jax.numpy as jnp
+        x = jnp.ones((4096, 4096))
+        print(jax.jit(lambda x: (jnp.sin(x) @ jnp.cos(x)).sum()).lower(x).compile().memory_analysis().temp_size_in_bytes)
+        """
+    )
+    environ = {k: v for k, v in os.environ.items() if k not in ("JAXNN_MALLOC", "JAX_PLATFORMS", malloc.LOG_LEVEL)}
+    environ.update(XLA_FLAGS="", JAX_NUM_CPU_DEVICES="1", JAX_PLATFORMS="cpu")
+    warning = "larger than the per-heap size limit"
+    for user_level, warned in ((None, False), ("0", True)):
+        env = environ if user_level is None else {**environ, malloc.LOG_LEVEL: user_level}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert int(out.stdout) > 2 * 48 * 2**20
+        assert (warning in out.stderr) == warned, out.stderr[-2000:]
+
+
+@pytest.mark.system  # starts processes
+@needs_glibc
 def test_one_arena_is_asked_for_by_name():
     (line, _) = _run(_STATUS, JAXNN_MALLOC="one-arena")
     assert line == KEPT.replace("(", "(one arena, ")

@@ -10,7 +10,11 @@ By default (`JAXNN_MALLOC` unset or 1) jaxnn
 - turns off malloc's mmap and its trimming of the heap's free top, so a freed buffer is reused;
 - has XLA split each program's scratch into blocks of at most 48 MB (`--xla_multiheap_size_constraint_per_heap`
   appended to `XLA_FLAGS`, unless it is set there already): a thread's arena lives in heaps of 64 MB, and glibc
-  maps any larger block afresh whatever its settings (the GPT's scratch is 267 MB in one block otherwise);
+  maps any larger block afresh whatever its settings (the GPT's scratch is 267 MB in one block otherwise). A
+  single buffer larger than a block still gets an allocation of its own, as without the flag, but XLA then warns
+  about it on every compilation, once per remaining block and such buffer (a GPT with 64 MB attention logits printed
+  about a hundred lines); so jaxnn also sets TF_CPP_MIN_LOG_LEVEL=2 (XLA's C++ errors shown, its warnings not)
+  where it is unset;
 - keeps a thread's heap when it empties (a top pad of a whole heap, `M_TOP_PAD`), which glibc would otherwise
   unmap, so the next run's blocks are faulted in again.
 The GPT's fp32 step then runs without faults (343 -> 290 ms over 7 rounds of `make bench-peers`). The cost is
@@ -52,6 +56,8 @@ _THREAD_HEAP = 64 * 2**20
 # XLA's scratch in blocks a thread's heap holds, with room for the heap's own header and the run's small buffers.
 XLA_FLAG = "--xla_multiheap_size_constraint_per_heap"
 SCRATCH_BLOCK = 48 * 2**20
+# XLA's C++ log threshold (jaxlib reads it when jax starts): 2 keeps errors, drops the warning each larger buffer gets.
+LOG_LEVEL = "TF_CPP_MIN_LOG_LEVEL"
 
 # jax's monitoring event recorded after each backend compilation (jax._src.dispatch.BACKEND_COMPILE_EVENT).
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -147,6 +153,7 @@ def _split_scratch() -> str:
         return "scratch blocks as XLA_FLAGS sets them"
     if ours not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {ours}".strip()
+    os.environ.setdefault(LOG_LEVEL, "2")
     return f"scratch in blocks of at most {SCRATCH_BLOCK // 2**20} MB"
 
 
