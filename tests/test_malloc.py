@@ -140,9 +140,10 @@ def test_buffers_larger_than_a_block_compile_without_xla_warning_about_each_unle
     # Two 64 MB intermediates alive at once: XLA warns about each buffer over the block size while it places them.
     code = textwrap.dedent(
         """
-        import sys, jaxnn, jax, jax.numpy as jnp
+        import jaxnn, jax, jax.numpy as jnp
         x = jnp.ones((4096, 4096))
-        print(jax.jit(lambda x: (jnp.sin(x) @ jnp.cos(x)).sum()).lower(x).compile().memory_analysis().temp_size_in_bytes)
+        compiled = jax.jit(lambda x: (jnp.sin(x) @ jnp.cos(x)).sum()).lower(x).compile()
+        print(compiled.memory_analysis().temp_size_in_bytes)
         """
     )
     environ = {k: v for k, v in os.environ.items() if k not in ("JAXNN_MALLOC", "JAX_PLATFORMS", malloc.LOG_LEVEL)}
