@@ -59,8 +59,8 @@ def synthetic_batch(name: str, seed: int = 0) -> dict:
     }
 
 
-def jaxnn_model(name: str):
-    """The jaxnn layer and loss function for benchmark model `name`."""
+def jaxnn_model(name: str, **gpt_overrides):
+    """The jaxnn layer and loss function for benchmark model `name` (`gpt_overrides`: GPTConfig fields)."""
     from jaxnn import models, train
 
     spec = SPECS[name]
@@ -72,7 +72,7 @@ def jaxnn_model(name: str):
         return models.CNN(
             models.CNNConfig(widths=spec["widths"], num_classes=spec["classes"])
         ), train.classification_loss
-    return models.GPT(gpt_config(spec)), train.language_model_loss
+    return models.GPT(gpt_config(spec, **gpt_overrides)), train.language_model_loss
 
 
 def gpt_config(spec: dict, **overrides):

@@ -24,6 +24,7 @@ PEERS = {
     "jaxnn_metrics": "peer_jaxnn_metrics",
     "jaxnn_onednn": "peer_jaxnn_onednn",
     "jaxnn_xla": "peer_jaxnn_xla",
+    "jaxnn_xla_attention": "peer_jaxnn_xla_attention",
     "jaxnn_system_malloc": "peer_jaxnn_system_malloc",
     "jaxnn_one_arena": "peer_jaxnn_one_arena",
     "flax_linen": "peer_linen",

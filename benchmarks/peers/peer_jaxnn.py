@@ -17,25 +17,27 @@ import optax
 from benchmarks.peers.common import main
 from benchmarks.train_steps import LEARNING_RATE, jaxnn_model, synthetic_batch
 from jaxnn import train
+from jaxnn.layers.attention import cpu_implementation
 from jaxnn.profile.timing import stepper
 
 
 def kernels(name: str, precision: str) -> str:
-    """Where this row's convolutions and products ran on the CPU (oneDNN's kernels or XLA's, as traced), and how
-    malloc treated XLA's scratch memory between steps (`jaxnn._src.malloc`)."""
+    """Where this row's convolutions and products ran on the CPU (oneDNN's kernels or XLA's, as traced), the GPT's
+    attention path, and how malloc treated XLA's scratch memory between steps (`jaxnn._src.malloc`)."""
     from jaxnn._src import malloc
     from jaxnn.kernels import onednn
 
     memory = f"host memory {malloc.status()}"
-    if not onednn.available():
-        return f"XLA (oneDNN kernels not built); {memory}"
     dtype = jnp.bfloat16 if precision == "bf16" else jnp.float32
+    attention = f", attention {cpu_implementation(dtype)}" if name == "gpt" else ""
+    if not onednn.available():
+        return f"XLA (oneDNN kernels not built){attention}; {memory}"
     products = ", ".join(f"{kind} {'oneDNN' if onednn.enabled(kind, dtype) else 'XLA'}" for kind in ("conv", "matmul"))
-    return f"{products}; {memory}"
+    return f"{products}{attention}; {memory}"
 
 
-def build(name: str, precision: str, *, metrics: bool = False):
-    model, loss_fn = jaxnn_model(name)
+def build(name: str, precision: str, *, metrics: bool = False, **gpt_overrides):
+    model, loss_fn = jaxnn_model(name, **gpt_overrides)
     if not metrics:
         full_loss = loss_fn
         loss_fn = lambda logits, batch: (full_loss(logits, batch)[0], {})  # noqa: E731 (XLA drops the rest)

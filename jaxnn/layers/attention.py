@@ -103,6 +103,14 @@ def _choose_implementation(implementation: str, dtype) -> str:
     return "xla"
 
 
+def cpu_implementation(dtype, grouped: bool = False) -> str:
+    """The implementation "auto" runs where the computation is lowered for the CPU: the blocked path for float32
+    with as many key/value heads as query heads (`jaxnn.layers.blocked_attention`, measured faster there), else as
+    on every other platform but CUDA."""
+    impl = _choose_implementation("auto", dtype)
+    return "blocked" if impl == "xla" and not grouped else impl
+
+
 def _cudnn_traces(q_BTNH, k_BSKH, v_BSKH, mask_B11S, causal) -> bool:
     """Whether jax's cuDNN attention can be traced for these operands in this process.
 
@@ -152,9 +160,9 @@ def _dispatch(implementation, q_BTNH, k_BSKH, v_BSKH, mask_B11S, causal, policy,
         # cuDNN's fused flash-attention kernel where the computation is lowered for CUDA; the choice follows the
         # platform jax lowers for (a program traced here can be exported for another), not the default backend.
         return lax.platform_dependent(*args, cuda=run("cudnn"), default=run(impl))
-    if implementation == "auto" and impl == "xla" and k_BSKH.shape[2] == q_BTNH.shape[2]:
-        # Float32 on the CPU: the blocked path (`jaxnn.layers.blocked_attention`, measured faster there).
-        return lax.platform_dependent(*args, cpu=run("blocked"), default=run(impl))
+    grouped = k_BSKH.shape[2] != q_BTNH.shape[2]
+    if implementation == "auto" and impl != (cpu := cpu_implementation(q_BTNH.dtype, grouped)):
+        return lax.platform_dependent(*args, cpu=run(cpu), default=run(impl))
     return run(impl)(*args)
 
 

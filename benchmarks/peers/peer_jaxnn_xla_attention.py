@@ -1,0 +1,13 @@
+"""jaxnn's "jaxnn" row with the GPT's attention on jax's XLA path (`attention_implementation="xla"`): what the
+float32 GPT ran on the CPU before "auto" took the blocked path there (`jaxnn.layers.blocked_attention`)."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+from benchmarks.peers.common import main
+from benchmarks.peers.peer_jaxnn import build
+
+if __name__ == "__main__":
+    sys.exit(main("jaxnn_xla_attention", functools.partial(build, attention_implementation="xla")))
