@@ -140,6 +140,9 @@ def test_buffers_larger_than_a_block_compile_without_xla_warning_about_each_unle
     # Two 64 MB intermediates alive at once: XLA warns about each buffer over the block size while it places them.
     code = textwrap.dedent(
         """
+        import sys
+        if sys.argv[1] == "jax first":  # jax's import reads the log level, and sets 1 where it is unset
+            import jax
         import jaxnn, jax, jax.numpy as jnp
         x = jnp.ones((4096, 4096))
         compiled = jax.jit(lambda x: (jnp.sin(x) @ jnp.cos(x)).sum()).lower(x).compile()
@@ -149,9 +152,11 @@ def test_buffers_larger_than_a_block_compile_without_xla_warning_about_each_unle
     environ = {k: v for k, v in os.environ.items() if k not in ("JAXNN_MALLOC", "JAX_PLATFORMS", malloc.LOG_LEVEL)}
     environ.update(XLA_FLAGS="", JAX_NUM_CPU_DEVICES="1", JAX_PLATFORMS="cpu")
     warning = "larger than the per-heap size limit"
-    for user_level, warned in ((None, False), ("0", True)):
+    cases = (("jaxnn first", None, False), ("jax first", None, False), ("jax first", "0", True))
+    for order, user_level, warned in cases:
         env = environ if user_level is None else {**environ, malloc.LOG_LEVEL: user_level}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        cmd = [sys.executable, "-c", code, order]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
         assert int(out.stdout) > 2 * 48 * 2**20
         assert (warning in out.stderr) == warned, out.stderr[-2000:]

@@ -14,7 +14,7 @@ By default (`JAXNN_MALLOC` unset or 1) jaxnn
   single buffer larger than a block still gets an allocation of its own, as without the flag, but XLA then warns
   about it on every compilation, once per remaining block and such buffer (a GPT with 64 MB attention logits printed
   about a hundred lines); so jaxnn also sets TF_CPP_MIN_LOG_LEVEL=2 (XLA's C++ errors shown, its warnings not)
-  where it is unset;
+  where it is unset or 1 (jax's own default; 0 shows every message);
 - keeps a thread's heap when it empties (a top pad of a whole heap, `M_TOP_PAD`), which glibc would otherwise
   unmap, so the next run's blocks are faulted in again.
 The GPT's fp32 step then runs without faults (343 -> 290 ms over 7 rounds of `make bench-peers`). The cost is
@@ -56,8 +56,10 @@ _THREAD_HEAP = 64 * 2**20
 # XLA's scratch in blocks a thread's heap holds, with room for the heap's own header and the run's small buffers.
 XLA_FLAG = "--xla_multiheap_size_constraint_per_heap"
 SCRATCH_BLOCK = 48 * 2**20
-# XLA's C++ log threshold (jaxlib reads it when jax starts): 2 keeps errors, drops the warning each larger buffer gets.
+# XLA's C++ log threshold (jaxlib reads it when jax is imported): 2 keeps errors, drops the warning each larger
+# buffer gets. jax's import sets 1 where it is unset, so 1 counts as unset.
 LOG_LEVEL = "TF_CPP_MIN_LOG_LEVEL"
+JAX_LOG_LEVEL = "1"
 
 # jax's monitoring event recorded after each backend compilation (jax._src.dispatch.BACKEND_COMPILE_EVENT).
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -153,8 +155,23 @@ def _split_scratch() -> str:
         return "scratch blocks as XLA_FLAGS sets them"
     if ours not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {ours}".strip()
-    os.environ.setdefault(LOG_LEVEL, "2")
+    _quiet_block_warnings()
     return f"scratch in blocks of at most {SCRATCH_BLOCK // 2**20} MB"
+
+
+def _quiet_block_warnings() -> None:
+    """XLA's C++ warnings off (errors kept) unless the user chose a log level (see the module's docstring)."""
+    if os.environ.get(LOG_LEVEL, JAX_LOG_LEVEL) != JAX_LOG_LEVEL:
+        return
+    os.environ[LOG_LEVEL] = "2"
+    if "jax" in sys.modules:
+        # jaxlib read the variable when jax was imported; this is the call jax's own `jax_logging_level` makes.
+        try:
+            from jax._src.lib import utils
+
+            utils.absl_set_min_log_level(2)
+        except (ImportError, AttributeError):
+            pass
 
 
 def trim_after_compiles() -> None:

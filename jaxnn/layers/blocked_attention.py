@@ -30,9 +30,7 @@ def query_blocks(T: int, S: int, causal: bool) -> tuple[tuple[int, int], ...]:
     [start, end) sees keys [0, end) only; otherwise one block that sees every key."""
     if not causal or T != S or T < 2 * MIN_BLOCK:
         return ((0, T),)
-    n = min(MAX_BLOCKS, T // MIN_BLOCK)
-    edges = [round(i * T / n) for i in range(n + 1)]
-    return tuple(zip(edges[:-1], edges[1:]))
+    return even_blocks(T, min(MAX_BLOCKS, T // MIN_BLOCK))
 
 
 def attention(
@@ -42,15 +40,31 @@ def attention(
     valid: jax.Array | None,
     causal: bool,
     skip_hidden_keys: bool = True,
+    blocks: tuple[tuple[int, int], ...] | None = None,
 ) -> jax.Array:
     """Softmax attention, the same function as `jax.nn.dot_product_attention(q, k, v, mask=valid,
     is_causal=causal)`: `valid` None or bool broadcasting to (B, 1, T, S); causal masks are aligned at the first
     position. A query that sees no key attends to every key equally, as in jax's path; so that this holds under
     a padding mask too, `skip_hidden_keys=False` keeps one block (no key is skipped). Products accumulate and the
-    softmax runs in float32 (float64 for float64 inputs)."""
+    softmax runs in float32 (float64 for float64 inputs). `blocks`: (start, end) query blocks covering 0..T in
+    place of `query_blocks`' (for causal self-attention; `benchmarks.attention_cpu` sweeps them)."""
     T, S = q_BTNH.shape[1], k_BSNH.shape[1]
-    blocks = query_blocks(T, S, causal) if skip_hidden_keys else ((0, T),)
-    return _blocked(blocks, causal, q_BTNH, k_BSNH, v_BSNH, valid)
+    if blocks is None:
+        blocks = query_blocks(T, S, causal) if skip_hidden_keys else ((0, T),)
+    elif len(blocks) > 1 and not (causal and T == S and _covers(blocks, T)):
+        raise ValueError(f"blocked attention: blocks {blocks} must cover 0..{T} in order, for causal T == S only")
+    return _blocked(tuple(blocks), causal, q_BTNH, k_BSNH, v_BSNH, valid)
+
+
+def even_blocks(T: int, n: int) -> tuple[tuple[int, int], ...]:
+    """`n` query blocks of (nearly) equal length covering 0..T."""
+    edges = [round(i * T / n) for i in range(n + 1)]
+    return tuple(zip(edges[:-1], edges[1:]))
+
+
+def _covers(blocks, T: int) -> bool:
+    ordered = all(start < end for start, end in blocks) and all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+    return ordered and blocks[0][0] == 0 and blocks[-1][1] == T
 
 
 def _wide(dtype) -> jnp.dtype:

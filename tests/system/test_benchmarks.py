@@ -104,3 +104,13 @@ def test_bench_parallel_times_every_form_on_each_device_count(tmp_path):
     assert {(r["form"], r["devices"]) for r in rows} == {(f, n) for f in ("jit", "shard_map", "pmap") for n in (1, 2)}
     assert all(r["step_ms"] > 0 for r in rows)
     assert all(r["efficiency"] == 1.0 for r in rows if r["devices"] == 1)
+
+
+def test_bench_attention_times_each_block_count_against_jax_xla(tmp_path):
+    out = tmp_path / "attention.json"
+    text = run_module("benchmarks.attention_cpu", "--shapes", "1x64x2x8", "--blocks", "1", "2", "--repeats", "1",
+                      "--json", str(out))  # fmt: skip
+    (row,) = json.loads(out.read_text())["rows"]
+    assert {"xla", "blocked:1", "blocked:2"} <= set(row["ms"])
+    assert row["default_blocks"] == 2 and all(ms > 0 for ms in row["ms"].values())
+    assert "1x64x2x8" in text
