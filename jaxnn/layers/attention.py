@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.nn import initializers
+from jax.typing import DTypeLike
 
 from jaxnn import precision
 from jaxnn.layers import blocked_attention
@@ -103,7 +104,7 @@ def _choose_implementation(implementation: str, dtype) -> str:
     return "xla"
 
 
-def cpu_implementation(dtype, grouped: bool = False) -> str:
+def cpu_implementation(dtype: DTypeLike, grouped: bool = False) -> str:
     """The implementation "auto" runs where the computation is lowered for the CPU: the blocked path for float32
     with as many key/value heads as query heads (`jaxnn.layers.blocked_attention`, measured faster there), else as
     on every other platform but CUDA."""
