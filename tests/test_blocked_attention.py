@@ -84,6 +84,18 @@ def test_float64_gradients_match_finite_differences(causal):
         check_grads(lambda q, k, v: BA.attention(q, k, v, valid, causal), (q, k, v), order=1, modes="rev")
 
 
+def test_forward_mode_matches_jax_xla_attention():
+    # Plain jax functions, so jvp (and jacfwd, linearize) goes through, as through jax's path.
+    rng = np.random.default_rng(5)
+    q, k, v, _ = qkv_do(rng, 1, 96, 96, 2, 8)
+    tangents = qkv_do(rng, 1, 96, 96, 2, 8)[:3]
+    _, got = jax.jvp(lambda q, k, v: BA.attention(q, k, v, None, True), (q, k, v), tangents)
+    _, want = jax.jvp(
+        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"), (q, k, v), tangents
+    )
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
 def test_matches_pytorch_scaled_dot_product_attention():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(2)
@@ -136,3 +148,13 @@ def test_bf16_operands_give_bf16_outputs_close_to_float32():
     for h, f in zip(half, full, strict=True):
         assert h.dtype == jnp.bfloat16
         np.testing.assert_allclose(np.asarray(h, np.float32), f, rtol=0, atol=0.05 * float(jnp.abs(f).max()))
+
+
+def test_blocks_that_do_not_cover_the_queries_are_refused_in_one_line():
+    q = jnp.zeros((1, 8, 1, 4))
+    for blocks, causal in ((((0, 4), (5, 8)), True), (((0, 4), (4, 8)), False), (((0, 4),), True)):
+        with pytest.raises(ValueError, match="must cover 0..8 in order"):
+            BA.attention(q, q, q, None, causal, blocks=blocks)
+    np.testing.assert_allclose(
+        BA.attention(q + 1, q, q, None, True, blocks=BA.even_blocks(8, 2)), BA.attention(q + 1, q, q, None, True)
+    )

@@ -1,20 +1,19 @@
-"""Attention in query blocks with a hand-written gradient: the "blocked" implementation of MultiHeadAttention,
-and what "auto" runs for float32 where the computation is lowered for the CPU.
+"""Attention in causal query blocks: the "blocked" implementation of MultiHeadAttention, and what "auto" runs for
+float32 where the computation is lowered for the CPU.
 
 Why not jax's XLA path on CPUs: under a causal mask, the queries of the first block see only the first block's
 keys, so computing every block against only the keys it can see skips up to half of the products (with at most
-`MAX_BLOCKS` blocks of at least `MIN_BLOCK` queries, 5/8 of them are left at T = 128, 9/16 at T >= 256). The
-gradient is written out: one product per operand gradient and the softmax's gradient from the saved
-probabilities (dS = P * (dP - rowsum(dO * O)), as flash attention does), where autodiff of jax's path re-derives
-the normalisation. Every product runs on (B, N, T, H) copies of q, k and v, the batched layout XLA's CPU dot
-takes without a transpose per product. The GPT of `make bench-peers`: docs/performance.md, "Attention on CPUs".
+`MAX_BLOCKS` blocks of at least `MIN_BLOCK` queries, 5/8 of them are left at T = 128, 9/16 at T >= 256), and the
+smaller logits of each block stay within XLA's scratch blocks (`jaxnn._src.malloc`). The products run on (B, N, T,
+H) copies of q, k and v. Plain jax functions, so every transformation applies (forward and reverse mode, vmap); a
+hand-written gradient (flash attention's) was tried and was no faster. The GPT of `make bench-peers`:
+docs/performance.md, "Attention on CPUs".
 
 Shape suffixes as in `jaxnn.layers.attention`; here N is the number of heads of q, k and v alike.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -51,8 +50,8 @@ def attention(
     T, S = q_BTNH.shape[1], k_BSNH.shape[1]
     if blocks is None:
         blocks = query_blocks(T, S, causal) if skip_hidden_keys else ((0, T),)
-    elif len(blocks) > 1 and not (causal and T == S and _covers(blocks, T)):
-        raise ValueError(f"blocked attention: blocks {blocks} must cover 0..{T} in order, for causal T == S only")
+    elif not _covers(blocks, T) or (len(blocks) > 1 and not (causal and T == S)):
+        raise ValueError(f"blocked attention: blocks {blocks} must cover 0..{T} in order (several: causal, T == S)")
     return _blocked(tuple(blocks), causal, q_BTNH, k_BSNH, v_BSNH, valid)
 
 
@@ -106,48 +105,14 @@ def _heads_first(x_BTNH: jax.Array) -> jax.Array:
     return jnp.transpose(x_BTNH, (0, 2, 1, 3))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _blocked(blocks, causal, q_BTNH, k_BSNH, v_BSNH, valid):
-    return _forward(blocks, causal, q_BTNH, k_BSNH, v_BSNH, valid)[0]
-
-
-def _forward(blocks, causal, q_BTNH, k_BSNH, v_BSNH, valid):
+def _blocked(blocks, causal, q_BTNH, k_BSNH, v_BSNH, valid) -> jax.Array:
     q, k, v = (_heads_first(x) for x in (q_BTNH, k_BSNH, v_BSNH))
     S = k.shape[2]
-    probs, outs = [], []
+    outs = []
     for block in blocks:
         start, end = block
         seen = _keys_seen(block, causal, S)
         p = _block_probs(q[:, :, start:end], k[:, :, :seen], _keep(block, causal, valid, S))
-        probs.append(p)
         outs.append(_product("bnts,bnsh->bnth", p.astype(v.dtype), v[:, :, :seen]))
     o_BNTH = jnp.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]
-    o_BTNH = _heads_first(o_BNTH).astype(q_BTNH.dtype)
-    return o_BTNH, (q, k, v, valid, tuple(probs), o_BNTH)
-
-
-def _backward(blocks, causal, residuals, do_BTNH):
-    q, k, v, valid, probs, o = residuals
-    S, H = k.shape[2], q.shape[-1]
-    do = _heads_first(do_BTNH).astype(o.dtype)
-    # rowsum(dP * P) of the softmax's gradient, from the outputs: rowsum(dO * O) is the same sum, T x H not T x S.
-    delta_BNT1 = jnp.sum(do * o, axis=-1, keepdims=True)
-    dq_blocks, dk, dv = [], jnp.zeros(k.shape, o.dtype), jnp.zeros(v.shape, o.dtype)
-    for block, p in zip(blocks, probs, strict=True):
-        start, end = block
-        seen = _keys_seen(block, causal, S)
-        do_t = do[:, :, start:end]
-        dv = dv.at[:, :, :seen].add(_product("bnts,bnth->bnsh", p, do_t))
-        dp = _product("bnth,bnsh->bnts", do_t, v[:, :, :seen].astype(o.dtype))
-        ds = p * (dp - delta_BNT1[:, :, start:end]) / math.sqrt(H)
-        keep = _keep(block, causal, valid, S)
-        if keep is not None:  # a row with every key masked has weights there, but its logits were constants
-            ds = jnp.where(keep, ds, 0)
-        dq_blocks.append(_product("bnts,bnsh->bnth", ds, k[:, :, :seen].astype(o.dtype)))
-        dk = dk.at[:, :, :seen].add(_product("bnts,bnth->bnsh", ds, q[:, :, start:end].astype(o.dtype)))
-    dq = jnp.concatenate(dq_blocks, axis=2) if len(dq_blocks) > 1 else dq_blocks[0]
-    grads = (_heads_first(g).astype(x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
-    return (*grads, None)
-
-
-_blocked.defvjp(_forward, _backward)
+    return _heads_first(o_BNTH).astype(q_BTNH.dtype)
