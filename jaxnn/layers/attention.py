@@ -285,8 +285,8 @@ def MultiHeadAttention(
     `implementation`: "auto" uses cuDNN's fused kernel for bf16/fp16 when the computation is lowered for CUDA and
     jax can trace cuDNN attention here (a CUDA jax with cuDNN, and shapes the kernel takes), the f32-accumulating
     path for half precision and float64 otherwise, and for float32 the blocked path where the computation is lowered
-    for the CPU (`jaxnn.layers.blocked_attention`: causal query blocks that skip hidden keys, a written-out
-    gradient; with query and key/value heads equal) and jax's XLA path elsewhere; "xla", "cudnn", "f32acc" and
+    for the CPU (`jaxnn.layers.blocked_attention`: causal query blocks that skip the keys they cannot see; with
+    query and key/value heads equal) and jax's XLA path elsewhere; "xla", "cudnn", "f32acc" and
     "blocked" force one. The platform is the one jax lowers for (`lax.platform_dependent`), not the process's
     default backend.
     """
