@@ -12,8 +12,8 @@ By default (`JAXNN_MALLOC` unset or 1) jaxnn
   appended to `XLA_FLAGS`, unless it is set there already): a thread's arena lives in heaps of 64 MB, and glibc
   maps any larger block afresh whatever its settings (the GPT's scratch is 267 MB in one block otherwise). A
   single buffer larger than a block still gets an allocation of its own, as without the flag, but XLA then warns
-  about it on every compilation, once per remaining block and such buffer (a GPT with 64 MB attention logits printed
-  about a hundred lines); so jaxnn also sets TF_CPP_MIN_LOG_LEVEL=2 (XLA's C++ errors shown, its warnings not)
+  about it on every compilation, once for each block it fills while such buffers wait (so the lines grow with the
+  square of their number); so jaxnn also sets TF_CPP_MIN_LOG_LEVEL=2 (XLA's C++ errors shown, its warnings not)
   where it is unset or 1 (jax's own default; 0 shows every message);
 - keeps a thread's heap when it empties (a top pad of a whole heap, `M_TOP_PAD`), which glibc would otherwise
   unmap, so the next run's blocks are faulted in again.
