@@ -17,8 +17,8 @@ from jax.nn import initializers
 from jax.typing import DTypeLike
 
 from jaxnn import precision
-from jaxnn.layers import blocked_attention
 from jaxnn.layers.activation import Dropout, Gelu
+from jaxnn.layers.blocked_attention import attention as attention_in_blocks
 from jaxnn.layers.core import (
     Lambda,
     Layer,
@@ -144,7 +144,7 @@ def _attention(impl, q_BTNH, k_BSKH, v_BSKH, mask_B11S, causal, policy, padded):
     if impl == "blocked":
         G = q_BTNH.shape[2] // k_BSKH.shape[2]
         k_BSNH, v_BSNH = (jnp.repeat(x, G, axis=2) if G > 1 else x for x in (k_BSKH, v_BSKH))
-        return blocked_attention.attention(q_BTNH, k_BSNH, v_BSNH, mask_B11S, causal, skip_hidden_keys=not padded)
+        return attention_in_blocks(q_BTNH, k_BSNH, v_BSNH, mask_B11S, causal, skip_hidden_keys=not padded)
     return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_B11S, is_causal=causal, implementation=impl)
 
 
@@ -282,13 +282,10 @@ def MultiHeadAttention(
     - Causal self-attention decodes with a cache (`init_cache`): keys, values and padding mask of every position
       seen so far (a left-padded batch decodes with `mask` and `positions` given per call). Decoding past the
       cache's length is refused in eager calls and gives NaN outputs under jit.
-    `implementation`: "auto" uses cuDNN's fused kernel for bf16/fp16 when the computation is lowered for CUDA and
-    jax can trace cuDNN attention here (a CUDA jax with cuDNN, and shapes the kernel takes), the f32-accumulating
-    path for half precision and float64 otherwise, and for float32 the blocked path where the computation is lowered
-    for the CPU (`jaxnn.layers.blocked_attention`: causal query blocks that skip the keys they cannot see; with
-    query and key/value heads equal) and jax's XLA path elsewhere; "xla", "cudnn", "f32acc" and
-    "blocked" force one. The platform is the one jax lowers for (`lax.platform_dependent`), not the process's
-    default backend.
+    `implementation`: "auto" takes cuDNN's fused kernel for bf16/fp16 lowered for CUDA where jax can trace it here,
+    the f32-accumulating path for half precision and float64 otherwise, and for float32 the blocked path lowered for
+    the CPU (`cpu_implementation`) and jax's XLA path elsewhere; "xla", "cudnn", "f32acc" and "blocked" force one.
+    The platform is the one jax lowers for (`lax.platform_dependent`), not the process's default backend.
     """
     kv_heads = _check_config(num_heads, head_dim, num_kv_heads, implementation, cross, causal, rope)
     fused = not cross and kv_heads == num_heads
@@ -315,11 +312,8 @@ def MultiHeadAttention(
         if cache is not None:
             o, cache = _decode(name, q, k, v, cache, positions, key_mask, rope_base if rope else None, policy)
         else:
-            if rope:
-                positions = jnp.broadcast_to(jnp.arange(T), (B, T)) if positions is None else positions
-                q, k = rotary_embedding(q, positions, rope_base), rotary_embedding(k, positions, rope_base)
-            mask = _with_segments(key_mask, segments)
-            o = _dispatch(implementation, q, k, v, mask, causal, policy, padded=key_mask is not None)
+            rotary = rope_base if rope else None
+            o = _attend(implementation, q, k, v, positions, key_mask, segments, causal, rotary, policy)
         y = heads.dense(D, "out").apply(params["out"], o.reshape(B, T, -1), policy=policy)
         return y if cache is None else (y, cache)
 
@@ -334,6 +328,19 @@ def MultiHeadAttention(
     return Layer(
         init, with_name(name, apply), name, side_inputs=side_inputs, init_cache=init_cache if decodes else None
     )
+
+
+def _attend(
+    implementation, q_BTNH, k_BSKH, v_BSKH, positions_BT, key_mask_B11S, segments_BT, causal, rope_base, policy
+):
+    """Attention over a whole sequence (no cache): rotary positions (`rope_base` None: none), then the masks and
+    the implementation's path."""
+    if rope_base is not None:
+        B, T = q_BTNH.shape[:2]
+        positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T)) if positions_BT is None else positions_BT
+        q_BTNH, k_BSKH = (rotary_embedding(x, positions_BT, rope_base) for x in (q_BTNH, k_BSKH))
+    mask = _with_segments(key_mask_B11S, segments_BT)
+    return _dispatch(implementation, q_BTNH, k_BSKH, v_BSKH, mask, causal, policy, padded=key_mask_B11S is not None)
 
 
 def _check_segments(name: str, segment_ids: Any, shape: tuple[int, int], cache: Any) -> jax.Array | None:
