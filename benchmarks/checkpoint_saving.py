@@ -55,6 +55,7 @@ def run_once(arrangement: str, args: argparse.Namespace, data: tuple[np.ndarray,
             keep=2,
             async_checkpoints=arrangement == "async",
             guard_nonfinite=False,
+            compile_cache="off",  # the benchmarks split XLA's scratch, which the cache cannot hold
         )
         total = time.perf_counter() - t0
     steps = clock.intervals()

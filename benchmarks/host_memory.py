@@ -26,6 +26,8 @@ from benchmarks.train_steps import PRECISIONS, SPECS
 # The environment of each setting's processes.
 SETTINGS: dict[str, dict[str, str]] = {
     "jaxnn default": {"JAXNN_MALLOC": "1"},
+    # What `jaxnn train` does where its compilation cache is on: malloc kept, XLA's scratch in one block.
+    "cache on": {"JAXNN_MALLOC": "1", "XLA_FLAGS": "--xla_multiheap_size_constraint_per_heap=-1"},
     "one-arena": {"JAXNN_MALLOC": "one-arena"},
     "left as it is": {"JAXNN_MALLOC": "0"},
     "hugetlb": {"JAXNN_MALLOC": "0", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
@@ -34,8 +36,8 @@ SETTINGS: dict[str, dict[str, str]] = {
 # One child: builds the step as the "jaxnn" peer row does, warms it up, times `steps` steps and reports one JSON line.
 _CHILD = """
 import json, resource, sys, time
+from benchmarks.peers.peer_jaxnn import build  # first: the benchmarks' package sets malloc up before jax starts
 import jax
-from benchmarks.peers.peer_jaxnn import build
 from jaxnn._src import malloc
 
 name, precision, steps, warmup = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])

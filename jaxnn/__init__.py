@@ -6,14 +6,17 @@ callbacks in `jaxnn.callbacks`, meshes, sharding rules and the data-parallel ste
 public module (`SUBMODULES`) is reachable as an attribute (`jaxnn.layers`, `jaxnn.train`, ...) and is imported on
 first use, so that `import jaxnn.cli` stays light and leaves jax's device set-up to the command line. `jaxnn._src`
 is internal: what it holds may change without notice.
+
+Importing jaxnn changes nothing process-wide (environment, malloc, log levels, jax's configuration). A program that
+wants XLA's CPU scratch memory kept between steps calls `jaxnn.keep_host_memory()` first, or sets `JAXNN_MALLOC=1`
+(docs/performance.md, "Host memory between steps"); the `jaxnn` command does so itself.
 """
 
 from jaxnn._src import malloc as _malloc
 from jaxnn._src.lazy import lazy_exports
 
-# Before jax starts its CPU client: XLA's threads then reuse each run's scratch memory instead of faulting it in
-# afresh (jaxnn/_src/malloc.py; JAXNN_MALLOC=0 leaves malloc alone).
-_malloc.keep_host_memory()
+# Only where the environment asks for it (JAXNN_MALLOC=1 or one-arena): the program opted in before it started.
+_malloc.apply_requested()
 
 __version__ = "0.1.0"
 
@@ -28,6 +31,7 @@ _NAMES = {
     "predict": "jaxnn.evaluation",
     "save_model": "jaxnn.saving",
     "load_model": "jaxnn.saving",
+    "keep_host_memory": "jaxnn._src.malloc",
 }
 
 # The public modules and packages (the API; docs/index.md, "The package's layout"). `jaxnn._src` holds internals.
@@ -68,6 +72,7 @@ __all__ = [
     "evaluate",
     "fit",
     "fresh_run_dir",
+    "keep_host_memory",
     "load_model",
     "predict",
     "save_model",

@@ -1,5 +1,6 @@
-"""jaxnn keeps the memory of XLA's CPU programs mapped between runs (jaxnn/_src/malloc.py): where jaxnn is imported
-before jax starts, a program with a large scratch buffer stops faulting its pages in afresh on every call."""
+"""jaxnn keeps the memory of XLA's CPU programs mapped between runs (jaxnn/_src/malloc.py): where a program calls
+`jaxnn.keep_host_memory()` before jax starts, a program with a large scratch buffer stops faulting its pages in
+afresh on every call."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ _FAULTS = textwrap.dedent(
     """
     import ctypes, resource, sys, threading
     import jaxnn
+    jaxnn.keep_host_memory(split_scratch=True)
     from jaxnn._src import malloc
 
     libc = ctypes.CDLL("libc.so.6")
@@ -59,6 +61,7 @@ _XLA_FAULTS = textwrap.dedent(
     """
     import resource
     import jaxnn
+    jaxnn.keep_host_memory(split_scratch=True)
     import jax, jax.numpy as jnp
 
     @jax.jit
@@ -78,7 +81,7 @@ _XLA_FAULTS = textwrap.dedent(
 )
 
 KEPT = "kept between runs (scratch in blocks of at most 48 MB, no mmap, trimmed after each compilation)"
-_STATUS = "import jaxnn, os\nfrom jaxnn._src import malloc\nprint(malloc.status())\nprint(os.environ['XLA_FLAGS'])"
+_STATUS = "import jaxnn, os\nprint(jaxnn.keep_host_memory(split_scratch=True))\nprint(os.environ['XLA_FLAGS'])"
 
 
 def _run(code: str, *args: str, **env: str) -> list[str]:
@@ -141,9 +144,11 @@ def test_buffers_larger_than_a_block_compile_without_xla_warning_about_each_unle
     code = textwrap.dedent(
         """
         import sys
-        if sys.argv[1] == "jax first":  # jax's import reads the log level, and sets 1 where it is unset
+        if sys.argv[1] == "jax first":  # jax's import reads the log level: too late to lower it
             import jax
-        import jaxnn, jax, jax.numpy as jnp
+        import jaxnn
+        jaxnn.keep_host_memory(split_scratch=True)
+        import jax, jax.numpy as jnp
         x = jnp.ones((4096, 4096))
         compiled = jax.jit(lambda x: (jnp.sin(x) @ jnp.cos(x)).sum()).lower(x).compile()
         print(compiled.memory_analysis().temp_size_in_bytes)
@@ -152,7 +157,7 @@ def test_buffers_larger_than_a_block_compile_without_xla_warning_about_each_unle
     environ = {k: v for k, v in os.environ.items() if k not in ("JAXNN_MALLOC", "JAX_PLATFORMS", malloc.LOG_LEVEL)}
     environ.update(XLA_FLAGS="", JAX_NUM_CPU_DEVICES="1", JAX_PLATFORMS="cpu")
     warning = "larger than the per-heap size limit"
-    cases = (("jaxnn first", None, False), ("jax first", None, False), ("jax first", "0", True))
+    cases = (("jaxnn first", None, False), ("jaxnn first", "0", True), ("jax first", None, True))
     for order, user_level, warned in cases:
         env = environ if user_level is None else {**environ, malloc.LOG_LEVEL: user_level}
         cmd = [sys.executable, "-c", code, order]
@@ -165,7 +170,7 @@ def test_buffers_larger_than_a_block_compile_without_xla_warning_about_each_unle
 @pytest.mark.system  # starts processes
 @needs_glibc
 def test_one_arena_is_asked_for_by_name():
-    (line, _) = _run(_STATUS, JAXNN_MALLOC="one-arena")
+    (line, _) = _run(_STATUS, JAX_PLATFORMS="cpu", JAXNN_MALLOC="one-arena")
     assert line == KEPT.replace("(", "(one arena, ")
 
 
@@ -176,16 +181,16 @@ def test_an_unknown_setting_is_one_line_naming_it():
     out = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert out.stderr.strip().splitlines()[-1] == (
-        "ValueError: JAXNN_MALLOC='yes': choose one of 1, one-arena, 0 (unset means 1)"
+        "ValueError: JAXNN_MALLOC='yes': choose one of 1, one-arena, 0 (unset: only where a program asks)"
     )
 
 
 @pytest.mark.system  # starts processes
 def test_it_is_left_alone_once_jax_has_started_and_where_an_accelerator_is_configured():
-    started = "import jax; jax.numpy.ones(1).block_until_ready()\nimport jaxnn\nfrom jaxnn._src import malloc\n"
-    (line,) = _run(started + "print(malloc.status())", JAX_PLATFORMS="cpu")
-    assert line == "left as it is (jax had started before jaxnn was imported)"
-    (line,) = _run("import jaxnn\nfrom jaxnn._src import malloc\nprint(malloc.status())", JAX_PLATFORMS="cuda,cpu")
+    started = "import jax; jax.numpy.ones(1).block_until_ready()\nimport jaxnn\n"
+    (line,) = _run(started + "print(jaxnn.keep_host_memory())", JAX_PLATFORMS="cpu")
+    assert line == "left as it is (jax had started before the settings were asked for)"
+    (line,) = _run("import jaxnn\nprint(jaxnn.keep_host_memory())", JAX_PLATFORMS="cuda,cpu")
     assert line == "left as it is (an accelerator platform is configured or installed)"
 
 

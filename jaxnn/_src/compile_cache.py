@@ -41,6 +41,15 @@ def _jax_option(name: str) -> Any:
     return getattr(jax.config, name)  # options are attributes of jax.config that its type stubs do not list
 
 
+def _scratch_split() -> bool:
+    """Whether XLA_FLAGS has XLA split programs' scratch into blocks (a positive size per heap; -1 is XLA's off)."""
+    for flag in os.environ.get("XLA_FLAGS", "").split():
+        name, _, value = flag.partition("=")
+        if name == "--xla_multiheap_size_constraint_per_heap":
+            return value.lstrip("-").isdigit() and int(value) > 0
+    return False
+
+
 def default_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "jaxnn", "xla")
@@ -83,6 +92,11 @@ def enable(setting: str | None = "auto") -> str | None:
         # The default place may be read-only (a locked-down home): run without the cache rather than not at all.
         log.warning("compilation cache off: cannot create %s (%s)", path, err.strerror or err)
         return None
+    if _scratch_split():
+        log.warning(
+            "XLA_FLAGS splits programs' scratch (--xla_multiheap_size_constraint_per_heap): XLA cannot write a "
+            "program whose scratch it split to the compilation cache, so such programs compile again in every run"
+        )
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
     if importlib.util.find_spec("filelock") is not None and _jax_option("jax_compilation_cache_max_size") == -1:

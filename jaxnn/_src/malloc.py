@@ -6,11 +6,12 @@ and returns it with `munmap`, so every step the kernel maps and zeroes each page
 of system time per 40 ms CNN step, 80,000 and 143 ms per 384 ms GPT step, on a 2-core EPYC (docs/performance.md,
 "Host memory between steps").
 
-By default (`JAXNN_MALLOC` unset or 1) jaxnn
+Where a program asks for it (below), jaxnn
 - turns off malloc's mmap and its trimming of the heap's free top, so a freed buffer is reused;
-- has XLA split each program's scratch into blocks of at most 48 MB (`--xla_multiheap_size_constraint_per_heap`
-  appended to `XLA_FLAGS`, unless it is set there already): a thread's arena lives in heaps of 64 MB, and glibc
-  maps any larger block afresh whatever its settings (the GPT's scratch is 267 MB in one block otherwise). A
+- has XLA split each program's scratch (unless the compilation cache is on, see below) into blocks of at most
+  48 MB (`--xla_multiheap_size_constraint_per_heap` appended to `XLA_FLAGS`, unless it is set there already): a
+  thread's arena lives in heaps of 64 MB, and glibc maps any larger block afresh whatever its settings (the GPT's
+  scratch is 267 MB in one block otherwise). A
   single buffer larger than a block still gets an allocation of its own, as without the flag, but XLA then warns
   about it on every compilation, once for each block it fills while such buffers wait (so the lines grow with the
   square of their number); so jaxnn also sets TF_CPP_MIN_LOG_LEVEL=2 (XLA's C++ errors shown, its warnings not)
@@ -25,10 +26,19 @@ long). Arenas are not capped either: glibc puts the threads beyond a cap on aren
 them, which is one arena's lock again for some of XLA's workers. `JAXNN_MALLOC=0` leaves malloc and XLA_FLAGS as
 they are.
 
-glibc reads these settings when a thread first allocates, and XLA its flags when jax first compiles, so they must be
-made before jax starts its CPU client: jaxnn makes them when it is imported, where jax has not started yet and no
-accelerator is present. Memory a run frees stays with the process; so that it does not also keep the compiler's
-peak, the free memory is handed back once after each compilation (`trim_after_compiles`, malloc_trim(3)).
+Nothing of this happens on `import jaxnn`: a library leaves the process it is imported into alone. A program opts
+in with one call, `jaxnn.keep_host_memory()`, made before jax starts (glibc reads its settings when a thread first
+allocates, XLA its flags when jax creates its CPU client, jaxlib the log level when jax is imported), or through
+its environment: with `JAXNN_MALLOC` set to 1 or one-arena, `import jaxnn` makes that call itself. The `jaxnn`
+command and the make targets make it (`JAXNN_MALLOC=0` keeps them from it).
+
+The scratch blocks and XLA's persistent compilation cache exclude each other for large programs: XLA cannot
+serialise a program whose scratch is split into several blocks ("Multiple temp buffer allocations found"), so such
+a program would compile again in every process. `keep_host_memory(split_scratch=None)` therefore splits the
+scratch only where jaxnn's compilation cache is off (`JAXNN_COMPILE_CACHE=off`, `jaxnn train --no-compile-cache`);
+malloc's own settings apply either way (docs/performance.md, "Host memory between steps", has both figures).
+Memory a run frees stays with the process; so that it does not also keep the compiler's peak, the free memory is
+handed back once after each compilation (malloc_trim(3), from a listener on jax's compile events).
 """
 
 from __future__ import annotations
@@ -64,7 +74,7 @@ JAX_LOG_LEVEL = "1"
 # jax's monitoring event recorded after each backend compilation (jax._src.dispatch.BACKEND_COMPILE_EVENT).
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
-# What happened when jaxnn was imported; `status()` reads it.
+# What the last `keep_host_memory` call did; `status()` reads it.
 _status = "not configured"
 _libc: ctypes.CDLL | None = None
 _trimming = False
@@ -76,7 +86,8 @@ def status() -> str:
 
 
 def _jax_started() -> bool:
-    """Whether jax has created a backend (and so its threads) in this process; False where jax is not imported."""
+    """Whether jax has created a backend (and so its threads) in this process; False where jax is not imported.
+    Read without importing anything: jax offers no public question that does not itself start a backend."""
     bridge = sys.modules.get("jax._src.xla_bridge")
     return bool(getattr(bridge, "_backends", None))
 
@@ -97,10 +108,13 @@ def _accelerator_present() -> bool:
         return True
 
 
-def _mode() -> str:
-    mode = os.environ.get(ENV_SWITCH, "").strip() or "1"
+def requested_mode() -> str | None:
+    """What `JAXNN_MALLOC` asks for: one of MODES, or None where it is unset (or empty)."""
+    mode = os.environ.get(ENV_SWITCH, "").strip()
+    if not mode:
+        return None
     if mode not in MODES:
-        raise ValueError(f"{ENV_SWITCH}={mode!r}: choose one of {', '.join(MODES)} (unset means 1)")
+        raise ValueError(f"{ENV_SWITCH}={mode!r}: choose one of {', '.join(MODES)} (unset: only where a program asks)")
     return mode
 
 
@@ -110,19 +124,35 @@ def _reason_not_to(mode: str) -> str | None:
     if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
         return "left as it is (not glibc)"
     if _jax_started():
-        return "left as it is (jax had started before jaxnn was imported)"
+        return "left as it is (jax had started before the settings were asked for)"
     if _accelerator_present():
         return "left as it is (an accelerator platform is configured or installed)"
     return None
 
 
-def keep_host_memory() -> str:
-    """Sets glibc's malloc to map no blocks of its own and keep its heaps (with `JAXNN_MALLOC=one-arena`, one arena
-    for every thread), and XLA to split its scratch into blocks those heaps hold, where that helps (see the module's
-    docstring); returns and records `status()`. Safe to call more than once; raises only for an unknown
-    `JAXNN_MALLOC`."""
+def _compile_cache_off() -> bool:
+    """Whether jaxnn's persistent compilation cache is off by the environment (`JAXNN_COMPILE_CACHE`)."""
+    from jaxnn._src import compile_cache
+
+    try:
+        return compile_cache.resolve("auto") is None
+    except ValueError:
+        return False
+
+
+def keep_host_memory(split_scratch: bool | None = None) -> str:
+    """Keeps the memory of XLA's CPU programs mapped between runs, for this process: glibc's malloc maps no blocks
+    of its own and keeps its heaps (with `JAXNN_MALLOC=one-arena`, one arena for every thread), free memory is
+    handed back after each compilation and, with `split_scratch`, XLA splits each program's scratch into blocks
+    those heaps hold (None: only where `JAXNN_COMPILE_CACHE` turns jaxnn's compilation cache off, since XLA
+    cannot cache a program whose scratch it split). See the module's docstring for what it buys and costs.
+
+    Call it first in a program, before jax is imported or at least before it computes anything; `JAXNN_MALLOC=0`
+    makes it a no-op. Returns and records `status()`, one line; safe to call more than once; raises only for an
+    unknown `JAXNN_MALLOC`.
+    """
     global _status, _libc
-    mode = _mode()
+    mode = requested_mode() or "1"
     reason = _reason_not_to(mode)
     if reason is not None:
         _status = reason
@@ -142,8 +172,17 @@ def keep_host_memory() -> str:
         return _status
     _libc = libc
     arenas = "one arena, " if mode == "one-arena" else ""
-    _status = f"kept between runs ({arenas}{_split_scratch()}, no mmap, trimmed after each compilation)"
+    split = _compile_cache_off() if split_scratch is None else split_scratch
+    scratch = _split_scratch() if split else "scratch in one block (compilation cache on)"
+    _trim_after_compiles()
+    _status = f"kept between runs ({arenas}{scratch}, no mmap, trimmed after each compilation)"
     return _status
+
+
+def apply_requested() -> None:
+    """`import jaxnn`'s one step: keeps host memory only where `JAXNN_MALLOC` is set to 1 or one-arena."""
+    if requested_mode() in ("1", "one-arena"):
+        keep_host_memory()
 
 
 def _split_scratch() -> str:
@@ -160,23 +199,16 @@ def _split_scratch() -> str:
 
 
 def _quiet_block_warnings() -> None:
-    """XLA's C++ warnings off (errors kept) unless the user chose a log level (see the module's docstring)."""
-    if os.environ.get(LOG_LEVEL, JAX_LOG_LEVEL) != JAX_LOG_LEVEL:
+    """XLA's C++ warnings off (errors kept) unless the user chose a log level (see the module's docstring).
+    jaxlib reads the level when jax is imported, so where jax is imported already the warnings stay."""
+    if os.environ.get(LOG_LEVEL, JAX_LOG_LEVEL) != JAX_LOG_LEVEL or "jax" in sys.modules:
         return
     os.environ[LOG_LEVEL] = "2"
-    if "jax" in sys.modules:
-        # jaxlib read the variable when jax was imported; this is the call jax's own `jax_logging_level` makes.
-        try:
-            from jax._src.lib import utils
-
-            utils.absl_set_min_log_level(2)
-        except (ImportError, AttributeError):
-            pass
 
 
-def trim_after_compiles() -> None:
-    """Where `keep_host_memory` took effect, hands the process's free memory back to the system after every jax
-    compilation (once per process; imports jax). Without it the heap would keep the compiler's peak as well."""
+def _trim_after_compiles() -> None:
+    """Hands the process's free memory back to the system after every jax compilation (once per process; imports
+    jax, but starts no backend). Without it the heap would keep the compiler's peak as well."""
     global _trimming
     if _libc is None or _trimming:
         return

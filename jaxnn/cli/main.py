@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Callable
 from typing import NoReturn
 
+from jaxnn._src import compile_cache, malloc
 from jaxnn._src.storage import StorageError
 from jaxnn.callbacks import NonFiniteError
 from jaxnn.cli.inference import add_evaluate_parser, add_predict_parser, evaluate_main, predict_main
@@ -84,11 +85,23 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     return f"{category.__name__}: {message}\n"
 
 
+def keep_host_memory(args: argparse.Namespace) -> str:
+    """The command is a program, so it opts in to jaxnn's host-memory settings (jaxnn/_src/malloc.py) before jax
+    starts; XLA's scratch blocks only where this run's compilation cache is off (XLA cannot cache such programs)."""
+    setting = "off" if getattr(args, "no_compile_cache", False) else getattr(args, "compile_cache", "auto")
+    try:
+        cache_off = compile_cache.resolve(setting) is None
+    except ValueError:  # the command reports a bad setting itself, with the rest of its flags
+        cache_off = False
+    return malloc.keep_host_memory(split_scratch=cache_off)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     warnings.formatwarning = _one_line_warning
     try:
         args = build_parser().parse_args(argv)
+        keep_host_memory(args)
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:  # a second Ctrl-C after a run saved its checkpoint, or one outside a run
         print("jaxnn: interrupted", file=sys.stderr)

@@ -46,12 +46,7 @@ from typing import Any, NamedTuple, Protocol, TypeAlias, TypeVar, cast
 
 import jax
 
-from jaxnn._src import malloc
 from jaxnn.precision import Policy
-
-# Where jaxnn keeps XLA's scratch memory between runs, hand the compiler's free memory back after each compilation
-# (jaxnn/_src/malloc.py); every model and step imports this module.
-malloc.trim_after_compiles()
 
 Shape: TypeAlias = tuple[int, ...]
 Params: TypeAlias = Any  # a pytree of arrays: nested dicts with stable names, e.g. {"0_conv": {"w": ..., "b": ...}}

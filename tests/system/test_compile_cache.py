@@ -87,3 +87,43 @@ def test_fit_writes_the_cache_and_a_second_run_reuses_it(tmp_path):
     warm = run()
     assert warm["hits"] >= len(entries) and warm["misses"] == 0, (warm, len(entries))
     assert sorted(p.name for p in cache.iterdir() if p.name.endswith("-cache")) == entries
+
+
+# `jaxnn train` in a fresh process, as the command runs (host-memory settings on), with jax's cache events counted.
+CLI_RUN = """
+import json, sys
+from jax import monitoring
+from jaxnn.cli.main import main
+
+events = []
+monitoring.register_event_listener(lambda name, **kw: events.append(name))
+status = main(sys.argv[1:])
+print(json.dumps({"status": status, "hits": events.count("/jax/compilation_cache/cache_hits"),
+                  "misses": events.count("/jax/compilation_cache/cache_misses")}))
+"""
+
+
+@pytest.mark.slow
+def test_a_1024_token_gpt_step_is_cached_with_the_commands_host_memory_settings(tmp_path):
+    # The step's scratch is several of XLA's 48 MB scratch blocks: split, XLA could not serialise it ("Multiple temp
+    # buffer allocations found"), so the command keeps the scratch in one block where the cache is on.
+    cache = tmp_path / "xla"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", compile_cache.ENV, "JAXNN_MALLOC")}
+    env = {k: v for k, v in env.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
+    env[compile_cache.ENV] = str(cache)
+
+    def run(name: str) -> dict:
+        flags = ["train", "--model", "gpt", "--size", "small", "--seq-len", "1024", "--steps", "1"]
+        flags += ["--batch-size", "2", "--no-summary", "--run-dir", str(tmp_path / name)]
+        proc = subprocess.run(
+            [sys.executable, "-c", CLI_RUN, *flags], capture_output=True, text=True, env=env, cwd=tmp_path
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "Error writing persistent compilation cache" not in proc.stderr, proc.stderr[-2000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    cold = run("cold")
+    steps = [p.name for p in cache.iterdir() if p.name.startswith("jit_step") and p.name.endswith("-cache")]
+    assert cold["misses"] > 0 and steps, cold
+    warm = run("warm")
+    assert warm["status"] == 0 and warm["misses"] == 0 and warm["hits"] >= cold["misses"], (cold, warm)
