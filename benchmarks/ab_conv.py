@@ -10,6 +10,7 @@ and the scan cliff: two weight-gradient steps unrolled against the same inside `
 Figures and what they decided: docs/performance.md, "im2col convolutions".
 """
 
+import argparse
 import functools
 
 import jax
@@ -88,6 +89,9 @@ def scan_cliff():
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7, help="timing windows per case (1: a smoke run)")
+    args = parser.parse_args()
     for group in (per_layer(), scan_cliff()):
-        for name, t in time_interleaved(group, warmup=2, repeats=7).items():
+        for name, t in time_interleaved(group, warmup=2, repeats=args.repeats).items():
             print(f"{name:45s} {t.median * 1e3:8.2f} ms")

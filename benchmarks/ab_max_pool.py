@@ -1,10 +1,10 @@
 """Side by side: MaxPool's two lowerings, the pool's gradient alone and the benchmark CNN's whole train step.
 
-Run: `.venv/bin/python benchmarks/ab_max_pool.py [fp32|bf16]`; interleaved windows, medians, one process.
+Run: `.venv/bin/python -m benchmarks.ab_max_pool [fp32|bf16] [--repeats 9]`; interleaved windows, medians, one process.
 Figures and what they decided: docs/performance.md, "Reshape max pooling".
 """
 
-import sys
+import argparse
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +54,10 @@ def cnn_steps(precision):
 
 
 if __name__ == "__main__":
-    precision = sys.argv[1] if len(sys.argv) > 1 else "fp32"
-    timings = time_interleaved({**pool_gradients(), **cnn_steps(precision)}, warmup=2, repeats=9)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("precision", nargs="?", default="fp32", choices=("fp32", "bf16"))
+    parser.add_argument("--repeats", type=int, default=9, help="timing windows per case (1: a smoke run)")
+    args = parser.parse_args()
+    timings = time_interleaved({**pool_gradients(), **cnn_steps(args.precision)}, warmup=2, repeats=args.repeats)
     for name, t in timings.items():
         print(f"{name:40s} {t.median * 1e3:8.2f} ms")

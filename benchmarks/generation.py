@@ -178,8 +178,6 @@ def main() -> None:
     cfg = SIZES[args.size]
     model = GPT(cfg)
     _, params = jax.jit(lambda k: model.init(k, (1, 8)))(jax.random.key(0))
-    last = f"{cfg.num_layers + 3}_logits"
-    params[last]["b"] = jax.numpy.zeros_like(params[last]["b"])  # GPT-2's head has no bias
     hf = None
     if not args.no_transformers:
         try:

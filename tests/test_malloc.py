@@ -201,3 +201,16 @@ def test_an_installed_accelerator_plugin_counts_as_configured(monkeypatch):
     assert malloc._accelerator_present()
     monkeypatch.setattr(malloc.importlib.metadata, "entry_points", lambda group: [])
     assert not malloc._accelerator_present()
+
+
+def test_the_command_splits_the_scratch_where_steps_gain_more_than_a_cache_saves():
+    from jaxnn.cli.main import SHORT_RUN_STEPS, build_parser, split_scratch
+
+    def split(*argv: str) -> bool:
+        return split_scratch(build_parser().parse_args(list(argv)))
+
+    assert not split("train", "--steps", str(SHORT_RUN_STEPS), "--compile-cache", "/tmp/c")  # short: cached
+    assert split("train", "--steps", str(SHORT_RUN_STEPS + 1), "--compile-cache", "/tmp/c")  # long: split
+    assert split("train", "--compile-cache", "/tmp/c")  # the model's default steps
+    assert split("train", "--steps", "1", "--no-compile-cache")  # nothing to cache
+    assert not split("generate", "--run-dir", "r", "--compile-cache", "/tmp/c")

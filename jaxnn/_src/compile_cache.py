@@ -93,7 +93,7 @@ def enable(setting: str | None = "auto") -> str | None:
         log.warning("compilation cache off: cannot create %s (%s)", path, err.strerror or err)
         return None
     if _scratch_split():
-        log.warning(
+        log.info(
             "XLA_FLAGS splits programs' scratch (--xla_multiheap_size_constraint_per_heap): XLA cannot write a "
             "program whose scratch it split to the compilation cache, so such programs compile again in every run"
         )

@@ -35,8 +35,9 @@ command and the make targets make it (`JAXNN_MALLOC=0` keeps them from it).
 The scratch blocks and XLA's persistent compilation cache exclude each other for large programs: XLA cannot
 serialise a program whose scratch is split into several blocks ("Multiple temp buffer allocations found"), so such
 a program would compile again in every process. `keep_host_memory(split_scratch=None)` therefore splits the
-scratch only where jaxnn's compilation cache is off (`JAXNN_COMPILE_CACHE=off`, `jaxnn train --no-compile-cache`);
-malloc's own settings apply either way (docs/performance.md, "Host memory between steps", has both figures).
+scratch only where jaxnn's compilation cache is off (`JAXNN_COMPILE_CACHE=off`); the `jaxnn` command also splits it
+for long training runs, whose steps gain more than a cache saves (`jaxnn.cli.main.split_scratch`); malloc's own
+settings apply either way (docs/performance.md, "Host memory between steps", has both figures).
 Memory a run frees stays with the process; so that it does not also keep the compiler's peak, the free memory is
 handed back once after each compilation (malloc_trim(3), from a listener on jax's compile events).
 """

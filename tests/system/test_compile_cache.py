@@ -106,7 +106,7 @@ print(json.dumps({"status": status, "hits": events.count("/jax/compilation_cache
 @pytest.mark.slow
 def test_a_1024_token_gpt_step_is_cached_with_the_commands_host_memory_settings(tmp_path):
     # The step's scratch is several of XLA's 48 MB scratch blocks: split, XLA could not serialise it ("Multiple temp
-    # buffer allocations found"), so the command keeps the scratch in one block where the cache is on.
+    # buffer allocations found"), so the command keeps the scratch in one block for a short run with the cache on.
     cache = tmp_path / "xla"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", compile_cache.ENV, "JAXNN_MALLOC")}
     env = {k: v for k, v in env.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
