@@ -37,8 +37,10 @@ def train_cmd(model: str, run_dir: str, cache: str | None, gpt_steps: int) -> li
 
 def timed_run(cmd: list[str]) -> tuple[float, float | None]:
     """(wall seconds of the process, the loop's own seconds from the summary line)."""
+    # The runs measure jaxnn's cache as each variant sets it: a cache jax was pointed at directly would win over it.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAXNN_COMPILE_CACHE"))}
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip().splitlines()[-1:]}")

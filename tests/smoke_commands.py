@@ -47,7 +47,7 @@ RUNS: list[str] = [
     "make report",
     "make experiments SIZE=tiny",
     "make gpu-check-dry",
-    "make mutate ARGS='--only no-such-mutation --jobs 1'",
+    "make mutate ARGS=\"--only 'same dropout key every step' --jobs 1\"",
     "make onednn",
     "make bench-onednn ARGS='--rounds 1 --repeats 1 --no-steps --no-ab --json onednn-smoke.json'",
     "make bench-parallel PARALLEL_ARGS='--devices 1 2 --global-batch 16 --repeats 1' ARGS='--d-model 32 --layers 1'",

@@ -195,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     chosen = [m for m in MUTATIONS if not args.only or any(s in m.name for s in args.only)]
+    if not chosen:
+        print(f"mutate: no planted bug's name contains any of {args.only}", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="jaxnn-mutate-base-") as tmp:
         prepare(pathlib.Path(tmp))
         tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
