@@ -43,6 +43,7 @@ SUBMODULES = (
     "config",
     "data",
     "decoding_export",
+    "errors",
     "evaluation",
     "export",
     "finetune",

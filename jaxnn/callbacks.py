@@ -32,15 +32,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from jaxnn.errors import NonFiniteError, SkippedStepsError  # noqa: F401 (also importable from here)
+
 log = logging.getLogger(__name__)
-
-
-class NonFiniteError(RuntimeError):
-    """Training produced a NaN or Inf loss (or parameters); the message names the step."""
-
-
-class SkippedStepsError(NonFiniteError):
-    """Under fp16 loss scaling, too many recent steps were skipped for non-finite gradients to call it training."""
 
 
 @dataclasses.dataclass

@@ -24,15 +24,12 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from jaxnn._src.checks import config_differences, first_differences
 from jaxnn._src.pytree import is_prng_key, path_name
 from jaxnn._src.storage import StorageError, quiet_storage_noise, storage_error
-from jaxnn.config import config_differences, first_differences
+from jaxnn.errors import CheckpointError  # noqa: F401 (also importable from here)
 
 log = logging.getLogger(__name__)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: incompatible with this run, or no readable one left."""
 
 
 def to_saveable(tree: Any) -> Any:

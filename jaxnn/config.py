@@ -12,10 +12,18 @@ import copy
 import dataclasses
 import json
 import math
-import numbers
-from collections.abc import Iterable
 from typing import Any
 
+from jaxnn._src.checks import (  # noqa: F401 (config_differences, first_differences, check_seed: importable here too)
+    SEED_LIMIT,
+    check_compile_cache,
+    check_seed,
+    config_differences,
+    first_differences,
+    non_negative,
+    positive_int,
+)
+from jaxnn.errors import ConfigError  # noqa: F401 (also importable from here)
 from jaxnn.metrics import check_writer_names
 
 MODELS = ("mlp", "cnn", "resnet", "gpt", "imagenet_resnet", "vit")
@@ -24,31 +32,6 @@ SIZES = ("small", "base")
 # carries a device axis in front (kept in jaxnn.parallel for comparison, not for checkpointed runs).
 FIT_FORMS = ("jit", "shard_map")
 CHECK_DATA = ("arrays", "all", "off")
-# numpy's and jax's seeding take 32-bit unsigned seeds; a larger or negative one fails deep inside them.
-SEED_LIMIT = 2**32
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the field."""
-
-
-def config_differences(
-    saved: dict, current: dict, ignore: Iterable[str] = (), *, saved_as: str = "checkpoint", now_as: str = "now"
-) -> list[str]:
-    """Human-readable `field: checkpoint X, now Y` lines for the keys where two dicts differ (`-`: absent); the
-    one way jaxnn words a difference, of configs as of parameter shapes."""
-    keys = sorted((set(saved) | set(current)) - set(ignore))
-    missing = object()
-    return [
-        f"{k}: {saved_as} {saved.get(k, missing)!r}, {now_as} {current.get(k, missing)!r}".replace(repr(missing), "-")
-        for k in keys
-        if saved.get(k, missing) != current.get(k, missing)
-    ]
-
-
-def first_differences(diffs: list[str], limit: int = 4) -> str:
-    """`diffs` joined for one line: the first `limit`, then "..." when there are more."""
-    return "; ".join(diffs[:limit]) + ("; ..." if len(diffs) > limit else "")
 
 
 def _check_mesh(mesh: str, batch_size: int) -> None:
@@ -61,27 +44,6 @@ def _check_mesh(mesh: str, batch_size: int) -> None:
     split = math.prod(sizes.get(axis, 1) for axis in BATCH_AXES)
     if batch_size % split:
         raise ConfigError(f"batch size {batch_size} is not divisible by the {split} devices of the batch axes")
-
-
-def check_seed(owner: str, value: Any) -> None:
-    """Refuses a seed that is not an integer in [0, 2**32), naming the owner and the value."""
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not 0 <= int(value) < SEED_LIMIT:
-        raise ConfigError(f"{owner}: seed must be an integer in [0, 2**32), got {value!r}")
-
-
-def _check_compile_cache(owner: str, value) -> None:
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{owner}: compile_cache must be 'auto', 'off' or a directory, got {value!r}")
-
-
-def _positive_int(owner: str, name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"{owner}: {name} must be a positive integer, got {value!r}")
-
-
-def _non_negative(owner: str, name: str, value) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
-        raise ConfigError(f"{owner}: {name} must be >= 0, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,11 +149,11 @@ class FitConfig:
 
         owner = "fit"
         for name in ("steps", "log_every", "keep", "devices", "accumulate"):
-            _positive_int(owner, name, getattr(self, name))
+            positive_int(owner, name, getattr(self, name))
         if self.epochs is not None:
-            _positive_int(owner, "epochs", self.epochs)
+            positive_int(owner, "epochs", self.epochs)
         if self.batch_size is not None:
-            _positive_int(owner, "batch_size", self.batch_size)
+            positive_int(owner, "batch_size", self.batch_size)
             if self.batch_size % self.accumulate:
                 raise ConfigError(f"{owner}: accumulate {self.accumulate} does not divide batch_size {self.batch_size}")
         if self.keep_best_mode not in ("auto", "min", "max"):
@@ -199,7 +161,7 @@ class FitConfig:
         if self.keep_best is not None and not (isinstance(self.keep_best, str) and self.keep_best):
             raise ConfigError(f"{owner}: keep_best must name an evaluation metric, got {self.keep_best!r}")
         for name in ("eval_every", "ckpt_every", "prefetch"):
-            _non_negative(owner, name, getattr(self, name))
+            non_negative(owner, name, getattr(self, name))
         check_seed(owner, self.seed)
         if not isinstance(self.precision, str) or self.precision not in PRESETS:
             raise ConfigError(f"{owner}: unknown precision {self.precision!r}; choose one of {sorted(PRESETS)}")
@@ -219,7 +181,7 @@ class FitConfig:
             raise ConfigError(f"{owner}: resume and overwrite exclude each other")
         if self.run_dir is None and (self.resume or self.ckpt_dir or self.keep_best):
             raise ConfigError(f"{owner}: resume, ckpt_dir and keep_best need a run_dir")
-        _check_compile_cache(owner, self.compile_cache)
+        check_compile_cache(owner, self.compile_cache)
 
     @classmethod
     def from_settings(cls, settings: dict[str, Any]) -> FitConfig:
@@ -238,10 +200,10 @@ class FitConfig:
         checked again; these three are checked here."""
         fields: dict[str, Any] = {}
         if steps is not None:
-            _positive_int("fit", "steps", steps)
+            positive_int("fit", "steps", steps)
             fields["steps"] = steps
         if batch_size is not None:
-            _positive_int("fit", "batch_size", batch_size)
+            positive_int("fit", "batch_size", batch_size)
             if batch_size % self.accumulate:
                 raise ConfigError(f"fit: accumulate {self.accumulate} does not divide batch_size {batch_size}")
             fields["batch_size"] = batch_size
@@ -399,7 +361,7 @@ def _validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"TrainConfig.fit must be a FitConfig, got {type(cfg.fit).__name__}")
     if cfg.fit.batch_size is None:
         raise ConfigError("batch_size must be a positive integer, got None")
-    _positive_int("train", "seq_len", cfg.seq_len)
+    positive_int("train", "seq_len", cfg.seq_len)
     if not (isinstance(cfg.lr, (int, float)) and math.isfinite(cfg.lr) and cfg.lr > 0):
         raise ConfigError(f"lr must be a positive number, got {cfg.lr!r}")
     for name in ("warmup", "workers", "crop_pad", "weight_decay", "sample_bytes"):

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxnn.config import check_seed
+from jaxnn._src.checks import check_seed
 from jaxnn.layers.core import Layer, LayerError, Params, PRNGKey, State, run, run_cached
 from jaxnn.precision import Policy, get_policy
 
@@ -566,11 +566,13 @@ def generate_text(
     tokenizer: Any = None,
     stop: str | None = None,
     bos_id: int | None = None,
+    end_id: int | None = None,
     **sampling: Any,
 ) -> str:
     """The prompt and its continuation as text: encoded and decoded with `tokenizer` (a `tokenizers.Tokenizer`,
     e.g. the one a fine-tuned checkpoint recorded), else as UTF-8 bytes for a byte-level model. `stop`: one
-    token's text (a single byte without a tokenizer) that ends generation. Other keywords: `generate_tokens`'."""
+    token's text (a single byte without a tokenizer) that ends generation; without it, the id `end_id` (e.g. the
+    checkpoint's end-of-text id) does. Other keywords: `generate_tokens`'."""
     if tokenizer is None:
         stop_id = None if stop is None else _one_byte(stop)
         ids = list(prompt.encode())
@@ -579,6 +581,7 @@ def generate_text(
         if stop is not None and stop_id is None:
             raise ValueError(f"generate: stop {stop!r} is not one token of the tokenizer")
         ids = tokenizer.encode(prompt).ids
+    stop_id = end_id if stop is None else stop_id
     new = generate_tokens(model, params, ids, max_new_tokens, stop=stop_id, empty_prompt=bos_id or 0, **sampling)
     if tokenizer is None:
         return bytes(ids + new).decode("utf-8", "replace")

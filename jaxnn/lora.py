@@ -189,9 +189,25 @@ def adapters(params: Any) -> dict[str, Any]:
     return {name: leaf for name, leaf in flatten(params).items() if name.rsplit(".", 1)[-1] in ADAPTER_KEYS}
 
 
+def base_digest(params: Any, names: Any) -> str:
+    """SHA-256 of the base weights the adapters `names` (dotted adapter names) attach to: each weight's name, dtype,
+    shape and bytes, in name order. What an adapter file records of its base, so that another base of the same
+    shapes is noticed."""
+    import hashlib
+
+    flat = dict(flatten(params))
+    digest = hashlib.sha256()
+    for weight in sorted({name.rsplit(".", 1)[0] + ".w" for name in names}):
+        array = np.ascontiguousarray(np.asarray(flat[weight]))
+        digest.update(f"{weight}|{array.dtype}|{array.shape}|".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
 def save_adapters(path: str | os.PathLike, params: Any, lora: LoRA) -> str:
-    """Writes the adapters of `params` (nothing of the base) and their settings as one safetensors file;
-    returns its path. Load them onto the same base with `load_adapters`."""
+    """Writes the adapters of `params` (nothing of the base), their settings and a digest of the base weights they
+    attach to (`base_digest`) as one safetensors file; returns its path. Load them onto the same base with
+    `load_adapters`."""
     from safetensors.numpy import save
 
     from jaxnn._src.storage import write_bytes_atomic
@@ -200,14 +216,18 @@ def save_adapters(path: str | os.PathLike, params: Any, lora: LoRA) -> str:
     if not arrays:
         raise ValueError("save_adapters: the params hold no LoRA adapters")
     meta = {"format": FORMAT, "version": str(VERSION), "lora": json.dumps(lora.record())}
+    meta["base_sha256"] = base_digest(params, arrays)
     path = os.fspath(path)
     write_bytes_atomic(path, save(arrays, metadata=meta))
     return path
 
 
-def load_adapters(path: str | os.PathLike, params: Any) -> tuple[Any, LoRA]:
-    """`params` (a base without adapters) with the adapters of a `save_adapters` file, and their settings. An
-    adapter whose weight is missing from `params`, or of another shape, is a ValueError naming it."""
+def load_adapters(path: str | os.PathLike, params: Any, *, check_base: bool = True) -> tuple[Any, LoRA]:
+    """Returns `(params_with_adapters, lora)`: `params` (a base without adapters) with the adapters of a
+    `save_adapters` file, and their settings. An adapter whose weight is missing from `params`, or of another
+    shape, is a ValueError naming it; so is a base whose adapted weights differ from those the file recorded
+    (another checkpoint of the same shapes), unless `check_base=False` (a file written before the digest was
+    recorded loads unchecked)."""
     from safetensors import safe_open
 
     with safe_open(os.fspath(path), "numpy") as f:
@@ -224,6 +244,12 @@ def load_adapters(path: str | os.PathLike, params: Any) -> tuple[Any, LoRA]:
         if weight is None or not _fits(name.rsplit(".", 1)[-1], array.shape, tuple(np.shape(weight))):
             raise ValueError(f"{path}: adapter {name} has no matching weight in the params (another base model?)")
         flat[name] = jnp.asarray(array)
+    recorded = meta.get("base_sha256")
+    if check_base and recorded and base_digest(params, arrays) != recorded:
+        raise ValueError(
+            f"{path}: these adapters were trained on another base (the weights they attach to differ from the "
+            f"recorded digest {recorded[:12]}); load the base they were trained on, or pass check_base=False"
+        )
     return unflatten(flat), lora
 
 
@@ -291,15 +317,16 @@ __all__ = [
     "adapters",
     "add_adapters",
     "as_lora",
+    "base_digest",
+    "frozen_base",
     "has_adapters",
     "load_adapters",
+    "lora_model",
     "merge",
     "parse_lora",
     "save_adapters",
     "target_names",
     "train_adapters_only",
     "unused_adapters",
-    "frozen_base",
-    "lora_model",
     "with_adapters",
 ]

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxnn.errors import ModelSaveError  # noqa: F401 (also importable from here)
 from jaxnn.layers.core import Layer
 
 FORMAT = "jaxnn-model"
@@ -35,10 +36,6 @@ VERSION = 1
 ARCHITECTURE_FILE = "model.json"
 WEIGHTS_FILE = "weights.safetensors"
 TRAINING_FILE = "training.safetensors"  # optimizer state, step, key: what resuming needs
-
-
-class ModelSaveError(ValueError):
-    """A model (or folder) that cannot be saved or loaded as asked; one line naming the part at fault."""
 
 
 # ------------------------------------------------------------------------------------------------- describing

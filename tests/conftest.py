@@ -43,7 +43,7 @@ assert jax.device_count() == 8, jax.devices()
 def pytest_configure(config):
     # Every fit of a test trains on fewer than the 8 simulated devices; the warning that says so once per process
     # is tested on its own (tests/test_bad_settings.py), not met at random by whichever test runs first.
-    config.addinivalue_line("filterwarnings", "ignore::jaxnn.loop._run.UnusedDevicesWarning")
+    config.addinivalue_line("filterwarnings", "ignore::jaxnn.errors.UnusedDevicesWarning")
 
 
 @pytest.fixture

@@ -274,3 +274,48 @@ def test_each_decoder_preset_has_its_published_parameter_count(name):
     model = GPT(preset.config)
     shapes = jax.eval_shape(lambda key: model.init(key, (1, 1))[1], jax.random.key(0))
     assert sum(int(np.prod(a.shape)) for a in jax.tree.leaves(shapes)) == preset.published_params
+
+
+def _eos_tokenizer_folder(folder):
+    """A word-level tokenizer whose end-of-text token is special, as GPT-2's is, and a tokenizer_config.json naming
+    it (with a chat template, which an export must keep)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<|endoftext|>", *[f"w{i}" for i in range(VOCAB - 2)], "[UNK]"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<|endoftext|>"])
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"eos_token": "<|endoftext|>", "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder, 0
+
+
+@pytest.mark.slow
+def test_an_hf_export_says_where_generation_ends_and_transformers_stops_where_jaxnn_does(tmp_path, capsys):
+    from jaxnn import cli
+
+    tokenizer_folder, eos = _eos_tokenizer_folder(tmp_path / "tok")
+    cfg = dataclasses.replace(PRESETS["gpt2"].config, vocab_size=VOCAB, seq_len=32, d_model=32, num_layers=1,
+                              num_heads=2, tie_embeddings=False)  # fmt: skip
+    _, params = GPT(cfg).init(jax.random.key(0), (1, 8))
+    # The final norm outputs a constant vector whose product with the end token's output column beats every other:
+    # greedy generation emits the end token next, whatever the prompt.
+    params["3_ln_f"] = {"scale": jnp.zeros(32), "bias": jnp.ones(32)}
+    params["4_logits"]["w"] = jnp.zeros((32, VOCAB)).at[:, eos].set(1.0)
+    out = tmp_path / "export"
+    save_hf(out, cfg, params, tokenizer_from=tokenizer_folder)
+
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == eos
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == eos
+    assert "chat_template" in json.loads((out / "tokenizer_config.json").read_text())
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    prompt = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        ids = model.generate(prompt, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(prompt))
+    assert ids[0].tolist() == [5, 6, 7, eos]  # stopped at the end token, not after 6 tokens
+
+    argv = ["generate", "--run-dir", str(out), "--prompt", "w4 w5 w6", "--length", "6", "--temperature", "0"]
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out.strip() == "w4 w5 w6"  # the end token ended it (and decodes to nothing)

@@ -110,3 +110,115 @@ def test_the_package_keeps_few_root_modules_and_marks_its_internals():
     assert not public & internal
     docs = (ROOT.parent / "tools" / "build_docs.py").read_text()
     assert not [name for name in internal if f'"{name}"' in docs]
+
+
+# ------------------------------------------------------------------------------------------------------- the rooms
+# A room is a package or a root module of jaxnn (`jaxnn.layers`, `jaxnn.train`); `jaxnn._src` is one room. Rooms
+# should import each other only downward, so the room graph has no loop. Today's room loops (layers <-> parallel,
+# layers <-> profile, layers <-> kernels <-> precision, config <-> parallel <-> train) put these imports on a loop;
+# the list may only shrink, and each move that breaks a loop strikes its pairs.
+KNOWN_UPWARD = {
+    ("jaxnn.config", "jaxnn.layers"),
+    ("jaxnn.config", "jaxnn.lora"),
+    ("jaxnn.config", "jaxnn.parallel"),
+    ("jaxnn.config", "jaxnn.precision"),
+    ("jaxnn.kernels", "jaxnn.layers"),
+    ("jaxnn.kernels", "jaxnn.precision"),
+    ("jaxnn.kernels", "jaxnn.profile"),
+    ("jaxnn.layers", "jaxnn.kernels"),
+    ("jaxnn.layers", "jaxnn.parallel"),
+    ("jaxnn.layers", "jaxnn.precision"),
+    ("jaxnn.layers", "jaxnn.profile"),
+    ("jaxnn.lora", "jaxnn.layers"),
+    ("jaxnn.parallel", "jaxnn.config"),
+    ("jaxnn.parallel", "jaxnn.layers"),
+    ("jaxnn.parallel", "jaxnn.precision"),
+    ("jaxnn.parallel", "jaxnn.train"),
+    ("jaxnn.precision", "jaxnn.kernels"),
+    ("jaxnn.profile", "jaxnn.layers"),
+    ("jaxnn.profile", "jaxnn.precision"),
+    ("jaxnn.train", "jaxnn.config"),
+    ("jaxnn.train", "jaxnn.layers"),
+    ("jaxnn.train", "jaxnn.precision"),
+}
+
+
+def room_of(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def room_graph() -> dict[str, set[str]]:
+    graph, _ = import_graph()
+    rooms: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        rooms.setdefault(room_of(module), set()).update(room_of(d) for d in deps)
+    return {room: deps - {room} for room, deps in rooms.items() if room != "jaxnn"}
+
+
+def reaches(graph: dict[str, set[str]], start: str, goal: str) -> bool:
+    seen, todo = set(), [start]
+    while todo:
+        node = todo.pop()
+        if node == goal:
+            return True
+        if node not in seen:
+            seen.add(node)
+            todo.extend(graph.get(node, ()))
+    return False
+
+
+def upward_imports(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """Room imports a -> b where b also reaches a: the edges of the room graph's loops."""
+    return {(a, b) for a, deps in graph.items() for b in deps if reaches(graph, b, a)}
+
+
+def test_upward_imports_between_rooms_only_shrink():
+    upward = upward_imports(room_graph())
+    assert upward <= KNOWN_UPWARD, f"new room imports that run back up: {sorted(upward - KNOWN_UPWARD)}"
+    assert not KNOWN_UPWARD - upward, f"gone, strike from KNOWN_UPWARD: {sorted(KNOWN_UPWARD - upward)}"
+    assert not any(room.startswith(("experiments", "benchmarks")) for deps in room_graph().values() for room in deps)
+
+
+def test_upward_imports_are_found_through_other_rooms():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert upward_imports(graph) == {("a", "b"), ("b", "c"), ("c", "a")}
+
+
+# Error classes defined outside jaxnn.errors, and why.
+ERRORS_ELSEWHERE = {("jaxnn.cli.main", "UsageError"): "the command's own flag errors; a user sees its one line"}
+
+
+def test_every_error_a_user_catches_lives_in_jaxnn_errors_with_a_docstring():
+    import jaxnn.errors
+
+    found = set()
+    for module, path in module_names().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            bases = [getattr(b, "id", getattr(b, "attr", "")) for b in getattr(node, "bases", [])]
+            if isinstance(node, ast.ClassDef) and any(b.endswith(("Error", "Exception", "Warning")) for b in bases):
+                found.add((module, node.name))
+    assert {name for module, name in found if module == "jaxnn.errors"} == set(jaxnn.errors.__all__)
+    assert {k for k in found if k[0] != "jaxnn.errors"} == set(ERRORS_ELSEWHERE)
+    assert all(getattr(jaxnn.errors, name).__doc__ for name in jaxnn.errors.__all__)
+
+
+def test_the_docs_layout_names_every_file_of_the_package():
+    text = (ROOT.parent / "docs" / "index.md").read_text()
+    layout = text.split("## The package's layout", 1)[1].split("\n## ", 1)[0]
+    rows = {line.split("`")[1]: line for line in layout.splitlines() if line.startswith("| `jaxnn/")}
+    folders = sorted(f"jaxnn/{p.name}/" for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    assert sorted(rows) == folders
+    missing = []
+    for folder, row in rows.items():
+        for path in sorted((ROOT.parent / folder).rglob("*")):
+            if (
+                path.suffix in (".py", ".cc")
+                and path.stem not in ("__init__", "__main__")
+                and f"`{path.name}`" not in row
+            ):
+                missing.append(f"{folder}{path.relative_to(ROOT.parent / folder)}")
+    roots = sorted(p.name for p in ROOT.glob("*.py") if p.stem != "__init__")
+    top = layout.split("The modules at the top:", 1)[1]
+    missing += [name for name in roots if f"`{name}`" not in top]
+    assert missing == [], "docs/index.md's layout does not name: " + ", ".join(missing)
+    assert f"holds {len(roots)} modules" in layout

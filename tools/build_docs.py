@@ -38,6 +38,7 @@ DOCS = ROOT / "docs"
 # The modules a user imports; their submodules (jaxnn.layers.conv, ...) are implementation, reached through these.
 MODULES = (
     "jaxnn",
+    "jaxnn.errors",
     "jaxnn.layers",
     "jaxnn.models",
     "jaxnn.models.factory",

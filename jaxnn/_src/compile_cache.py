@@ -18,6 +18,8 @@ import os
 import pathlib
 from typing import Any
 
+from jaxnn.errors import CompileCacheError  # noqa: F401 (also importable from here)
+
 ENV = "JAXNN_COMPILE_CACHE"
 OFF_WORDS = ("", "off", "0", "false", "none", "no")
 # Every program of a run is worth caching on the CPU: a warm start's time is the sum of dozens of small compiles
@@ -29,10 +31,6 @@ MAX_BYTES = 2 * 1024**3
 
 _enabled_dir: str | None = None
 log = logging.getLogger(__name__)
-
-
-class CompileCacheError(ValueError):
-    """A compile-cache setting that cannot be used; the message names it."""
 
 
 def _jax_option(name: str) -> Any:

@@ -24,17 +24,11 @@ import sys
 import time
 from typing import Any, TypeAlias
 
+from jaxnn.errors import RunDirError, StorageError  # noqa: F401 (also importable from here)
+
 log = logging.getLogger(__name__)
 
 PathLike: TypeAlias = str | os.PathLike[str]
-
-
-class RunDirError(ValueError):
-    """A run (or output) directory that cannot be used as asked: held by another run, not a directory, not writable."""
-
-
-class StorageError(OSError):
-    """Writing to the run directory failed (disk full, permissions, ...); the message says where and why."""
 
 
 def free_space(path: PathLike) -> str:

@@ -118,7 +118,7 @@ def generate_main(args: argparse.Namespace) -> int:
         compile_cache.enable(args.compile_cache)
         return _generate_hf(args)
     from jaxnn.checkpoint import load_params
-    from jaxnn.interop.tokenizer import run_tokenizer
+    from jaxnn.interop.tokenizer import TOKENIZER_FILE, load_tokenizer, run_tokenizer_folder, special_token_ids
     from jaxnn.models.factory import model_from_record
 
     loaded = load_params(args.run_dir, step=args.step)
@@ -126,20 +126,28 @@ def generate_main(args: argparse.Namespace) -> int:
         what = f"a {loaded.config['model']!r} run" if loaded.config.get("model") else "not a run of `jaxnn train`"
         raise ValueError(f"{args.run_dir}: {what}; generate needs a GPT run of `jaxnn train`")
     model, mcfg = model_from_record(loaded.config)
-    tokenizer = run_tokenizer(loaded.config, loaded.directory)  # the one the run was trained with, checked
+    folder = run_tokenizer_folder(loaded.config, loaded.directory)  # the one the run was trained with, checked
+    tokenizer = None if folder is None else load_tokenizer(folder / TOKENIZER_FILE)
     if tokenizer is None and mcfg.vocab_size != 256:
         raise ValueError(
             f"{args.run_dir}: the model has {mcfg.vocab_size} token ids and the run recorded no tokenizer; "
             "generate reads text as bytes only for a 256-id vocabulary"
         )
     compile_cache.enable(args.compile_cache)  # most of a short generation is compiling its programs
+    ids = {} if folder is None else special_token_ids(folder, mcfg.vocab_size)
     _print_generation(args, model, loaded.params, loaded.model_state, tokenizer, mcfg,
-                      policy=loaded.config.get("precision", "fp32"))  # fmt: skip
+                      policy=loaded.config.get("precision", "fp32"), ids=ids)  # fmt: skip
     return 0
 
 
-def _print_generation(args, model, params, model_state, tokenizer, mcfg, *, policy="fp32", bos_id=None) -> None:
+def _print_generation(args, model, params, model_state, tokenizer, mcfg, *, policy="fp32", ids=None) -> None:
+    """Prints the prompt and its continuation, which ends at `--stop`, else at the checkpoint's end-of-text id
+    (`ids`: its special token ids, `interop.tokenizer.special_token_ids`), else after `--length` tokens."""
     from jaxnn.generate import generate_text
+    from jaxnn.interop.tokenizer import first_end_id
+
+    ids = ids or {}
+    bos_id = ids.get("bos_token_id")
 
     print(
         generate_text(
@@ -150,6 +158,7 @@ def _print_generation(args, model, params, model_state, tokenizer, mcfg, *, poli
             tokenizer=tokenizer,
             stop=args.stop,
             bos_id=bos_id,
+            end_id=first_end_id(ids),
             context_len=mcfg.seq_len if mcfg.position == "learned" else None,
             key=args.seed,  # checked by generate: an integer in [0, 2**32)
             temperature=args.temperature,
@@ -252,8 +261,8 @@ def _generate_hf(args: argparse.Namespace) -> int:
 
     import jax
 
-    from jaxnn.interop.hf import load_hf, read_hf_config
-    from jaxnn.interop.tokenizer import TOKENIZER_FILE, load_tokenizer
+    from jaxnn.interop.hf import load_hf
+    from jaxnn.interop.tokenizer import TOKENIZER_FILE, load_tokenizer, special_token_ids
     from jaxnn.models import GPT
 
     folder = pathlib.Path(args.run_dir)
@@ -263,7 +272,7 @@ def _generate_hf(args: argparse.Namespace) -> int:
         raise ValueError(
             f"{folder}: no {TOKENIZER_FILE}, and its {cfg.vocab_size}-token vocabulary cannot read text as bytes"
         )
-    eos = read_hf_config(folder).get("bos_token_id")
+    ids = special_token_ids(folder, cfg.vocab_size)
     _print_generation(args, GPT(cfg), jax.tree.map(jax.numpy.asarray, params), None, tokenizer, cfg,
-                      bos_id=eos if isinstance(eos, int) else None)  # fmt: skip
+                      ids=ids)  # fmt: skip
     return 0

@@ -19,7 +19,8 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
-from jaxnn.config import check_seed
+from jaxnn._src.checks import check_seed
+from jaxnn.errors import DataError  # noqa: F401 (also importable from here)
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +39,6 @@ _IDX_DTYPES: dict[int, np.dtype[Any]] = {
     0x0E: np.dtype(">f8"),
 }
 CIFAR_RECORD = 1 + 3 * 32 * 32  # one label byte, then the red, green and blue 32x32 planes
-
-
-class DataError(ValueError):
-    """A data directory or file that does not hold what its format promises; the message names the file."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

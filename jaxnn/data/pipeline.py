@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from jaxnn.config import check_seed
+from jaxnn._src.checks import check_seed
 from jaxnn.data.datasets import ImageDataset, TextCorpus
 from jaxnn.data.preprocess import normalise, random_crop, random_flip, text_batch
 

@@ -21,10 +21,9 @@ from typing import Any
 import numpy as np
 
 from jaxnn.data.datasets import DataError, TextCorpus
+from jaxnn.interop.tokenizer import END_TOKENS, end_token
 
 RECORD_SUFFIX = ".jsonl"
-# End-of-text tokens of the tokenizers people fine-tune (GPT-2, Llama 2/3, Mistral, Qwen).
-END_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>")
 
 
 def is_record_source(path: str | os.PathLike) -> bool:
@@ -72,15 +71,6 @@ def _record(obj: Any, file: pathlib.Path, number: int) -> tuple[str, str]:
         return obj["prompt"], obj["completion"]
     keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
     raise DataError(f'{where}: expected {{"text": str}} or {{"prompt": str, "completion": str}}, got {keys}')
-
-
-def end_token(tokenizer: Any) -> int | None:
-    """The tokenizer's end-of-text id, if it has one of the usual ones."""
-    for token in END_TOKENS:
-        found = tokenizer.token_to_id(token)
-        if found is not None:
-            return int(found)
-    return None
 
 
 def _encoder(tokenizer: Any, end_id: int | None) -> tuple[Any, list[int]]:

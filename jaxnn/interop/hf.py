@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 from typing import Any
 
 import jax
@@ -298,9 +299,11 @@ def save_hf(
 ) -> str:
     """Writes `params` of a jaxnn GPT as a transformers folder (config.json, model.safetensors) that
     `AutoModelForCausalLM.from_pretrained` loads; returns the folder. `dtype`: the stored dtype (None: keep).
-    `tokenizer_from`: a folder whose tokenizer files (tokenizer.json and its side files) are copied beside the
-    weights, so `AutoTokenizer` reads the vocabulary the model was trained on. LoRA adapters in `params` are
-    merged into their weights first.
+    `tokenizer_from`: a folder whose tokenizer files (tokenizer.json and its side files, the chat template in
+    tokenizer_config.json among them) are copied beside the weights, so `AutoTokenizer` reads the vocabulary the
+    model was trained on; the checkpoint's begin, end and padding ids (`interop.tokenizer.special_token_ids`) go
+    into config.json and generation_config.json, so transformers' `generate()` stops at the end token as
+    `jaxnn generate` does. LoRA adapters in `params` are merged into their weights first.
 
     The folder is written whole (`jaxnn._src.folders`): a new or empty folder, or an earlier export of the same
     `source` (e.g. the run it came from), which is replaced only once the new one is complete; a folder holding
@@ -308,7 +311,7 @@ def save_hf(
     from safetensors.numpy import save_file
 
     from jaxnn._src.folders import write_folder
-    from jaxnn.interop.tokenizer import copy_tokenizer
+    from jaxnn.interop.tokenizer import GENERATION_FILE, SPECIAL_IDS, copy_tokenizer, json_object, special_token_ids
     from jaxnn.lora import merge
 
     params = merge(params)
@@ -318,6 +321,12 @@ def save_hf(
         tensors = {name: np.asarray(t).astype(dtype) for name, t in tensors.items()}
     stored = {str(t.dtype) for t in tensors.values()}
     config["dtype"] = stored.pop() if len(stored) == 1 else "float32"
+    ids = {} if tokenizer_from is None else special_token_ids(tokenizer_from, cfg.vocab_size)
+    config.update(ids)
+    generation = None
+    if ids:  # the source's generation settings (sampling defaults and all), with the ids this model can emit
+        settings = json_object(pathlib.Path(tokenizer_from) / GENERATION_FILE)  # type: ignore[arg-type]
+        generation = {**{k: v for k, v in settings.items() if k not in SPECIAL_IDS}, **ids}
 
     def fill(staging: Any) -> None:
         save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, staging / "model.safetensors",
@@ -325,6 +334,10 @@ def save_hf(
         if tokenizer_from is not None:
             copy_tokenizer(tokenizer_from, staging, subdir="")
         (staging / "config.json").write_text(json.dumps(config, indent=2))
+        if generation is not None:
+            (staging / GENERATION_FILE).write_text(json.dumps(generation, indent=2))
+        elif (staging / GENERATION_FILE).exists():  # a source file whose ids this model cannot emit
+            (staging / GENERATION_FILE).unlink()
 
     return os.fspath(write_folder(folder, fill, {"format": "transformers", "source": source}))
 

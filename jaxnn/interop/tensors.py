@@ -21,12 +21,9 @@ from typing import Any
 import numpy as np
 
 from jaxnn._src.optional import require
+from jaxnn.errors import TensorMismatchError  # noqa: F401 (also importable from here)
 
 Path = tuple[str, ...]  # keys from the root of a nested dict: ("params", "0_embed", "table")
-
-
-class TensorMismatchError(ValueError):
-    """A checkpoint that does not fit the jaxnn model: a missing or unexpected tensor, or a wrong shape."""
 
 
 def _alone(array: np.ndarray) -> tuple[np.ndarray, ...]:

@@ -46,6 +46,7 @@ from typing import Any, NamedTuple, Protocol, TypeAlias, TypeVar, cast
 
 import jax
 
+from jaxnn.errors import LayerError, LayerTypeError  # noqa: F401 (also importable from here)
 from jaxnn.precision import Policy
 
 Shape: TypeAlias = tuple[int, ...]
@@ -87,22 +88,6 @@ InitCacheFn: TypeAlias = Callable[[Shape, int, Any], Cache]  # (in_shape, max_le
 # The keywords every `apply` takes (a layer may ignore some); side inputs come on top (see the module docstring).
 STANDARD_KEYWORDS = frozenset({"key", "train", "state", "policy"})
 SIDE_INPUTS = frozenset({"mask", "context", "context_mask", "positions"})
-
-
-class LayerError(ValueError):
-    """A bad input or parameter, raised in one line naming the layer's path within the model."""
-
-    def __init__(self, layer_name: str, detail: str):
-        super().__init__(detail)
-        self.path = [layer_name]
-        self.detail = detail
-
-    def __str__(self) -> str:
-        return f"{'/'.join(self.path)}: {self.detail}"
-
-
-class LayerTypeError(LayerError, TypeError):
-    """A `LayerError` for an input of the wrong dtype."""
 
 
 class Spec:

@@ -31,6 +31,7 @@ from jaxnn.data.datasets import ImageDataset, TextCorpus
 from jaxnn.data.pipeline import PipelineConfig
 from jaxnn.data.prefetch import DevicePrefetch
 from jaxnn.data.sources import as_eval_batches, as_train_source
+from jaxnn.errors import UnusedDevicesWarning  # noqa: F401 (also importable from here)
 from jaxnn.evaluation import eval_sums_fn, mean_over, padded, round_up
 from jaxnn.layers.core import Layer
 from jaxnn.layers.stack import rematerialised
@@ -193,10 +194,6 @@ def _resuming(inputs: FitInputs) -> FitInputs:
 
 def _main() -> bool:
     return jax.process_index() == 0
-
-
-class UnusedDevicesWarning(UserWarning):
-    """fit trains on fewer devices than the process has (said once per process)."""
 
 
 def _rematerialised(model: Layer, policy: str) -> Layer:

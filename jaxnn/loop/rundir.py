@@ -20,6 +20,7 @@ import socket
 import time
 from typing import TYPE_CHECKING, Literal
 
+from jaxnn._src.checks import config_differences
 from jaxnn._src.optional import available
 from jaxnn._src.ownership import (
     OWNER_FILE,
@@ -38,7 +39,6 @@ from jaxnn._src.storage import (
     pid_alive,
     write_json_atomic,
 )
-from jaxnn.config import config_differences
 from jaxnn.loop.plots import write_plots
 from jaxnn.metrics import make_writers
 

@@ -19,16 +19,13 @@ import numpy as np
 
 from jaxnn._src.pytree import flatten
 from jaxnn._src.warn import warn_at_caller
+from jaxnn.errors import ShardingWarning  # noqa: F401 (also importable from here)
 from jaxnn.parallel.rules import FSDP, TENSOR, ShardingRules
 
 log = logging.getLogger(__name__)
 
 PARAMETER_AXES = (FSDP, TENSOR)  # the axes whose whole purpose is to split parameters
 LARGEST_SHOWN = 3
-
-
-class ShardingWarning(UserWarning):
-    """A layout that leaves a mesh axis idle, or a rule that matches no parameter."""
 
 
 @dataclass(frozen=True)

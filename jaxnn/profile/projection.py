@@ -20,10 +20,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-
-class ProjectionError(ValueError):
-    """An accelerator description that cannot be used (a missing dtype, a non-positive peak)."""
-
+from jaxnn.errors import ProjectionError  # noqa: F401 (also importable from here)
 
 # The H200 figures used when nothing else is given. bf16: the dense bf16 product rate given for an H200 (not
 # measured by this project); fp32: NVIDIA's spec sheet (no tensor cores); bandwidth: about 90% of the spec sheet's

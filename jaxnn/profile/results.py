@@ -9,13 +9,10 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jaxnn.errors import ProfileError  # noqa: F401 (also importable from here)
 from jaxnn.profile.projection import Accelerator
 
 PASSES = ("forward", "forward+backward")
-
-
-class ProfileError(ValueError):
-    """Input `profile_layers` cannot profile (not a Layer, a bad shape or batch size); nothing was measured."""
 
 
 @dataclasses.dataclass(frozen=True)
