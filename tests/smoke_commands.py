@@ -156,6 +156,7 @@ for _line in (
     'jaxnn generate --run-dir ft --prompt "def f3(x):" --length 8 --temperature 0',
     "jaxnn export --run-dir ft --format hf --out ft-hf",
     "jaxnn export --run-dir ft --format lora --out ft-adapters",
+    "jaxnn export --run-dir ft --format peft --out ft-peft",
 ):
     DOC_COMMANDS[_line] = _WALKTHROUGH
 

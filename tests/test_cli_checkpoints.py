@@ -129,6 +129,15 @@ def test_lora_fine_tune_from_the_command_line_generates_and_exports_merged(capsy
     _, folder_params = load_hf(gpt2_folder)
     again, _ = load_adapters(tmp_path / "ad" / "adapters.safetensors", folder_params)
     assert np.abs(np.asarray(model.apply(again, ids)) - ours).max() < 1e-5
+    # PEFT's layout, for the transformers folder the run started from: PEFT gives the run's logits.
+    assert cli.main(["export", "--run-dir", str(run), "--format", "peft", "--out", str(tmp_path / "peft")]) == 0
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(gpt2_folder.absolute())
+    peft = pytest.importorskip("peft")
+    with_peft = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(gpt2_folder),
+                                               tmp_path / "peft").eval()  # fmt: skip
+    with torch.no_grad():
+        assert np.abs(with_peft(torch.tensor(ids)).logits.numpy() - ours).max() < 1e-4
     adapter_bytes = (tmp_path / "ad" / "adapters.safetensors").stat().st_size
     assert adapter_bytes < 0.2 * (tmp_path / "hf" / "model.safetensors").stat().st_size
     greedy = ["--prompt", "def main", "--length", "5", "--temperature", "0"]

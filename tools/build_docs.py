@@ -64,6 +64,7 @@ MODULES = (
     "jaxnn.interop",
     "jaxnn.interop.tensors",
     "jaxnn.interop.hf",
+    "jaxnn.interop.peft",
     "jaxnn.interop.torchvision",
     "jaxnn.interop.tokenizer",
     "jaxnn.parallel",

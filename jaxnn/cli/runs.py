@@ -41,10 +41,12 @@ def add_export_parser(sub: Any) -> None:
     p.add_argument(
         "--format",
         default="jax",
-        choices=("jax", "hf", "lora"),
+        choices=("jax", "hf", "lora", "peft"),
         help="jax: a jax.export program and its weights; hf: a Hugging Face transformers folder (GPT runs: GPT-2 "
         "for learned positions, Llama for rotary ones, with the run's tokenizer); both merge LoRA adapters into "
-        "their weights. lora: a LoRA run's adapters alone, as adapters.safetensors (jaxnn.lora.load_adapters)",
+        "their weights. lora: a LoRA run's adapters alone, as adapters.safetensors (jaxnn.lora.load_adapters); "
+        "peft: a GPT LoRA run's adapters alone in PEFT's layout, for PeftModel.from_pretrained and vLLM on the "
+        "transformers folder of its base (jaxnn.interop.peft)",
     )
 
 
@@ -95,7 +97,7 @@ def export_main(args: argparse.Namespace) -> int:
         raise ValueError("--input-shape is for a saved model; a run's input shape is its data set's")
     if args.format == "hf":
         return _export_hf(args)
-    if args.format == "lora":
+    if args.format in ("lora", "peft"):
         return _export_adapters(args)
     from jaxnn.export import export_run
 
@@ -197,6 +199,8 @@ def _export_adapters(args: argparse.Namespace) -> int:
     if "lora" not in loaded.config:
         raise ValueError(f"{args.run_dir}: not a LoRA run (trained without --lora): it has no adapters to export")
     settings = as_lora(loaded.config["lora"])
+    if args.format == "peft":
+        return _export_peft(args, loaded, settings)
     out = write_folder(
         args.out,
         lambda staging: save_adapters(staging / "adapters.safetensors", loaded.params, settings),
@@ -206,13 +210,32 @@ def _export_adapters(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_peft(args: argparse.Namespace, loaded: Any, settings: Any) -> int:
+    """`jaxnn export --format peft`: a GPT LoRA run's adapters as a PEFT folder, for the base it started from."""
+    from jaxnn.interop.hf import is_hf_folder
+    from jaxnn.interop.peft import save_peft
+    from jaxnn.models.factory import model_from_record
+
+    if loaded.config.get("model") != "gpt":
+        raise ValueError(
+            f"{args.run_dir}: --format peft writes GPT runs' adapters, not a {loaded.config.get('model')!r} run"
+        )
+    _, cfg = model_from_record(loaded.config)
+    # The transformers folder the run started from, where the record names one: PEFT's base_model_name_or_path.
+    candidates = [loaded.config.get("init_from"), (loaded.config.get("tokenizer") or {}).get("source")]
+    base = next((c for c in candidates if isinstance(c, str) and is_hf_folder(c)), None)
+    out = save_peft(args.out, cfg, loaded.params, settings, base_model=base, source=_source(loaded))
+    print(f"jaxnn: exported the LoRA adapters of {args.run_dir} in PEFT's layout -> {out}")
+    return 0
+
+
 def _export_saved(args: argparse.Namespace) -> int:
     """`jaxnn export` of a `jaxnn.save_model` folder: jax (with its recorded input shape) or hf (a saved GPT)."""
     from jaxnn.saving import export_saved_model
 
-    if args.format == "lora":
-        raise ValueError(f"{args.run_dir}: --format lora exports a LoRA run's adapters; a saved model holds merged "
-                         "weights (use --format jax or hf)")  # fmt: skip
+    if args.format in ("lora", "peft"):
+        raise ValueError(f"{args.run_dir}: --format {args.format} exports a LoRA run's adapters; a saved model "
+                         "holds merged weights (use --format jax or hf)")  # fmt: skip
     if args.step is not None:
         raise ValueError(f"--step {args.step}: {args.run_dir} is a saved model, which holds one state; drop --step")
     if args.format == "hf":

@@ -1,0 +1,125 @@
+"""LoRA adapters in PEFT's layout, both ways, proven against PEFT itself on small random transformers models made
+offline: jaxnn's adapters written with `save_peft` load in `PeftModel.from_pretrained` with jaxnn's logits, and a
+folder PEFT wrote loads into jaxnn with PEFT's logits (fused q/k/v split, and PEFT's separate q, k, v adapters
+fused)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxnn import lora
+from jaxnn.interop.hf import load_hf
+from jaxnn.interop.peft import load_peft, save_peft
+from jaxnn.models import GPT
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+pytestmark = [pytest.mark.xdist_group("transformers"), pytest.mark.slow]
+
+VOCAB = 64
+CONFIGS = {
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4),
+    "llama-gqa": lambda: transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    ),  # fmt: skip
+    "llama-mha": lambda: transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    ),  # fmt: skip
+}
+PEFT_TARGETS = {"gpt2": ["c_attn", "c_fc"], "llama-gqa": ["q_proj", "v_proj", "down_proj"], "llama-mha": ["k_proj"]}
+IDS = np.random.default_rng(0).integers(0, VOCAB, (2, 10))
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    out = {}
+    for kind, make in CONFIGS.items():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(make()).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn_like(p) * 0.3)
+        out[kind] = tmp_path_factory.mktemp(kind)
+        model.save_pretrained(out[kind])
+    return out
+
+
+def _torch_logits(model):
+    with torch.no_grad():
+        return model(torch.tensor(IDS)).logits.numpy()
+
+
+def _gap(a, b):
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_jaxnn_adapters_load_in_peft_with_jaxnns_logits(folders, kind, tmp_path):
+    cfg, base = load_hf(folders[kind])
+    settings = lora.LoRA(rank=4, alpha=8, targets=("*attention*.w", "*mlp*.w"))
+    params = lora.add_adapters(jax.tree.map(jnp.asarray, base), settings, jax.random.key(1))
+    # Trained adapters: b away from its zero start, so every module's share of the update shows.
+    moved = {k: (jax.random.normal(jax.random.key(i), v.shape) * 0.2 if k.endswith("lora_b") else v)
+             for i, (k, v) in enumerate(lora.adapters(params).items())}  # fmt: skip
+    params = _with(params, moved)
+    ours = np.asarray(GPT(cfg).apply(params, jnp.asarray(IDS)))
+    save_peft(tmp_path / "adapter", cfg, params, settings, base_model=str(folders[kind]))
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8
+    base_model = transformers.AutoModelForCausalLM.from_pretrained(folders[kind]).eval()
+    theirs = _torch_logits(peft.PeftModel.from_pretrained(base_model, tmp_path / "adapter").eval())
+    assert _gap(ours, theirs) < 1e-5
+    plain = np.asarray(GPT(cfg).apply(jax.tree.map(jnp.asarray, base), jnp.asarray(IDS)))
+    assert _gap(plain, theirs) > 1e-3  # the adapters did change the logits
+
+
+def _with(params, arrays):
+    from jaxnn._src.pytree import flatten, unflatten
+
+    flat = dict(flatten(params))
+    flat.update(arrays)
+    return unflatten(flat)
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_a_peft_folder_loads_into_jaxnn_with_pefts_logits(folders, kind, tmp_path):
+    base_model = transformers.AutoModelForCausalLM.from_pretrained(folders[kind]).eval()
+    config = peft.LoraConfig(r=4, lora_alpha=12, target_modules=PEFT_TARGETS[kind], init_lora_weights=False)
+    model = peft.get_peft_model(base_model, config).eval()  # random A and B: a visible update
+    theirs = _torch_logits(model)
+    model.save_pretrained(tmp_path / "theirs")
+    cfg, base = load_hf(folders[kind])
+    params, settings = load_peft(tmp_path / "theirs", cfg, jax.tree.map(jnp.asarray, base))
+    assert settings.scale == 3.0
+    ours = np.asarray(GPT(cfg).apply(params, jnp.asarray(IDS)))
+    assert _gap(ours, theirs) < 1e-5
+    plain = np.asarray(GPT(cfg).apply(jax.tree.map(jnp.asarray, base), jnp.asarray(IDS)))
+    assert _gap(plain, theirs) > 1e-3  # the adapters did change the logits
+
+
+def test_what_jaxnn_cannot_read_is_refused_in_one_line(folders, tmp_path):
+    base_model = transformers.AutoModelForCausalLM.from_pretrained(folders["llama-mha"]).eval()
+    config = peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True)
+    peft.get_peft_model(base_model, config).save_pretrained(tmp_path / "dora")
+    cfg, base = load_hf(folders["llama-mha"])
+    with pytest.raises(ValueError, match="use_dora=True"):
+        load_peft(tmp_path / "dora", cfg, base)
+    with pytest.raises(ValueError, match="not a PEFT adapter folder"):
+        load_peft(tmp_path, cfg, base)
