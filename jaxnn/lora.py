@@ -113,7 +113,14 @@ def as_lora(value: LoRA | str | Mapping[str, Any]) -> LoRA:
     if isinstance(value, str):
         return parse_lora(value)
     if isinstance(value, Mapping):
-        return LoRA(**{**value, "targets": tuple(value.get("targets", DEFAULT_TARGETS))})
+        # The same settings as the text form, under the same names: "r" or "rank", and one pattern or several.
+        fields = {{"r": "rank"}.get(str(k), str(k)): v for k, v in value.items()}
+        unknown = sorted(set(fields) - {"rank", "alpha", "dropout", "targets"})
+        if unknown:
+            raise ValueError(
+                f"LoRA: unknown setting {unknown[0]!r} in {dict(value)!r}; give rank, alpha, dropout, targets"
+            )
+        return LoRA(**fields)  # LoRA takes a single pattern as one target, as the text form does
     raise TypeError(f"LoRA settings must be a jaxnn.lora.LoRA, its text or a dict, got {type(value).__name__}")
 
 
@@ -230,11 +237,17 @@ def load_adapters(path: str | os.PathLike, params: Any, *, check_base: bool = Tr
     recorded loads unchecked)."""
     from safetensors import safe_open
 
-    with safe_open(os.fspath(path), "numpy") as f:
-        meta = f.metadata() or {}
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"{path}: not a jaxnn LoRA adapter file (no {FORMAT!r} format in its header)")
-        arrays = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open has no iterator
+    try:
+        with safe_open(os.fspath(path), "numpy") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != FORMAT:
+                raise ValueError(f"{path}: not a jaxnn LoRA adapter file (no {FORMAT!r} format in its header)")
+            arrays = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open has no iterator
+    except ValueError:
+        raise
+    except Exception as err:  # noqa: BLE001 - safetensors' reader raises its own error for every kind of damage
+        detail = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{path}: not a readable adapter file ({detail})") from None
     lora = as_lora(json.loads(meta["lora"]))
     if has_adapters(params):
         raise ValueError("load_adapters: these params already hold adapters")

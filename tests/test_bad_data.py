@@ -92,3 +92,33 @@ def test_fp16_run_whose_loss_scale_collapses_stops_with_an_error(clean):
         jaxnn.fit(L.Dense(3), (x, y), loss=overflowing_loss, precision="fp16", **settings)
     assert isinstance(err.value, NonFiniteError)  # what `jaxnn train` maps to exit status 1
     assert "max_skipped_fraction 0.5" in str(err.value) and "loss scale 1" in str(err.value)
+
+
+def _records(folder, pairs):
+    import json
+
+    folder.mkdir(exist_ok=True)
+    (folder / "qa.jsonl").write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in pairs))
+    return folder
+
+
+def test_records_whose_completions_count_for_nothing_are_refused_before_training(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from jaxnn.data.records import load_text_records
+
+    words = {"[UNK]": 0, "a": 1, "b": 2}  # no end-of-text token
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    folder = _records(tmp_path / "data", [("a b", "")] * 4)
+    with pytest.raises(DataError, match="no token of the training records counts in the loss") as err:
+        load_text_records(folder, tok)
+    assert "\n" not in str(err.value)
+
+
+def test_a_folder_mixing_records_and_plain_text_is_refused_naming_both(tmp_path):
+    from jaxnn.data.records import load_text_records
+
+    folder = _records(tmp_path / "data", [("q", "a")] * 4)
+    (folder / "notes.txt").write_text("plain text the records loader would leave out")
+    with pytest.raises(DataError, match=r"records \(qa.jsonl\) and plain text \(notes.txt\)"):
+        load_text_records(folder)

@@ -2,6 +2,7 @@
 targets no Dense reads, the settings' text and the adapter file."""
 
 import dataclasses
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -156,3 +157,25 @@ def test_the_frozen_base_gets_no_weight_gradient_products_in_the_compiled_step()
     frozen, open_base = dots(lora.lora_model(plain, settings)), dots(plain)
     # 2 blocks x 4 weights, plus the output layer: each frozen weight loses its one weight-gradient product.
     assert open_base - frozen >= 2 * 4, (open_base, frozen)
+
+
+def test_every_form_of_the_settings_reads_a_pattern_as_a_pattern():
+    text = lora.as_lora("r=4,targets=*1_dense.w")
+    assert lora.as_lora({"rank": 4, "targets": "*1_dense.w"}) == text  # one pattern, not one per character
+    assert lora.as_lora({"r": 4, "targets": ["*1_dense.w"]}) == text
+    assert lora.as_lora(lora.LoRA(rank=4, targets="*1_dense.w")) == text
+    with pytest.raises(ValueError, match="unknown setting 'size'"):
+        lora.as_lora({"rank": 4, "size": 3})
+
+
+def test_a_cut_adapter_file_is_one_line_naming_it(tmp_path):
+    _, base = GPT(CFG).init(jax.random.key(0), (1, 8))
+    settings = lora.LoRA(rank=2, targets=("*qkv.w",))
+    path = lora.save_adapters(
+        tmp_path / "a.safetensors", lora.add_adapters(base, settings, jax.random.key(1)), settings
+    )
+    data = pathlib.Path(path).read_bytes()
+    pathlib.Path(path).write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="a.safetensors: not a readable adapter file") as err:
+        lora.load_adapters(path, base)
+    assert "\n" not in str(err.value)

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxnn.data.datasets import DataError, TextCorpus
+from jaxnn.data.datasets import TEXT_SUFFIXES, DataError, TextCorpus
 from jaxnn.interop.tokenizer import END_TOKENS, end_token
 
 RECORD_SUFFIX = ".jsonl"
@@ -39,7 +39,15 @@ def _files(path: pathlib.Path) -> list[pathlib.Path]:
         return [path]
     if not path.is_dir():
         raise DataError(f"{path}: no such file or folder")
-    return sorted(path.rglob(f"*{RECORD_SUFFIX}"))
+    records = sorted(path.rglob(f"*{RECORD_SUFFIX}"))
+    # Plain text beside the records would be left out without a word: a folder is one kind of data or the other.
+    text = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
+    if records and text:
+        raise DataError(
+            f"{path}: holds JSON Lines records ({records[0].relative_to(path)}) and plain text "
+            f"({text[0].relative_to(path)}); a data folder is one or the other: move the text out, or make it records"
+        )
+    return records
 
 
 def read_records(path: str | os.PathLike) -> Iterator[tuple[str, str]]:
@@ -96,6 +104,12 @@ def load_text_records(
         raise DataError(f"{path}: {len(pieces)} record(s); expected at least 2 (one for the test split)")
     n_test = min(max(1, round(len(pieces) * test_fraction)), len(pieces) - 1)
     train, test = pieces[:-n_test], pieces[-n_test:]
+    for split, part in (("training", train), ("test", test)):
+        if not any(p[1].any() for p in part):
+            raise DataError(
+                f"{path}: no token of the {split} records counts in the loss (every completion is empty, and the "
+                "tokenizer has no end-of-text token to learn); give the records completions or text"
+            )
 
     def joined(part: list, k: int) -> np.ndarray:
         return np.concatenate([p[k] for p in part])
