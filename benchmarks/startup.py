@@ -28,10 +28,10 @@ from benchmarks.machine import cpu_label
 IMPORT_ONLY = "import jax, jaxnn.cli.recipes, jaxnn.loop; jax.devices()"
 
 
-def train_cmd(model: str, run_dir: str, cache: str | None, gpt_steps: int) -> list[str]:
+def train_cmd(model: str, run_dir: str, cache: str | None, gpt_steps: int, steps: int | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "jaxnn.cli", "train", "--model", model, "--run-dir", run_dir, "--overwrite"]
-    if model == "gpt":
-        cmd += ["--steps", str(gpt_steps)]
+    if steps is not None or model == "gpt":
+        cmd += ["--steps", str(steps if steps is not None else gpt_steps)]
     return cmd + (["--compile-cache", cache] if cache else ["--no-compile-cache"])
 
 
@@ -48,16 +48,16 @@ def timed_run(cmd: list[str]) -> tuple[float, float | None]:
     return wall, float(loop.group(1)) if loop else None
 
 
-def measure(model: str, rounds: int, gpt_steps: int, tmp: str) -> dict:
+def measure(model: str, rounds: int, gpt_steps: int, tmp: str, steps: int | None = None) -> dict:
     run_dir = os.path.join(tmp, f"run-{model}")
     warm = os.path.join(tmp, f"warm-{model}")
-    timed_run(train_cmd(model, run_dir, warm, gpt_steps))  # fills the warm cache
+    timed_run(train_cmd(model, run_dir, warm, gpt_steps, steps))  # fills the warm cache
     times: dict[str, list[float]] = {"cold": [], "warm": [], "off": [], "import": []}
     loops: dict[str, list[float]] = {"cold": [], "warm": [], "off": []}
     for r in range(rounds):
         cold = os.path.join(tmp, f"cold-{model}-{r}")
         for variant, cache in (("cold", cold), ("warm", warm), ("off", None)):
-            wall, loop = timed_run(train_cmd(model, run_dir, cache, gpt_steps))
+            wall, loop = timed_run(train_cmd(model, run_dir, cache, gpt_steps, steps))
             times[variant].append(wall)
             if loop is not None:
                 loops[variant].append(loop)
@@ -75,10 +75,11 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["cnn", "gpt"], choices=("mlp", "cnn", "resnet", "gpt"))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--gpt-steps", type=int, default=50)
+    parser.add_argument("--steps", type=int, default=None, help="steps of every model's run (default: its own)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="jaxnn-startup-") as tmp:
-        rows = [measure(m, args.rounds, args.gpt_steps, tmp) for m in args.models]
+        rows = [measure(m, args.rounds, args.gpt_steps, tmp, args.steps) for m in args.models]
     print(f"jaxnn train start-up, median of {args.rounds} interleaved rounds; {cpu_label()}")
     print(f"{'model':6} {'cold s':>7} {'warm s':>7} {'off s':>7} {'cold/warm':>9} {'import s':>8} {'cache MB':>8}")
     for r in rows:

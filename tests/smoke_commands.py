@@ -67,7 +67,7 @@ RUNS: list[str] = [
     "python -m benchmarks.fp8_matmul --sizes 128 --repeats 1",
     "python -m benchmarks.host_memory --models tiny --precisions fp32 --rounds 1 --steps 2 --warmup 1",
     "python -m benchmarks.onednn_load --precisions fp32 --repeats 1",
-    "python -m benchmarks.startup --models mlp --rounds 1",
+    "python -m benchmarks.startup --models mlp --rounds 1 --steps 5",
     "python -m benchmarks.step_variants --size tiny --repeats 1",
     "python -m benchmarks.tiny_step --precisions fp32 --repeats 1",
     "python -m experiments.project_model --model mlp --batches 1 --repeats 1",
@@ -111,7 +111,7 @@ DOC_COMMANDS: dict[str, str] = {
         f"--batch-size 2 {TRAIN_TINY}"
     ),
     "jaxnn profile --model gpt2 --batch-size 1 --seq-len 128 --precision fp32": (
-        "jaxnn profile --model gpt2 --batch-size 1 --seq-len 128 --precision fp32"
+        "jaxnn profile --model gpt2 --model-config num_layers=1 --batch-size 1 --seq-len 128 --precision fp32"
     ),
     # docs/checkpoints.md: a run to export first
     "jaxnn export --run-dir runs/cnn-default/20261201-024845 --out exported/cnn --platforms cpu cuda": (

@@ -174,7 +174,7 @@ def keep_host_memory(split_scratch: bool | None = None) -> str:
     _libc = libc
     arenas = "one arena, " if mode == "one-arena" else ""
     split = _compile_cache_off() if split_scratch is None else split_scratch
-    scratch = _split_scratch() if split else "scratch in one block (compilation cache on)"
+    scratch = _split_scratch() if split else "scratch in one block, cacheable"
     _trim_after_compiles()
     _status = f"kept between runs ({arenas}{scratch}, no mmap, trimmed after each compilation)"
     return _status
