@@ -46,7 +46,6 @@ RUNS: list[str] = [
     "make project-gpu SIZE=tiny",
     "make report",
     "make experiments SIZE=tiny",
-    "make gpu-check-dry",
     "make mutate ARGS=\"--only 'same dropout key every step' --jobs 1\"",
     "make onednn",
     "make bench-onednn ARGS='--rounds 1 --repeats 1 --no-steps --no-ab --json onednn-smoke.json'",
@@ -81,6 +80,9 @@ EXEMPT: dict[str, str] = {
     "install-bench": "installs the peer libraries from the network",
     "bench-gpu": "needs a GPU; bench-gpu-dry runs its code path on the CPU",
     "gpu-check": "needs a GPU; gpu-check-dry runs its code path on the CPU",
+    "gpu-check-dry": "tests/system/test_experiments.py's dry_run fixture runs its command (gpu_check --dry-run with "
+    "an archive) once for the suite, and checks every row it writes",
+    "experiments.gpu_check": "gpu-check-dry's module: the same dry_run fixture runs it",
 }
 
 # Modules another module starts as children (by name prefix), and that parent.
