@@ -28,6 +28,8 @@ SETTINGS: dict[str, dict[str, str]] = {
     "jaxnn default": {"JAXNN_MALLOC": "1"},
     # What `jaxnn train` does where its compilation cache is on: malloc kept, XLA's scratch in one block.
     "cache on": {"JAXNN_MALLOC": "1", "XLA_FLAGS": "--xla_multiheap_size_constraint_per_heap=-1"},
+    # Both: the one block on the main arena, whose heap has no 64 MB limit.
+    "one-arena, cache on": {"JAXNN_MALLOC": "one-arena", "XLA_FLAGS": "--xla_multiheap_size_constraint_per_heap=-1"},
     "one-arena": {"JAXNN_MALLOC": "one-arena"},
     "left as it is": {"JAXNN_MALLOC": "0"},
     "hugetlb": {"JAXNN_MALLOC": "0", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},

@@ -21,44 +21,16 @@ peft = pytest.importorskip("peft")
 
 pytestmark = [pytest.mark.xdist_group("transformers"), pytest.mark.slow]
 
-VOCAB = 64
-CONFIGS = {
-    "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4),
-    "llama-gqa": lambda: transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    ),  # fmt: skip
-    "llama-mha": lambda: transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=40,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    ),  # fmt: skip
-}
-PEFT_TARGETS = {"gpt2": ["c_attn", "c_fc"], "llama-gqa": ["q_proj", "v_proj", "down_proj"], "llama-mha": ["k_proj"]}
+from hf_models import CONFIGS, VOCAB, save_folders  # noqa: E402 (after the skips)
+
+PEFT_TARGETS = {"gpt2": ["c_attn", "c_fc"], "llama-gqa": ["q_proj", "v_proj", "down_proj"],
+                "llama-tied-mha": ["k_proj"], "llama-biases-untied": ["o_proj", "up_proj"]}  # fmt: skip
 IDS = np.random.default_rng(0).integers(0, VOCAB, (2, 10))
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    out = {}
-    for kind, make in CONFIGS.items():
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(make()).eval()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(torch.randn_like(p) * 0.3)
-        out[kind] = tmp_path_factory.mktemp(kind)
-        model.save_pretrained(out[kind])
-    return out
+    return save_folders(tmp_path_factory)
 
 
 def _torch_logits(model):
@@ -115,10 +87,10 @@ def test_a_peft_folder_loads_into_jaxnn_with_pefts_logits(folders, kind, tmp_pat
 
 
 def test_what_jaxnn_cannot_read_is_refused_in_one_line(folders, tmp_path):
-    base_model = transformers.AutoModelForCausalLM.from_pretrained(folders["llama-mha"]).eval()
+    base_model = transformers.AutoModelForCausalLM.from_pretrained(folders["llama-tied-mha"]).eval()
     config = peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True)
     peft.get_peft_model(base_model, config).save_pretrained(tmp_path / "dora")
-    cfg, base = load_hf(folders["llama-mha"])
+    cfg, base = load_hf(folders["llama-tied-mha"])
     with pytest.raises(ValueError, match="use_dora=True"):
         load_peft(tmp_path / "dora", cfg, base)
     with pytest.raises(ValueError, match="not a PEFT adapter folder"):

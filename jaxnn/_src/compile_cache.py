@@ -43,7 +43,7 @@ def _scratch_split() -> bool:
     """Whether XLA_FLAGS has XLA split programs' scratch into blocks (a positive size per heap; -1 is XLA's off)."""
     for flag in os.environ.get("XLA_FLAGS", "").split():
         name, _, value = flag.partition("=")
-        if name == "--xla_multiheap_size_constraint_per_heap":
+        if name == "--xla_multiheap_size_constraint_per_heap":  # jaxnn._src.malloc.XLA_FLAG, which imports this
             return value.lstrip("-").isdigit() and int(value) > 0
     return False
 
