@@ -1,4 +1,4 @@
-# The optional oneDNN kernels (jaxnn/kernels/onednn): `make install` (and so `make test`) installs the onednn extra
+# The optional oneDNN kernels (jaxnn/kernels/onednn): `make install` (and so `make test` and `make test-all`) installs the onednn extra
 # with the others (its wheels are marked for x86-64 Linux: elsewhere it installs nothing) and compiles the FFI
 # library against it and jaxlib's XLA FFI headers, in seconds. Where there is no C++ compiler or no oneDNN, it says
 # so and goes on: everything then runs on XLA's kernels.
@@ -23,7 +23,7 @@ $(ONEDNN_SO): $(STAMP) $(ONEDNN_SRC)
 
 onednn: $(ONEDNN_SO) ## compile the optional oneDNN CPU kernels (part of `make install` where a compiler is present)
 
-install test: $(ONEDNN_SO)
+install test test-all: $(ONEDNN_SO)
 
 bench-onednn: $(ONEDNN_SO) $(BENCH_STAMP) ## oneDNN kernels vs XLA vs PyTorch: primitives, then CNN/GPT steps (ARGS='--rounds 3')
 	$(PY) -m benchmarks.onednn $(ARGS)

@@ -65,7 +65,7 @@ RUNS: list[str] = [
     "python -m benchmarks.compile_time --layers 1 2",
     "python -m benchmarks.fp8_matmul --sizes 128 --repeats 1",
     "python -m benchmarks.host_memory --models tiny --precisions fp32 --rounds 1 --steps 2 --warmup 1",
-    "python -m benchmarks.onednn_load --precisions fp32 --repeats 1",
+    "make onednn && python -m benchmarks.onednn_load --precisions fp32 --repeats 1",
     "python -m benchmarks.startup --models mlp --rounds 1 --steps 5",
     "python -m benchmarks.step_variants --size tiny --repeats 1",
     "python -m benchmarks.tiny_step --precisions fp32 --repeats 1",
