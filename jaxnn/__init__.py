@@ -60,6 +60,7 @@ SUBMODULES = (
     "precision",
     "profile",
     "saving",
+    "serve",
     "train",
 )
 

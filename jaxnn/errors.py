@@ -10,6 +10,7 @@ nothing was written. A failure while working (a non-finite loss, a full disk) is
 from __future__ import annotations
 
 __all__ = [
+    "ChatTemplateError",
     "CheckpointError",
     "CompileCacheError",
     "ConfigError",
@@ -21,6 +22,7 @@ __all__ = [
     "ProfileError",
     "ProjectionError",
     "RunDirError",
+    "ServerBusyError",
     "ShardingWarning",
     "SkippedStepsError",
     "StorageError",
@@ -64,6 +66,10 @@ class TokenizerError(ValueError):
     """A tokenizer that is missing, unreadable or not the one a run was trained with; one line naming the file."""
 
 
+class ChatTemplateError(ValueError):
+    """Chat messages for a model without a chat template, or messages its template refuses (`raise_exception`)."""
+
+
 class ProfileError(ValueError):
     """Input `profile_layers` cannot profile (not a Layer, a bad shape or batch size); nothing was measured."""
 
@@ -98,6 +104,10 @@ class NonFiniteError(RuntimeError):
 
 class SkippedStepsError(NonFiniteError):
     """Under fp16 loss scaling, too many recent steps were skipped for non-finite gradients to call it training."""
+
+
+class ServerBusyError(RuntimeError):
+    """`jaxnn.serve.Engine` has as many requests waiting as its queue holds (or is shutting down); retry later."""
 
 
 class StorageError(OSError):

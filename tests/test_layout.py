@@ -185,7 +185,10 @@ def test_upward_imports_are_found_through_other_rooms():
 
 
 # Error classes defined outside jaxnn.errors, and why.
-ERRORS_ELSEWHERE = {("jaxnn.cli.main", "UsageError"): "the command's own flag errors; a user sees its one line"}
+ERRORS_ELSEWHERE = {
+    ("jaxnn.cli.main", "UsageError"): "the command's own flag errors; a user sees its one line",
+    ("jaxnn.serve.requests", "BadRequest"): "an HTTP refusal; a client sees it as the OpenAI API's error body",
+}
 
 
 def test_every_error_a_user_catches_lives_in_jaxnn_errors_with_a_docstring():

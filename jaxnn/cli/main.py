@@ -1,4 +1,4 @@
-"""`jaxnn train|export|generate|predict|evaluate|profile|summary`: the parser, and the one table from an error
+"""`jaxnn train|export|generate|predict|evaluate|profile|summary|serve`: the parser, and the one table from an error
 to an exit status.
 
 Exit status: 0 done (also when a resumed run had already finished); 2 bad input: one line, nothing written (every
@@ -25,6 +25,7 @@ from jaxnn.callbacks import NonFiniteError
 from jaxnn.cli.inference import add_evaluate_parser, add_predict_parser, evaluate_main, predict_main
 from jaxnn.cli.profile import add_profile_parser, profile_main
 from jaxnn.cli.runs import add_export_parser, add_generate_parser, export_main, generate_main
+from jaxnn.cli.serve import add_serve_parser, serve_main
 from jaxnn.cli.summary import add_summary_parser, summary_main
 from jaxnn.cli.train import add_train_parser, train_main
 
@@ -43,6 +44,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "evaluate": evaluate_main,
     "profile": profile_main,
     "summary": summary_main,
+    "serve": serve_main,
 }
 
 
@@ -67,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_evaluate_parser(sub)
     add_profile_parser(sub)
     add_summary_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 

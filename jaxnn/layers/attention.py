@@ -380,12 +380,12 @@ def _source_and_key_mask(name, cross, x_BTD, side):
 
 def _check_cache_room(name: str, index: jax.Array, T: int, L: int) -> None:
     """Refuses decoding past the cache's end when the index is concrete (eager calls); see `_decode` for jit."""
-    if isinstance(index, jax.core.Tracer) or int(index) + T <= L:
+    if isinstance(index, jax.core.Tracer) or int(jnp.max(index)) + T <= L:
         return
     raise LayerError(
         name,
-        f"decoding {T} position(s) from position {int(index)} overruns the cache of {L} positions; "
-        f"build it with max_len >= {int(index) + T}",
+        f"decoding {T} position(s) from position {int(jnp.max(index))} overruns the cache of {L} positions; "
+        f"build it with max_len >= {int(jnp.max(index)) + T}",
     )
 
 
@@ -396,26 +396,40 @@ def _decode(name, q_BTNH, k_BTKH, v_BTKH, cache, positions, key_mask_B11T, rope_
     The cache keeps which of its slots are real (the `mask` side input of the call that wrote them), so that a
     left-padded batch of prompts of different lengths decodes in one program. Past the cache's end,
     `dynamic_update_slice` would clamp the index and overwrite the last entries, giving plausible but wrong
-    outputs; an eager call is refused, a traced one returns NaN instead."""
+    outputs; an eager call is refused, a traced one returns NaN instead (in the rows that overran).
+
+    The index is one for the whole batch (a scalar), or one per row ((B,): a server's slots, each at its own
+    request's length, `init_cache_per_row`)."""
     B, T = q_BTNH.shape[:2]
     index = cache["index"]
     _check_cache_room(name, index, T, cache["k"].shape[1])
+    index_B1 = jnp.reshape(index, (-1, 1))  # (1, 1) for a shared index: it broadcasts over the rows
     if positions is None:
-        positions = jnp.broadcast_to(index + jnp.arange(T), (B, T))
+        positions = jnp.broadcast_to(index_B1 + jnp.arange(T)[None, :], (B, T))
     if rope_base is not None:
         q_BTNH, k_BTKH = rotary_embedding(q_BTNH, positions, rope_base), rotary_embedding(k_BTKH, positions, rope_base)
     dtype = cache["k"].dtype
+    real_BT = jnp.ones((B, T), bool) if key_mask_B11T is None else key_mask_B11T[:, 0, 0, :]
+    k_BLKH, v_BLKH, real_BL = (
+        _write_at(cache[name_], new, index)
+        for name_, new in (("k", k_BTKH.astype(dtype)), ("v", v_BTKH.astype(dtype)), ("mask", real_BT))
+    )
+    L = k_BLKH.shape[1]
+    causal_B1TL = (jnp.arange(L)[None, None, :] <= (index_B1 + jnp.arange(T)[None, :])[:, :, None])[:, None]
+    o = _attention_f32acc(q_BTNH.astype(dtype), k_BLKH, v_BLKH, causal_B1TL & real_BL[:, None, None, :], policy)
+    room_B111 = jnp.reshape(index + T <= L, (-1, 1, 1, 1))
+    o = jnp.where(room_B111, o, jnp.nan)
+    return o, {"k": k_BLKH, "v": v_BLKH, "mask": real_BL, "index": index + T}
+
+
+def _write_at(cache_BL: jax.Array, new_BT: jax.Array, index: jax.Array) -> jax.Array:
+    """`new_BT` written into the cache along its positions at `index` (shared, or one per row)."""
     # The _in_dim forms make the other start indices zeros of the index's own dtype: literal zeros would be int64
     # under jax_enable_x64 and dynamic_update_slice refuses mixed index types.
-    k_BLKH = lax.dynamic_update_slice_in_dim(cache["k"], k_BTKH.astype(dtype), index, axis=1)
-    v_BLKH = lax.dynamic_update_slice_in_dim(cache["v"], v_BTKH.astype(dtype), index, axis=1)
-    real_BT = jnp.ones((B, T), bool) if key_mask_B11T is None else key_mask_B11T[:, 0, 0, :]
-    real_BL = lax.dynamic_update_slice_in_dim(cache["mask"], real_BT, index, axis=1)
-    L = k_BLKH.shape[1]
-    causal_11TL = (jnp.arange(L)[None, :] <= (index + jnp.arange(T))[:, None])[None, None]
-    o = _attention_f32acc(q_BTNH.astype(dtype), k_BLKH, v_BLKH, causal_11TL & real_BL[:, None, None, :], policy)
-    o = jnp.where(index + T <= L, o, jnp.nan)
-    return o, {"k": k_BLKH, "v": v_BLKH, "mask": real_BL, "index": index + T}
+    if index.ndim == 0:
+        return lax.dynamic_update_slice_in_dim(cache_BL, new_BT, index, axis=1)
+    write_row = lambda row, new, i: lax.dynamic_update_slice_in_dim(row, new, i, axis=0)  # noqa: E731
+    return jax.vmap(write_row)(cache_BL, new_BT, index)
 
 
 NORMS = ("layer", "rms")

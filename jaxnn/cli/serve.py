@@ -1,0 +1,155 @@
+"""`jaxnn serve`: a trained GPT (a `jaxnn train` run, a transformers GPT-2/Llama folder, or a saved model) behind an
+OpenAI-compatible HTTP API, decoding every request in one continuously batched engine (`jaxnn.serve`)."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+from typing import Any, NamedTuple
+
+
+class ServedModel(NamedTuple):
+    model: Any
+    params: Any
+    model_state: Any
+    precision: str
+    context: int | None  # the longest sequence the model takes, where its source says
+    tokenizer_folder: pathlib.Path | None  # where its tokenizer.json and chat template are; None: bytes
+
+
+def add_serve_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a trained GPT over an OpenAI-compatible HTTP API (completions, chat, streaming)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models and /health on 127.0.0.1 (by default). "
+        "Requests join and leave one running decode batch at token granularity (continuous batching over --slots "
+        "cache slots); greedy outputs equal `jaxnn generate`'s. Ctrl-C or SIGTERM finishes the requests in flight, "
+        "then exits 0. Needs the serve extra (`pip install 'jaxnn[serve]'`).",
+    )
+    p.add_argument("model", help="a `jaxnn train` GPT run directory, a transformers GPT-2/Llama folder, or a "
+                   "jaxnn.save_model folder")  # fmt: skip
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback only by default)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: a free one, printed at start)")
+    p.add_argument("--name", default=None, help="the model's name in the API (default: the folder's name)")
+    p.add_argument("--slots", type=int, default=16, help="requests decoded together (cache slots)")
+    p.add_argument("--context", type=int, default=None, help="positions per request, prompt and completion "
+                   "together (default: the model's sequence length)")  # fmt: skip
+    p.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot before 503s")
+    p.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template (or a "
+                   "tokenizer_config.json holding one) for a model whose folder has none")  # fmt: skip
+    p.add_argument("--step", type=int, default=None, help="a run's checkpoint step (default: the newest)")
+    p.add_argument("--compile-cache", default="auto", metavar="DIR", help="jax's persistent compilation cache: "
+                   "'auto', 'off' or a directory")  # fmt: skip
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """Runs `jaxnn serve`; errors go to `jaxnn.cli.main`'s exit-status table."""
+    from jaxnn._src.checks import positive_int
+    from jaxnn._src.optional import require
+
+    for flag in ("slots", "max_queue", "context"):
+        if flag != "context" or args.context is not None:
+            positive_int("jaxnn serve", f"--{flag.replace('_', '-')}", getattr(args, flag))
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    try:
+        uvicorn = require("uvicorn", "jaxnn serve")
+        require("starlette", "jaxnn serve")
+    except ImportError as err:  # a missing extra is the user's to install: one line, exit status 2
+        raise ValueError(str(err)) from None
+    from jaxnn._src import compile_cache
+    from jaxnn.serve.api import create_app
+
+    served = _served(args)
+    compile_cache.enable(args.compile_cache)
+    config = uvicorn.Config(create_app(served), host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=None)  # fmt: skip
+    _server(config).run()
+    return 0
+
+
+def _served(args: argparse.Namespace) -> Any:
+    from jaxnn.interop.tokenizer import first_end_id, special_token_ids
+    from jaxnn.serve import Engine
+    from jaxnn.serve.api import Served
+    from jaxnn.serve.text import Codec
+
+    loaded = load_served(args.model, args.step)
+    context = args.context or loaded.context
+    if context is None:
+        raise ValueError(f"{args.model}: its sequence length is not recorded; pass --context N")
+    if loaded.context is not None and context > loaded.context:
+        raise ValueError(f"--context {context}: the model's learned positions stop at {loaded.context}")
+    codec = Codec.from_folder(loaded.tokenizer_folder, args.chat_template)
+    engine = Engine(loaded.model, loaded.params, context=context, model_state=loaded.model_state,
+                    policy=loaded.precision, slots=args.slots, max_queue=args.max_queue)  # fmt: skip
+    ids = special_token_ids(loaded.tokenizer_folder, engine.vocab) if loaded.tokenizer_folder else {}
+    ends = ids.get("eos_token_id")
+    end_ids = frozenset(ends if isinstance(ends, list) else [] if ends is None else [first_end_id(ids)])
+    if codec.tokenizer is None and engine.vocab != 256:
+        raise ValueError(f"{args.model}: {engine.vocab} token ids and no tokenizer.json; text is bytes only for 256")
+    name = args.name or pathlib.Path(args.model).resolve().name
+    return Served(engine.start(), codec, name, end_ids)
+
+
+def load_served(path: str, step: int | None) -> ServedModel:
+    """The model, weights, context and tokenizer folder of a run, a transformers folder or a saved model."""
+    from jaxnn.interop.hf import is_hf_folder
+    from jaxnn.saving import is_saved_model
+
+    if is_hf_folder(path):
+        return _hf(pathlib.Path(path))
+    if is_saved_model(path):
+        from jaxnn.saving import load_model
+
+        model, params, state = load_model(path)
+        folder = pathlib.Path(path) / "tokenizer"
+        return ServedModel(model, params, state, "fp32", None, folder if folder.is_dir() else None)
+    return _run(path, step)
+
+
+def _hf(folder: pathlib.Path) -> ServedModel:
+    import jax
+
+    from jaxnn.interop.hf import load_hf
+    from jaxnn.models import GPT
+
+    cfg, params = load_hf(folder)
+    has_tokenizer = (folder / "tokenizer.json").is_file()
+    return ServedModel(GPT(cfg), jax.tree.map(jax.numpy.asarray, params), None, "fp32", cfg.seq_len,
+                       folder if has_tokenizer else None)  # fmt: skip
+
+
+def _run(path: str, step: int | None) -> ServedModel:
+    from jaxnn.checkpoint import load_params
+    from jaxnn.interop.tokenizer import run_tokenizer_folder
+    from jaxnn.lora import merge
+    from jaxnn.models.factory import model_from_record
+
+    loaded = load_params(path, step=step)
+    if loaded.config.get("model") != "gpt":
+        what = f"a {loaded.config['model']!r} run" if loaded.config.get("model") else "not a run of `jaxnn train`"
+        raise ValueError(f"{path}: {what}; serve needs a GPT run, a transformers folder or a saved GPT")
+    model, mcfg = model_from_record(loaded.config)
+    folder = run_tokenizer_folder(loaded.config, loaded.directory)
+    precision = loaded.config.get("precision", "fp32")
+    return ServedModel(model, merge(loaded.params), loaded.model_state, precision, mcfg.seq_len, folder)
+
+
+def _server(config: Any) -> Any:
+    """uvicorn's server, exiting normally after a SIGTERM or Ctrl-C: uvicorn drains the requests in flight, then
+    re-raises the signal, which would end the process with 128+N; a server asked to stop has done its work."""
+    import contextlib
+
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                yield
+                self._captured_signals.clear()  # drained: nothing left to re-raise
+
+    return DrainingServer(config)
