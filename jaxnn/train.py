@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import optax
 
 from jaxnn._src.pytree import is_prng_key
-from jaxnn.config import SCHEDULES
 from jaxnn.layers.core import Layer, Params, PRNGKey, Shape, State, init_model, run
 from jaxnn.precision import LossScale, Policy, all_finite, get_policy
 
@@ -157,6 +156,10 @@ def lm_loss(logits_BTV: jax.Array, batch: Batch) -> tuple[jax.Array, Metrics]:
 def weight_decay_mask(params: Params) -> Any:
     """True for kernels (leaves named "w"), False for biases, norm scales and embedding tables."""
     return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], "key", None) == "w", params)
+
+
+# The decays `make_schedule` offers after the warm-up; `jaxnn train --schedule` is checked against them.
+SCHEDULES = ("cosine", "constant")
 
 
 def make_schedule(

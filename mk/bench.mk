@@ -1,6 +1,6 @@
 # Benchmarks against the peer libraries, and the GPU MFU check (benchmarks/). The peers live in the `bench` extra,
 # never in the runtime deps.
-.PHONY: bench-peers bench-generation bench-gpu bench-gpu-dry install-bench bench-augment bench-lora bench-remat
+.PHONY: bench-peers bench-generation bench-serve bench-gpu bench-gpu-dry install-bench bench-augment bench-lora bench-remat
 
 BENCH_STAMP := $(VENV)/.installed-bench
 
@@ -16,6 +16,9 @@ bench-peers: $(STAMP) $(BENCH_STAMP) ## jaxnn vs Flax Linen/NNX, Equinox, Haiku,
 
 bench-generation: $(STAMP) $(BENCH_STAMP) ## greedy decoding, GPT-2-small shape: jaxnn cache / no cache vs transformers (ARGS='--batch 1 8')
 	$(PY) -m benchmarks.generation --json results/bench/generation.json $(ARGS)
+
+bench-serve: $(STAMP) $(BENCH_STAMP) ## jaxnn serve under load: tokens/s, TTFT, per-token latency at concurrency 1-64 vs one at a time vs transformers
+	$(PY) -m benchmarks.serve --json results/bench/serve.json $(ARGS)
 
 bench-gpu: $(STAMP) ## GPT ~300M params, T=1024, bf16, fused attention: MFU vs the measured bf16 GEMM peak (GPU)
 	$(PY) -m benchmarks.train_steps --gpu --out-dir results/bench $(ARGS)

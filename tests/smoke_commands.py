@@ -51,6 +51,7 @@ RUNS: list[str] = [
     "make bench-onednn ARGS='--rounds 1 --repeats 1 --no-steps --no-ab --json onednn-smoke.json'",
     "make bench-parallel PARALLEL_ARGS='--devices 1 2 --global-batch 16 --repeats 1' ARGS='--d-model 32 --layers 1'",
     "make bench-sharding ARGS='--d-model 32 --layers 1'",
+    "make bench-serve ARGS='--size small --concurrency 1 2 --prompt 8 --new-tokens 4 --no-transformers'",
     "make train-multihost PARALLEL_ARGS='-- --steps 2 --no-progress'",
     "make profile MODEL=mlp ARGS='--out profile-smoke'",
     # modules no target runs
@@ -115,6 +116,11 @@ DOC_COMMANDS: dict[str, str] = {
     "jaxnn profile --model gpt2 --batch-size 1 --seq-len 128 --precision fp32": (
         "jaxnn profile --model gpt2 --model-config num_layers=1 --batch-size 1 --seq-len 128 --precision fp32"
     ),
+    # docs/serving.md
+    "jaxnn train --model gpt --size small --steps 200 --run-dir runs/gpt": (
+        f"jaxnn train --model gpt --size small --seq-len 32 --run-dir runs/gpt {TRAIN_TINY}"
+    ),
+    "jaxnn serve runs/gpt --port 8000": COVERED_BY + "tests/system/test_serve_http.py (a trained run, served)",
     # docs/checkpoints.md: a run to export first
     "jaxnn export --run-dir runs/cnn-default/20261201-024845 --out exported/cnn --platforms cpu cuda": (
         f"jaxnn train {TRAIN_TINY} --run-dir runs/cnn-default/20261201-024845 && "

@@ -10,7 +10,8 @@ import pytest
 
 import jaxnn
 from jaxnn import layers as L
-from jaxnn.config import ConfigError, FitConfig, TrainConfig
+from jaxnn.cli.config import TrainConfig
+from jaxnn.config import ConfigError, FitConfig
 from jaxnn.data import PipelineConfig
 from jaxnn.export import write_export
 from jaxnn.layers.core import init_model

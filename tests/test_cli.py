@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from jaxnn import cli
+from jaxnn.cli.config import TrainConfig, parse_model_config
 from jaxnn.cli.train import config_from_args
-from jaxnn.config import ConfigError, TrainConfig, parse_model_config
+from jaxnn.config import ConfigError
 
 QUICK = ["--size", "small", "--steps", "24", "--batch-size", "16", "--log-every", "8", "--no-progress", "--no-summary"]
 

@@ -164,8 +164,9 @@ def test_real_mnist_t10k_reads(mnist_t10k):
 @pytest.mark.slow
 def test_learns_real_mnist(mnist_t10k, tmp_path):
     """Trains on the first 8,000 t10k images and reaches >= 97% on the last 2,000 (the loader's t10k-only split)."""
+    from jaxnn.cli.config import TrainConfig
     from jaxnn.cli.recipes import train
-    from jaxnn.config import FitConfig, TrainConfig
+    from jaxnn.config import FitConfig
 
     fit = FitConfig(steps=300, batch_size=64, run_dir=str(tmp_path / "run"), progress=False, plots=False, log_every=100)
     cfg = TrainConfig(model="cnn", size="small", data_dir=str(mnist_t10k), lr=3e-3, fit=fit)

@@ -1,6 +1,6 @@
 """jaxnn.serve in process: continuous batching changes no request's tokens (against `generate_batch`), per-row
 sampling draws what `generate` draws, chat templates render as transformers renders them, and the API's checks
-refuse what they must. The HTTP server itself, driven by the openai client: tests/system/test_serve.py."""
+refuse what they must. The HTTP server itself, driven by the openai client: tests/system/test_serve_http.py."""
 
 import threading
 import time

@@ -10,8 +10,10 @@ import pathlib
 import sys
 from typing import Any
 
+from jaxnn._src.model_names import MODELS
 from jaxnn._src.storage import check_writable
-from jaxnn.config import MODEL_DEFAULTS, MODELS, ConfigError, parse_model_config
+from jaxnn.cli.config import parse_model_config
+from jaxnn.errors import ConfigError
 
 # One example's shape when --in-shape is not given: what `jaxnn train --model M` trains on by default (the bundled
 # 8x8 digits), so the profile is of the step a user runs; a model whose config fixes its image size (a ViT) takes
@@ -88,7 +90,7 @@ def _checked(args: argparse.Namespace) -> tuple[Any, Any, tuple[int, ...], int, 
 
     model, mcfg = build_model(args)
     shape = _in_shape(args, mcfg)
-    from jaxnn.models.factory import family
+    from jaxnn.models.factory import MODEL_DEFAULTS, family
 
     defaults = MODEL_DEFAULTS.get(family(args.model), {"batch_size": 1})
     batch = args.batch_size if args.batch_size is not None else defaults["batch_size"]

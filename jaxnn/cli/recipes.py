@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from jaxnn._src.storage import write_json_atomic
-from jaxnn.config import ConfigError, TrainConfig
+from jaxnn.cli.config import TrainConfig
+from jaxnn.errors import ConfigError
 
 if TYPE_CHECKING:
     from jaxnn.callbacks import Callback

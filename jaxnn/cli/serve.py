@@ -38,6 +38,8 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot before 503s")
     p.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template (or a "
                    "tokenizer_config.json holding one) for a model whose folder has none")  # fmt: skip
+    p.add_argument("--adapters", default=None, metavar="DIR", help="a PEFT LoRA adapter folder (adapter_config.json "
+                   "and adapter_model.safetensors) for a transformers folder, merged into its weights")  # fmt: skip
     p.add_argument("--step", type=int, default=None, help="a run's checkpoint step (default: the newest)")
     p.add_argument("--compile-cache", default="auto", metavar="DIR", help="jax's persistent compilation cache: "
                    "'auto', 'off' or a directory")  # fmt: skip
@@ -76,7 +78,7 @@ def _served(args: argparse.Namespace) -> Any:
     from jaxnn.serve.api import Served
     from jaxnn.serve.text import Codec
 
-    loaded = load_served(args.model, args.step)
+    loaded = load_served(args.model, args.step, args.adapters)
     context = args.context or loaded.context
     if context is None:
         raise ValueError(f"{args.model}: its sequence length is not recorded; pass --context N")
@@ -94,13 +96,16 @@ def _served(args: argparse.Namespace) -> Any:
     return Served(engine.start(), codec, name, end_ids)
 
 
-def load_served(path: str, step: int | None) -> ServedModel:
-    """The model, weights, context and tokenizer folder of a run, a transformers folder or a saved model."""
+def load_served(path: str, step: int | None, adapters: str | None = None) -> ServedModel:
+    """The model, weights, context and tokenizer folder of a run, a transformers folder (with a PEFT adapter
+    folder's adapters merged, where given) or a saved model."""
     from jaxnn.interop.hf import is_hf_folder
     from jaxnn.saving import is_saved_model
 
     if is_hf_folder(path):
-        return _hf(pathlib.Path(path))
+        return _hf(pathlib.Path(path), adapters)
+    if adapters is not None:
+        raise ValueError(f"--adapters: {path} is not a transformers folder; a LoRA run's adapters are in the run")
     if is_saved_model(path):
         from jaxnn.saving import load_model
 
@@ -110,13 +115,18 @@ def load_served(path: str, step: int | None) -> ServedModel:
     return _run(path, step)
 
 
-def _hf(folder: pathlib.Path) -> ServedModel:
+def _hf(folder: pathlib.Path, adapters: str | None) -> ServedModel:
     import jax
 
     from jaxnn.interop.hf import load_hf
     from jaxnn.models import GPT
 
     cfg, params = load_hf(folder)
+    if adapters is not None:
+        from jaxnn.interop.peft import load_peft
+        from jaxnn.lora import merge
+
+        params = merge(load_peft(adapters, cfg, params)[0])
     has_tokenizer = (folder / "tokenizer.json").is_file()
     return ServedModel(GPT(cfg), jax.tree.map(jax.numpy.asarray, params), None, "fp32", cfg.seq_len,
                        folder if has_tokenizer else None)  # fmt: skip

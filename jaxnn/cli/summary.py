@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from jaxnn.config import parse_model_config
+from jaxnn.cli.config import parse_model_config
 
 
 def add_summary_parser(sub: Any) -> None:

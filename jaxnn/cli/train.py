@@ -16,14 +16,9 @@ import os
 import pathlib
 from typing import TYPE_CHECKING, Any
 
-from jaxnn.config import (
-    MODEL_DEFAULTS,
-    ConfigError,
-    FitConfig,
-    TrainConfig,
-    default_model_overrides,
-    parse_model_config,
-)
+from jaxnn.cli.config import TrainConfig, parse_model_config
+from jaxnn.config import FitConfig
+from jaxnn.errors import ConfigError
 
 if TYPE_CHECKING:
     from jaxnn.callbacks import Callback
@@ -345,6 +340,8 @@ def _window(args: argparse.Namespace, fields: dict[str, Any], defaults: dict[str
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The run the flags ask for; each value is checked by the config that holds it (a ConfigError names it)."""
+    from jaxnn.models.factory import MODEL_DEFAULTS, default_model_overrides
+
     model, base = model_and_base_fields(args.model, args.init_from)
     defaults = MODEL_DEFAULTS.get(model, {})
     overrides = default_model_overrides(model, args.size) if base is None else base

@@ -12,10 +12,37 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from jaxnn.config import MODEL_DEFAULTS, SIZES, ConfigError, default_model_overrides
+from jaxnn._src.model_names import MODELS, SIZES
+from jaxnn.errors import ConfigError
 from jaxnn.layers import Layer
 from jaxnn.models import CONFIGS, get_model
 from jaxnn.models.presets import PRESETS
+
+# Per-model defaults of `jaxnn train`: each finishes in about a minute (cnn, mlp) or a few minutes (gpt) on a 2-core
+# CPU. The gpt is cut from GPTConfig (width 256, 4 blocks, 128 bytes) to width 128, 2 blocks and 64 bytes of
+# context for that reason: about 16x fewer FLOPs per step.
+MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
+    "cnn": {"steps": 600, "batch_size": 64, "lr": 3e-3},
+    "mlp": {"steps": 1000, "batch_size": 64, "lr": 1e-3},
+    "resnet": {"steps": 600, "batch_size": 64, "lr": 3e-3},
+    # The zoo's image families (presets resnet18..50, vit-b16/l16) train at their published shapes: fewer steps.
+    "imagenet_resnet": {"steps": 200, "batch_size": 32, "lr": 1e-3},
+    "vit": {"steps": 200, "batch_size": 32, "lr": 1e-3, "warmup": 20},
+    "gpt": {
+        "steps": 500,
+        "batch_size": 32,
+        "lr": 3e-3,
+        "warmup": 30,
+        "seq_len": 64,
+        "model_overrides": (("d_model", 128), ("num_layers", 2)),
+    },
+}
+
+
+def default_model_overrides(model: str, size: str) -> dict[str, Any]:
+    """The model-config fields `jaxnn train` (and `jaxnn profile`) set for `model` at `size`: the base size's
+    cut-down widths; the small size keeps the small config's own."""
+    return dict(MODEL_DEFAULTS.get(model, {}).get("model_overrides", ())) if size == "base" else {}
 
 
 def family(name: str) -> str:
@@ -75,7 +102,7 @@ def build_model(name: str, fields: Mapping[str, Any] | None = None, *, size: str
 
 def train_default_model(name: str, fields: Mapping[str, Any] | None = None, *, size: str = "base") -> tuple[Layer, Any]:
     """The built-in model as `jaxnn train` builds it when no flag says otherwise (its per-model cut-down widths
-    and context length, `jaxnn.config.MODEL_DEFAULTS`), with `fields` on top; and its config."""
+    and context length, `MODEL_DEFAULTS`), with `fields` on top; and its config."""
     overrides = default_model_overrides(name, size)
     if "seq_len" in MODEL_DEFAULTS.get(name, {}):
         overrides["seq_len"] = MODEL_DEFAULTS[name]["seq_len"]
@@ -98,4 +125,14 @@ def model_from_record(record: Mapping[str, Any]) -> tuple[Layer, Any]:
     return build_model(name, saved)
 
 
-__all__ = ["build_model", "family", "model_config", "model_from_record", "train_default_model"]
+__all__ = [
+    "MODELS",
+    "MODEL_DEFAULTS",
+    "SIZES",
+    "build_model",
+    "default_model_overrides",
+    "family",
+    "model_config",
+    "model_from_record",
+    "train_default_model",
+]

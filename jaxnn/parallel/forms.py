@@ -28,7 +28,6 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxnn._src.pytree import is_prng_key
-from jaxnn.config import FIT_FORMS
 from jaxnn.layers.core import Layer
 from jaxnn.parallel.mesh import (
     DATA_AXIS,
@@ -51,6 +50,9 @@ from jaxnn.train import AugmentFn, Batch, LossFn, Metrics, StepFn, TrainState, t
 
 log = logging.getLogger(__name__)
 
+# The forms `fit` runs: their state has the model's own shapes, where pmap's carries a device axis in front (kept
+# here for comparison, not for checkpointed runs). `jaxnn.config.FitConfig` checks its `form` against them.
+FIT_FORMS = ("jit", "shard_map")
 FORMS = (*FIT_FORMS, "pmap")
 
 
@@ -312,6 +314,7 @@ __all__ = [
     "ENV_COORDINATOR",
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",
+    "FIT_FORMS",
     "FORMS",
     "DataParallelStep",
     "batch_sharding",

@@ -96,6 +96,7 @@ class Engine:
         self._worker = threading.Thread(target=self._serve, name="jaxnn-serve-engine", daemon=True)
 
     def start(self) -> Engine:
+        """Starts the worker thread (requests submitted before wait for it); returns the engine."""
         self._worker.start()
         return self
 

@@ -17,8 +17,9 @@ import sharded_mlp
 from jaxnn.callbacks import Callback
 from jaxnn.checkpoint import Checkpointer
 from jaxnn.cli import multihost
+from jaxnn.cli.config import TrainConfig
 from jaxnn.cli.recipes import train
-from jaxnn.config import FitConfig, TrainConfig
+from jaxnn.config import FitConfig
 from jaxnn.models import MLP, MLPConfig
 from jaxnn.parallel import create_sharded_state, make_mesh
 from jaxnn.train import create_train_state, make_optimizer
