@@ -80,6 +80,7 @@ def h200_steps_per_s(model: str, peak_tflops: float, mfu: float) -> tuple[float,
 
     from benchmarks import train_steps
     from jaxnn import models, train
+    from jaxnn.profile.timing import cost_counts
 
     if model == "gpt-h200":
         g = train_steps.GPU_GPT
@@ -101,8 +102,9 @@ def h200_steps_per_s(model: str, peak_tflops: float, mfu: float) -> tuple[float,
     tx = optax.adam(1e-3)
     state = jax.eval_shape(lambda: train.create_train_state(net, tx, jax.random.key(0), batch["x"].shape, "bf16"))
     lowered = train.make_train_step(net, loss, tx, "bf16").lower(state, batch)
-    cost = lowered.cost_analysis()
-    flops = float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
+    flops = cost_counts(lowered)[0]
+    if not flops:
+        raise RuntimeError(f"{model}: XLA gave no FLOP count for its step")
     return flops, mfu * peak_tflops * 1e12 / flops
 
 

@@ -11,6 +11,8 @@
 - `plots.py`: the roofline and per-layer time as PNG files (matplotlib);
 - `timing.py`: timing that waits for the device, FLOP counts from the compiler, the measured matmul peak (what
   the benchmarks and experiments time with);
+- `kernel_cost.py`: the FLOPs and bytes of jaxnn's oneDNN kernel calls, which XLA's cost analysis cannot see into
+  (`timing.cost_counts` adds them);
 - `trace.py`: a `jax.profiler` trace of a few training steps (`fit(..., profile_dir=DIR)`).
 
 The names below are imported on first use, so that the layers' summary can read `timing` without loading the
@@ -33,7 +35,7 @@ _NAMES = {
     "ProfileError": "results",
     "format_profile": "results",
 }
-SUBMODULES = ("measure", "plots", "program_cost", "projection", "results", "timing", "trace")
+SUBMODULES = ("kernel_cost", "measure", "plots", "program_cost", "projection", "results", "timing", "trace")
 
 
 __getattr__, __dir__ = lazy_exports("jaxnn.profile", _NAMES, SUBMODULES)

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
+from jaxnn.profile.kernel_cost import kernel_costs
+
 # Every timing warms up first (compilation and caches), waits for the result with `block_until_ready`, repeats,
 # and reports the median and the spread, because the machines these run on are shared and noisy. Rates are meant
 # to be compared with a peak measured in the same run (`measure_matmul_peak`), never with a datasheet number.
@@ -125,23 +127,36 @@ def flops_of(compiled: jax.stages.Compiled) -> float | None:
     return flops or None
 
 
-def cost_counts(compiled: jax.stages.Compiled) -> tuple[float | None, float | None]:
-    """(FLOPs, bytes accessed) of one call, from XLA's cost analysis of a compiled program.
+def cost_counts(stage: jax.stages.Compiled | jax.stages.Lowered) -> tuple[float | None, float | None]:
+    """(FLOPs, bytes accessed) of one call of a compiled (or lowered) program: XLA's cost analysis, with jaxnn's
+    oneDNN kernels counted from their shapes (`kernel_cost`), so that the count is the model's, not its kernels'.
+    The one count every FLOP figure in jaxnn reads: layer tables, `jaxnn profile`, benchmarks, projections.
 
     XLA leaves out zero counts (a reshape-only program has no "flops"), so a missing key with an analysis present
     means 0; no analysis at all (some backends) means unknown, None. Older jax returns a list of one dict per
     computation, newer a dict.
     """
     try:
-        cost = compiled.cost_analysis()
+        cost = stage.cost_analysis()
     except Exception:  # some backends do not implement cost analysis
         return None, None
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else None
     if not isinstance(cost, dict) or not cost:
         return None, None
-    flops, nbytes = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+    # XLA adds -1 FLOPs and -1 bytes ("unknown") for each custom call: taken back for the kernels counted here.
+    kernel_flops, kernel_bytes, calls = kernel_costs(_hlo_text(stage))
+    flops = float(cost.get("flops", 0.0)) + kernel_flops + calls
+    nbytes = float(cost.get("bytes accessed", 0.0)) + kernel_bytes + calls
     return (flops if flops >= 0 else None), (nbytes if nbytes > 0 and math.isfinite(nbytes) else None)
+
+
+def _hlo_text(stage: jax.stages.Compiled | jax.stages.Lowered) -> str:
+    try:
+        text = stage.as_text(dialect="hlo") if isinstance(stage, jax.stages.Lowered) else stage.as_text()
+    except Exception:  # a backend without HLO text has no kernels of ours to count either
+        return ""
+    return text or ""
 
 
 def matmul_flops(m: int, k: int, n: int) -> float:
