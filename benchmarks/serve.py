@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -60,9 +61,10 @@ class Server:
                 "--context", str(context), "--max-queue", "1024", "--log-level", "warning"]  # fmt: skip
         self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
         for line in self.proc.stderr:  # type: ignore[union-attr]
-            found = re.search(r"running on http://127\.0\.0\.1:(\d+)", line)
+            found = re.search(r" on http://127\.0\.0\.1:(\d+)/v1 ", line)
             if found:
                 self.port = int(found.group(1))
+                threading.Thread(target=lambda: list(self.proc.stderr), daemon=True).start()  # never a full pipe
                 return
         raise RuntimeError("benchmarks.serve: the server exited before listening")
 

@@ -60,6 +60,7 @@ SUBMODULES = (
     "precision",
     "profile",
     "saving",
+    "scores",
     "serve",
     "train",
 )

@@ -8,13 +8,14 @@ batch (a loss that couples examples, e.g. a contrastive one, is evaluated per ex
 to one size, a multiple of the devices the batch is split over, so evaluation compiles once.
 
     metrics = jaxnn.evaluate(model, result.state, (x_test, y_test), batch_size=256)   # {"loss": ..., ...}
+    jaxnn.evaluate(model, result.state, (x_test, y_test), metrics=["f1", "roc_auc"])  # exact over the whole set
     logits = jaxnn.predict(model, result.state, x_test)                              # (len(x_test), classes)
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -26,26 +27,29 @@ from jaxnn.data.datasets import DataError, ImageDataset, TextCorpus
 from jaxnn.data.sources import as_arrays, as_eval_batches
 from jaxnn.layers.core import Layer
 from jaxnn.precision import Policy, get_policy
+from jaxnn.scores import get_scores
 from jaxnn.train import Batch, LossFn, forward_batch, masked_classification_loss
 
 VALID = "__valid__"  # the loop's own mark of a batch's real rows, taken out before the loss sees the batch
 
 
-def eval_sums_fn(model: Layer, loss_fn: LossFn, policy: Policy | str = "fp32") -> Callable:
-    """`(params, model_state, batch) -> (sums, weight)`: per-example metrics summed over the batch's real rows.
+def eval_sums_fn(model: Layer, loss_fn: LossFn, policy: Policy | str = "fp32", scores: Sequence[Any] = ()) -> Callable:
+    """`(params, model_state, batch) -> (sums, weight, states)`: per-example metrics summed over the batch's real
+    rows, and each of `scores`' sums (`jaxnn.scores`) over the same rows.
 
     `batch[VALID]` (1 real, 0 padding) marks the rows; metrics divided by the summed weight are exact means.
     """
     policy = get_policy(policy)
 
-    def sums(params: Any, model_state: Any, batch: Batch) -> tuple[dict, jax.Array]:
+    def sums(params: Any, model_state: Any, batch: Batch) -> tuple[dict, jax.Array, dict]:
         batch = dict(batch)
         valid = batch.pop(VALID).astype(jnp.float32)
         logits, _ = forward_batch(model, policy, params, model_state, batch, key=None, train=False)
         per = jax.vmap(lambda out, row: _one_example(loss_fn, out, row))(logits, batch)
         weight = valid * per.pop("count") if "count" in per else valid
         total = {k: jnp.sum(jnp.where(weight > 0, v, 0.0) * weight) for k, v in per.items() if v.ndim == 1}
-        return total, jnp.sum(weight)
+        states = {score.name: score.sums(logits, batch, valid) for score in scores}
+        return total, jnp.sum(weight), states
 
     return sums
 
@@ -56,12 +60,15 @@ def _one_example(loss_fn: LossFn, out: Any, row: Batch) -> dict:
     return {k: jnp.asarray(v, jnp.float32) for k, v in {**metrics, "loss": loss}.items()}
 
 
-def metric_names(model: Layer, loss_fn: LossFn, policy: Any, params: Any, model_state: Any, example: Batch) -> list:
-    """The metric names evaluation reports, from `jax.eval_shape` of the eval computation (nothing runs)."""
+def metric_names(
+    model: Layer, loss_fn: LossFn, policy: Any, params: Any, model_state: Any, example: Batch, scores: Sequence = ()
+) -> list:
+    """The metric names evaluation reports, from `jax.eval_shape` of the eval computation (nothing runs; a score
+    that cannot read this model's outputs is refused here, in one line)."""
     spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), dict(example))
     spec[VALID] = jax.ShapeDtypeStruct((int(np.shape(example["x"])[0]),), np.float32)
-    sums, _ = jax.eval_shape(eval_sums_fn(model, loss_fn, policy), params, model_state, spec)
-    return sorted(sums)
+    sums, _, states = jax.eval_shape(eval_sums_fn(model, loss_fn, policy, scores), params, model_state, spec)
+    return sorted({*sums, *states})
 
 
 def padded(batch: Batch, size: int) -> Batch:
@@ -81,16 +88,23 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def mean_over(step: Callable, batches: Iterable[Batch]) -> dict[str, float]:
-    """Means over all real rows of `batches`, each already placed; `step` returns (sums, weight)."""
+def mean_over(step: Callable, batches: Iterable[Batch], scores: Sequence[Any] = ()) -> dict[str, Any]:
+    """Means over all real rows of `batches`, each already placed, and `scores`' values from their summed states;
+    `step` returns (sums, weight, states)."""
     totals: dict[str, float] = {}
     weight = 0.0
+    states: Any = None
     for batch in batches:
-        sums, w = jax.device_get(step(batch))
+        sums, w, batch_states = jax.device_get(step(batch))
         weight += float(w)
         for k, v in sums.items():
             totals[k] = totals.get(k, 0.0) + float(v)
-    return {k: v / weight for k, v in totals.items() if k != "count"} if weight else {}
+        batch_states = jax.tree.map(lambda a: np.asarray(a, np.float64), batch_states)
+        states = batch_states if states is None else jax.tree.map(np.add, states, batch_states)
+    if not weight:
+        return {}
+    means: dict[str, Any] = {k: v / weight for k, v in totals.items() if k != "count"}
+    return {**means, **{score.name: score.value(states[score.name]) for score in scores}}
 
 
 # ------------------------------------------------------------------------------------------------ public API
@@ -134,8 +148,12 @@ def evaluate(
     devices: int = 1,
     seed: int = 0,
     seq_len: int = 128,
-) -> dict[str, float]:
-    """Metrics of `loss` over every example of `data`, each counted once (see the module docstring).
+    metrics: Sequence[Any] | None = None,
+) -> dict[str, Any]:
+    """Metrics of `loss` over every example of `data`, each counted once (see the module docstring), and the
+    `metrics` asked for (names or `jaxnn.scores.Score`s: "f1", "precision", "recall", "roc_auc",
+    "confusion_matrix", "perplexity", "mae", ...), each computed once from sums over the whole data, not averaged
+    over batches.
 
     params_or_state: a `TrainState` (e.g. `fit(...).state`), a `FitResult`, `jaxnn.checkpoint.load_params`'s
       result, or a parameter tree (with `model_state=` for stateful models).
@@ -146,6 +164,7 @@ def evaluate(
     from jaxnn.parallel.placement import replicate
 
     _check_batch_size("evaluate", batch_size)
+    scores = get_scores(metrics, "evaluate")
     params, state = params_and_state(params_or_state, model_state)
     mesh = _mesh_for(mesh, devices)
     place, split = _placement(mesh)
@@ -157,8 +176,8 @@ def evaluate(
         check_label_range(model, params, state, batches, precision)
     size = max([size, *(round_up(int(np.shape(b["x"])[0]), split) for b in batches)])
     params, state = replicate((params, state), mesh)
-    sums = jax.jit(eval_sums_fn(model, loss, precision))
-    return mean_over(lambda b: sums(params, state, b), (place(padded(b, size)) for b in batches))
+    sums = jax.jit(eval_sums_fn(model, loss, precision, scores))
+    return mean_over(lambda b: sums(params, state, b), (place(padded(b, size)) for b in batches), scores)
 
 
 def _takes_class_indices(loss: Any) -> bool:

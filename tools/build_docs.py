@@ -45,6 +45,7 @@ MODULES = (
     "jaxnn.models.presets",
     "jaxnn.loop",
     "jaxnn.evaluation",
+    "jaxnn.scores",
     "jaxnn.config",
     "jaxnn.cli.config",
     "jaxnn.callbacks",

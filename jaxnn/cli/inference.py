@@ -113,6 +113,9 @@ def add_evaluate_parser(sub: Any) -> None:
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--step", type=int, default=None, help="a run's checkpoint step (default: the newest)")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the metrics to this JSON file")
+    p.add_argument("--metrics", nargs="+", default=None, metavar="NAME", help="metrics computed over the whole data "
+                   "set besides the loss's: accuracy, f1, precision, recall (and _micro), roc_auc, top5_accuracy, "
+                   "confusion_matrix, perplexity, mae, mse")  # fmt: skip
 
 
 def read_array_file(path: str, names: tuple[str, ...] = ("x",)) -> list[Any]:
@@ -195,8 +198,9 @@ def evaluate_main(args: argparse.Namespace) -> int:
     trained = load_trained(args.model, args.step)
     data, loss, seq_len = _evaluation_data(args, trained)
     metrics = jaxnn.evaluate(trained.model, trained.params, data, loss=loss, model_state=trained.model_state,
-                             batch_size=args.batch_size, precision=trained.precision, seq_len=seq_len)  # fmt: skip
-    line = json.dumps({k: round(float(v), 6) for k, v in metrics.items()})
+                             batch_size=args.batch_size, precision=trained.precision, seq_len=seq_len,
+                             metrics=args.metrics)  # fmt: skip
+    line = json.dumps({k: v if isinstance(v, list) else round(float(v), 6) for k, v in metrics.items()})
     if args.out:
         from jaxnn._src.storage import write_bytes_atomic
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import socket
+import sys
 from typing import Any, NamedTuple
 
 
@@ -64,12 +66,30 @@ def serve_main(args: argparse.Namespace) -> int:
     from jaxnn._src import compile_cache
     from jaxnn.serve.api import create_app
 
+    listening = _listen(args.host, args.port)  # a port in use is refused before the model loads
     served = _served(args)
     compile_cache.enable(args.compile_cache)
-    config = uvicorn.Config(create_app(served), host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=None)  # fmt: skip
-    _server(config).run()
+    host, port = listening.getsockname()[:2]
+    where = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    print(f"jaxnn serve: {served.name} on {where}/v1 ({args.slots} slots of {served.engine.context} positions)",
+          file=sys.stderr, flush=True)  # fmt: skip
+    config = uvicorn.Config(create_app(served), log_level=args.log_level, timeout_graceful_shutdown=None)
+    _server(config).run(sockets=[listening])
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (port 0: a free one), or one ValueError naming the address."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listening = socket.socket(family, socket.SOCK_STREAM)
+    listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listening.bind((host, port))
+        listening.listen(2048)  # clients that connect before uvicorn starts wait in the backlog
+    except OSError as err:
+        listening.close()
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({err.strerror or err})") from None
+    return listening
 
 
 def _served(args: argparse.Namespace) -> Any:

@@ -47,6 +47,7 @@ from jaxnn.loop._setup import (
     check_step_runs,
     checked_callbacks,
     checked_devices,
+    fit_scores,
     initial_state,
     input_record,
     json_record,
@@ -101,6 +102,7 @@ class FitInputs(NamedTuple):
     loss: LossFn = masked_classification_loss
     optimizer: optax.GradientTransformation | None = None
     eval_data: TrainData | None = None
+    eval_metrics: Any = None  # names or jaxnn.scores.Score objects
     callbacks: Iterable[Callback] = ()
     mesh: Mesh | str | None = None
     sharding_rules: RulesLike | None = None
@@ -127,6 +129,7 @@ def run_fit(model: Layer, data: TrainData, cfg: FitConfig, inputs: FitInputs | N
     if pipeline is not None and cfg.batch_size not in (None, pipeline.batch_size):
         raise ConfigError(f"fit: batch_size {cfg.batch_size} differs from the pipeline's {pipeline.batch_size}")
     callbacks = checked_callbacks(inputs.callbacks)
+    scores = fit_scores(inputs.eval_metrics)
     if inputs.sharding_rules is not None:  # a rules file is read first: its error is the run's only output line
         inputs = inputs._replace(sharding_rules=as_rules(inputs.sharding_rules))
     source = as_train_source(data, pipeline, cfg.batch_size, cfg.seed, check=cfg.check_data)
@@ -166,13 +169,13 @@ def run_fit(model: Layer, data: TrainData, cfg: FitConfig, inputs: FitInputs | N
     check_step_runs(model, inputs.loss, tx, cfg, state, example, source, aug, output)
     _say_if_devices_idle(mesh)
     check_eval_data(evals, example, inputs.loss, output)
-    check_monitors(callbacks, cfg, evals, model, inputs.loss, state)
+    check_monitors(callbacks, cfg, evals, model, inputs.loss, state, scores)
     # The record: config.json's one serialisation, of which the precheck saw the part known then.
     files.record = {**files.record, **model_record(state.params), **start_from}
     files.open()  # the run dir is checked and locked here; nothing was written before
     try:
         result, interrupted = _train(
-            model, inputs.loss, tx, cfg, source, evals, mesh, state, files.record, files, callbacks, aug
+            model, inputs.loss, tx, cfg, source, (evals, scores), mesh, state, files.record, files, callbacks, aug
         )
     finally:
         files.close()
@@ -231,7 +234,10 @@ def _say_unused_devices(used: int, present: int, platform: str) -> None:
     )
 
 
-def _train(model, loss, tx, cfg, source, evals, mesh, state, record, files, callbacks, aug) -> tuple[FitResult, bool]:
+def _train(
+    model, loss, tx, cfg, source, evaluation, mesh, state, record, files, callbacks, aug
+) -> tuple[FitResult, bool]:
+    evals, scores = evaluation  # the evaluation batches and the whole-set metrics asked for
     dp = data_parallel_train_step(
         model,
         loss,
@@ -259,7 +265,7 @@ def _train(model, loss, tx, cfg, source, evals, mesh, state, record, files, call
         return _already_finished(ckpt, state, start, files), False
     place = _placer(dp, mesh, cfg.batch_size)
     batches = DevicePrefetch(source.iterator(start, cfg.steps), place=place, size=cfg.prefetch)
-    evaluate = _evaluator(model, loss, cfg, mesh, dp, evals)
+    evaluate = _evaluator(model, loss, cfg, mesh, dp, evals, scores)
     run = RunInfo(cfg.steps, cfg.run_dir, files.is_main, start, start, state, get_policy(cfg.precision).loss_scaling)
     if cfg.guard_nonfinite and not any(isinstance(c, NonFiniteGuard) for c in callbacks):
         callbacks = [NonFiniteGuard(), *callbacks]
@@ -327,16 +333,16 @@ def _placer(dp, mesh, rows_per_batch: int):
     return lambda host: dp.place_batch(jax.tree.map(lambda x: x[rows], host))
 
 
-def _evaluator(model, loss, cfg, mesh, dp, evals):
+def _evaluator(model, loss, cfg, mesh, dp, evals, scores=()):
     """`state -> metrics` over every evaluation example exactly once (see jaxnn.evaluation), compiled once."""
     if not evals:
         return None
     split = batch_devices(mesh)
     size = max(round_up(int(np.shape(b["x"])[0]), split) for b in evals)
     place = _placer(dp, mesh, size)
-    sums = jax.jit(eval_sums_fn(model, loss, cfg.precision))
+    sums = jax.jit(eval_sums_fn(model, loss, cfg.precision, scores))
     return lambda state: mean_over(
-        lambda b: sums(state.params, state.model_state, b), (place(padded(h, size)) for h in evals)
+        lambda b: sums(state.params, state.model_state, b), (place(padded(h, size)) for h in evals), scores
     )
 
 

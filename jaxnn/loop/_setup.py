@@ -29,6 +29,7 @@ from jaxnn.evaluation import metric_names
 from jaxnn.layers.core import Layer
 from jaxnn.parallel.mesh import batch_devices
 from jaxnn.precision import get_policy
+from jaxnn.scores import get_scores
 from jaxnn.train import (
     classification_loss,
     create_train_state,
@@ -307,8 +308,23 @@ def check_eval_data(evals, example, loss, output) -> None:
             )
 
 
-def check_monitors(callbacks, cfg, evals, model, loss, state) -> None:
-    """Every evaluation metric a callback or keep_best watches exists, and there is evaluation data to watch."""
+def fit_scores(eval_metrics: Any) -> tuple:
+    """fit's `eval_metrics`, checked: known names or metric objects, each one number (the confusion matrix is
+    `jaxnn.evaluate`'s alone: a matrix is no history to plot or watch)."""
+    scores = get_scores(eval_metrics, "fit: eval_metrics")
+    for score in scores:
+        if not getattr(score, "scalar", True):
+            raise ConfigError(f"fit: eval_metrics: {score.name!r} is not one number; use jaxnn.evaluate for it")
+    return scores
+
+
+def check_monitors(callbacks, cfg, evals, model, loss, state, scores=()) -> None:
+    """Every evaluation metric a callback or keep_best watches exists, and there is evaluation data to watch;
+    every metric of `scores` reads this model's outputs (refused in one line before training otherwise)."""
+    if scores and not evals:
+        raise ConfigError(f"fit: eval_metrics {[s.name for s in scores]} need eval_data")
+    if scores:
+        metric_names(model, loss, cfg.precision, state.params, state.model_state, evals[0], scores)
     watched = [(type(c).__name__, m) for c in callbacks for m in c.monitors()]
     watched += [("keep_best", cfg.keep_best)] if cfg.keep_best else []
     if not watched:
@@ -316,7 +332,7 @@ def check_monitors(callbacks, cfg, evals, model, loss, state) -> None:
     if not evals:
         who, metric = watched[0]
         raise ConfigError(f"{who} monitors the evaluation metric {metric!r}, but fit has no eval_data")
-    names = metric_names(model, loss, cfg.precision, state.params, state.model_state, evals[0])
+    names = metric_names(model, loss, cfg.precision, state.params, state.model_state, evals[0], scores)
     for who, metric in watched:
         if metric not in names:
             raise ConfigError(f"{who} monitors {metric!r}, but the evaluation reports {names}")

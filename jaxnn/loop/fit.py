@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import optax
@@ -38,6 +38,7 @@ def fit(
     loss: LossFn = masked_classification_loss,
     optimizer: optax.GradientTransformation | None = None,
     eval_data: TrainData | None = None,
+    eval_metrics: Sequence[Any] | None = None,
     callbacks: Iterable[Callback] = (),
     mesh: Mesh | str | None = None,
     sharding_rules: RulesLike | None = None,
@@ -84,6 +85,9 @@ def fit(
     model: any `jaxnn.layers.Layer`; its input is `batch["x"]`.
     data: `(x, y)` arrays, a dict of arrays, a jaxnn data set, or an iterable of batch dicts (see
       `jaxnn.data.sources`); `eval_data` likewise. Evaluation is exact for any loss (`jaxnn.evaluation`).
+    eval_metrics: metrics computed over the whole of `eval_data` at each evaluation, besides the loss's own: names
+      ("f1", "precision", "recall", "roc_auc", "top5_accuracy", "perplexity", "mae", ...) or `jaxnn.scores.Score`s;
+      `EarlyStopping` and `keep_best` can watch them.
     loss: `(logits, batch) -> (loss, metrics)`, a mean over the batch's examples; a `count` metric, if
       returned, weights each example in evaluation.
     optimizer: any optax `GradientTransformation` (default: `make_optimizer(1e-3, total_steps=steps)`); one that

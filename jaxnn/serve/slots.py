@@ -44,7 +44,12 @@ def sample_rows(logits_RV: jax.Array, rows: RowSampling) -> jax.Array:
     scaled_RV = lax.cond(filters, _restrict, lambda s, _k, _p: s, scaled_RV, rows.top_k, rows.top_p)
     keys_R = jax.random.wrap_key_data(rows.key_data)
     draw = lambda key, n, logits_V: jax.random.categorical(jax.random.fold_in(key, n), logits_V)  # noqa: E731
-    sampled_R = jax.vmap(draw)(keys_R, rows.count, scaled_RV).astype(jnp.int32)
+    # Drawing costs a random number per vocabulary entry and row: only when some row samples.
+    sampled_R = lax.cond(
+        jnp.any(rows.temperature > 0),
+        lambda: jax.vmap(draw)(keys_R, rows.count, scaled_RV).astype(jnp.int32),
+        lambda: greedy_R,
+    )
     return jnp.where(rows.temperature > 0, sampled_R, greedy_R)
 
 

@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -33,9 +34,11 @@ class Server:
         while time.time() < deadline:
             line = self.proc.stderr.readline()
             self.log.append(line)
-            found = re.search(r"running on http://127\.0\.0\.1:(\d+)", line)
+            found = re.search(r" on http://127\.0\.0\.1:(\d+)/v1 ", line)
             if found:
                 self.url = f"http://127.0.0.1:{found.group(1)}"
+                # the log read on, so that the server never waits on a full pipe
+                threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
                 break
             if not line and self.proc.poll() is not None:
                 raise AssertionError("the server exited:\n" + "".join(self.log))
