@@ -145,7 +145,11 @@ def test_gpt_prints_a_sample(capsys, tmp_path):
         == 0
     )
     out = capsys.readouterr().out
-    assert "--- sample ---\ndef " in out and "bits/byte" in out.splitlines()[-1]
+    assert "--- sample ---\n" in out and "bits/byte" in out.splitlines()[-1]
+    # the sample continues the data's own first line, and prints no control character as it is
+    first = pathlib.Path(cli.__file__).read_bytes()[:16].decode().split("\n")[0]
+    sample = out.split("--- sample ---\n", 1)[1]
+    assert sample.startswith(first) and all(c.isprintable() or c in "\n\t" for c in sample)
 
     # `jaxnn generate` continues a prompt from the run's checkpoint, past the 32-byte position table (windows).
     greedy = [
@@ -244,3 +248,9 @@ def test_resume_past_a_damaged_checkpoint_and_refuse_changed_data(capsys, caplog
         capsys, [*argv[1:], "--resume"], "its data iterator does not fit this data (num_train: checkpoint 48, now 40)"
     )
     assert "unreadable" not in caplog.text  # the resumed run replaced the damaged step-24 checkpoint
+
+
+def test_the_sample_escapes_control_characters():
+    from jaxnn.cli.recipes import printable
+
+    assert printable("ok\tfine\nbell\x07 esc\x1b[31m é") == "ok\tfine\nbell\\x07 esc\\x1b[31m é"

@@ -172,7 +172,7 @@ def train(
     # A sample reads as text through the run's tokenizer, or as bytes for a byte-level vocabulary.
     byte_level = getattr(mcfg, "vocab_size", 0) == 256 and tokenizer_folder is None
     if is_text and cfg.sample_bytes and finished_now and (byte_level or tokenizer_folder is not None):
-        summary["sample"] = _sample(model, result.state, cfg, tokenizer_folder)
+        summary["sample"] = _sample(model, result.state, cfg, tokenizer_folder, data)
         if jax.process_index() == 0 and run.run_dir:
             write_json_atomic(pathlib.Path(run.run_dir) / "summary.json", summary)
     return summary
@@ -284,15 +284,22 @@ def _loss(cfg: TrainConfig, is_text: bool) -> Any:
     return masked_classification_loss
 
 
-def _sample(model, state, cfg: TrainConfig, tokenizer_folder: pathlib.Path | None) -> str:
+SAMPLE_PROMPT_TOKENS = 16  # the end-of-run sample continues this much of the training text
+
+
+def _sample(model, state, cfg: TrainConfig, tokenizer_folder: pathlib.Path | None, data: Any) -> str:
+    """A continuation of the data's own first words, with every character a terminal prints as text (control
+    characters a barely trained model emits are shown escaped, never sent to the terminal as they are)."""
     from jaxnn.generate import generate_text
     from jaxnn.interop.tokenizer import TOKENIZER_FILE, load_tokenizer
 
     tokenizer = None if tokenizer_folder is None else load_tokenizer(tokenizer_folder / TOKENIZER_FILE)
-    return generate_text(
+    first = [int(t) for t in data.train[: min(SAMPLE_PROMPT_TOKENS, cfg.seq_len // 2)]]
+    prompt = bytes(first).decode("utf-8", "ignore") if tokenizer is None else tokenizer.decode(first)
+    text = generate_text(
         model,
         state.params,
-        "def ",
+        prompt.split("\n", 1)[0] or prompt,  # its first line: a prompt, not a page
         cfg.sample_bytes,
         tokenizer=tokenizer,
         context_len=cfg.seq_len,
@@ -300,3 +307,9 @@ def _sample(model, state, cfg: TrainConfig, tokenizer_folder: pathlib.Path | Non
         model_state=state.model_state,
         policy=cfg.fit.precision,
     )
+    return printable(text)
+
+
+def printable(text: str) -> str:
+    """`text` with each character that is not printable (but a newline or a tab) written as its escape."""
+    return "".join(c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode() for c in text)
