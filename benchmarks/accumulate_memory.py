@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from benchmarks.generation import cpu_name
+from benchmarks.output import add_json_flags, refuse_existing
 from jaxnn import layers as L
 from jaxnn.train import create_train_state, make_train_step, masked_classification_loss
 
@@ -46,8 +47,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--batch", type=int, default=4096)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--json", default=None)
+    add_json_flags(parser)
     args = parser.parse_args(argv)
+    refuse_existing(args.json, overwrite=args.overwrite)
     rows = [memory(args.batch, args.width, k) for k in args.k]
     print(f"{jax.default_backend()} ({cpu_name()}), batch {args.batch}, width {args.width}")
     print(f"{'K':>3} {'micro':>6} {'temp MiB':>9} {'vs K=1':>7} {'params MiB':>11}")

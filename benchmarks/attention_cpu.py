@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.machine import cpu_label
+from benchmarks.output import add_json_flags, refuse_existing
 from jaxnn.layers import blocked_attention
 from jaxnn.profile.timing import time_interleaved
 
@@ -80,8 +81,9 @@ def main(argv=None) -> int:
     parser.add_argument("--blocks", nargs="+", type=int, default=[1, 4, 8, 16])
     parser.add_argument("--no-causal", dest="causal", action="store_false", help="no mask (default: causal)")
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--json", help="write the rows here as JSON")
+    add_json_flags(parser, "write the rows here as JSON")
     args = parser.parse_args(argv)
+    refuse_existing(args.json, overwrite=args.overwrite)
     rows = []
     print(f"{cpu_label()}, jax {jax.__version__}; ms per forward + backward pass, median")
     for shape in args.shapes:

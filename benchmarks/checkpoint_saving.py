@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 import jaxnn
+from benchmarks.output import add_json_flags, refuse_existing
 from jaxnn import layers as L
 from jaxnn.callbacks import Callback
 
@@ -82,8 +83,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--json", default=None)
+    add_json_flags(p)
     args = p.parse_args(argv)
+    refuse_existing(args.json, overwrite=args.overwrite)
     rng = np.random.default_rng(0)
     data = (rng.standard_normal((1024, 64)).astype(np.float32), rng.integers(0, 10, 1024).astype(np.int32))
     rows: dict[str, list[dict]] = {}

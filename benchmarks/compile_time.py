@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from benchmarks.generation import cpu_name
+from benchmarks.output import add_json_flags, refuse_existing
 from jaxnn.models import GPT, GPTConfig
 from jaxnn.train import create_train_state, language_model_loss, make_train_step
 
@@ -48,8 +49,9 @@ def compile_seconds(cfg: GPTConfig) -> tuple[float, float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 16, 48])
-    parser.add_argument("--json", default=None)
+    add_json_flags(parser)
     args = parser.parse_args()
+    refuse_existing(args.json, overwrite=args.overwrite)
     base = GPTConfig(seq_len=32, d_model=64, num_heads=2)
     rows = []
     for n in args.layers:

@@ -13,6 +13,8 @@ import argparse
 import json
 import sys
 
+from benchmarks.output import add_json_flags, refuse_existing
+
 
 def bench(forms, device_counts, *, global_batch: int, scaling: str, model_name: str, repeats: int) -> list[dict]:
     import jax
@@ -78,8 +80,9 @@ def main(argv=None) -> int:
         help="strong: the same global batch for every device count; weak: the same batch per device",
     )
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--json", help="also write the rows here as JSON lines")
+    add_json_flags(p, "also write the rows here as JSON lines")
     args = p.parse_args(argv)
+    refuse_existing(args.json, overwrite=args.overwrite)
 
     from jaxnn.parallel import configure_cpu_devices
 

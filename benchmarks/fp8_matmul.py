@@ -15,6 +15,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from benchmarks.output import add_json_flags, refuse_existing
 from experiments.common import compiled_hlo, library_calls, machine_info
 from jaxnn.profile.timing import matmul_flops, time_interleaved
 
@@ -76,8 +77,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.fp8_matmul", description=__doc__)
     parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--json", default=None, help="also write the rows here")
+    add_json_flags(parser, "also write the rows here")
     args = parser.parse_args(argv)
+    refuse_existing(args.json, overwrite=args.overwrite)
     rows = [measure(n, args.repeats) for n in args.sizes]
     device = jax.devices()[0]
     print(f"{device.platform} ({device.device_kind}), jax {jax.__version__}")

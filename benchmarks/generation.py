@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from benchmarks.output import add_json_flags, refuse_existing
 from jaxnn.generate import generate_batch
 from jaxnn.models import GPT, GPTConfig
 
@@ -173,8 +174,9 @@ def main() -> None:
     parser.add_argument("--no-cache-batches", type=int, nargs="*", default=[1])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-transformers", action="store_true", help="jaxnn only, even if transformers is here")
-    parser.add_argument("--json", default=None)
+    add_json_flags(parser)
     args = parser.parse_args()
+    refuse_existing(args.json, overwrite=args.overwrite)
     cfg = SIZES[args.size]
     model = GPT(cfg)
     _, params = jax.jit(lambda k: model.init(k, (1, 8)))(jax.random.key(0))

@@ -21,6 +21,7 @@ import subprocess
 import sys
 
 from benchmarks.machine import cpu_label
+from benchmarks.output import add_json_flags, refuse_existing
 from benchmarks.train_steps import PRECISIONS, SPECS
 
 # The environment of each setting's processes.
@@ -80,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per process")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps before them, after the compiling one")
-    parser.add_argument("--json", default=None, help="also write the rows here")
+    add_json_flags(parser, "also write the rows here")
     args = parser.parse_args(argv)
+    refuse_existing(args.json, overwrite=args.overwrite)
     print(f"CPU: {cpu_label()}")
     rows = []
     for name in args.models:

@@ -31,6 +31,7 @@ import numpy as np
 import optax
 
 from benchmarks.machine import cpu_label
+from benchmarks.output import add_json_flags, refuse_existing
 from jaxnn import lora
 from jaxnn.models.gpt import GPT, GPTConfig
 from jaxnn.models.presets import PRESETS
@@ -135,8 +136,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--json", default=None)
+    add_json_flags(parser)
     args = parser.parse_args(argv)
+    refuse_existing(args.json, overwrite=args.overwrite)
     rows = [
         measure(name, SHAPES[name], rank, args.batch, args.seq_len, args.steps)
         for name in args.models

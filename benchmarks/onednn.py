@@ -20,6 +20,7 @@ import tempfile
 import time
 
 from benchmarks.machine import cpu_label
+from benchmarks.output import add_json_flags, refuse_existing
 
 # The CNN benchmark's convolutions (benchmarks/train_steps.py SPECS["cnn"]: batch 64, 32x32x3, widths 32-64-128,
 # 3x3 SAME, a 2x2 pool between them): (N, H, W, C, features).
@@ -251,10 +252,12 @@ def main(argv=None) -> int:
     parser.add_argument("--no-primitives", action="store_true", help="skip the primitives")
     parser.add_argument("--no-ab", action="store_true", help="skip the in-process A/B of the jaxnn steps")
     parser.add_argument("--ab-models", nargs="+", default=["cnn", "gpt"], help="the models of the A/B")
-    parser.add_argument("--json", default=None, help="default: results/bench/onednn-<UTC time>.json")
+    add_json_flags(parser, "default: results/bench/onednn-<UTC time>.json")
     parser.add_argument("--worker", choices=("jax", "torch"), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    steps_json = args.json and args.json.replace(".json", "-steps.json")  # benchmarks.peers writes it
+    refuse_existing(args.json, None if args.no_steps else steps_json, overwrite=args.overwrite)
     if args.worker:
         with open(args.out, "w") as f:
             json.dump(worker(args.worker, args.repeats), f)
@@ -278,7 +281,8 @@ def main(argv=None) -> int:
         from benchmarks.peers.__main__ import main as peers
 
         steps = ["--peers", "jaxnn", "jaxnn_onednn", "pytorch", "--models", "cnn", "gpt", "--rounds", str(args.rounds)]
-        peers([*steps, "--repeats", str(args.repeats), "--json", path.replace(".json", "-steps.json")])
+        replace = ["--overwrite"] if args.overwrite else []
+        peers([*steps, "--repeats", str(args.repeats), "--json", path.replace(".json", "-steps.json"), *replace])
     print(f"wrote {path}")
     return 0
 

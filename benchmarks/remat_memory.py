@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.machine import cpu_label
+from benchmarks.output import add_json_flags, refuse_existing
 from jaxnn.layers import REMAT_POLICIES, init_model
 from jaxnn.models import GPT, GPTConfig
 from jaxnn.profile.projection import accelerator
@@ -71,8 +72,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--unrolled", action="store_true", help="the blocks unrolled (scan_layers=False)")
-    parser.add_argument("--json", default=None, metavar="PATH")
+    add_json_flags(parser)
     args = parser.parse_args(argv)
+    refuse_existing(args.json, overwrite=args.overwrite)
     rows = [measure(n, p, args.steps, not args.unrolled) for n in args.seq_lens for p in args.policies]
     blocks = "unrolled" if args.unrolled else "scanned"
     print(f"{cpu_label()}; jax {jax.__version__}; GPT d128 x 4 blocks ({blocks}), batch 1, fp32 gradient step")

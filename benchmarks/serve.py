@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from benchmarks.generation import SIZES, cpu_name, to_transformers
+from benchmarks.output import add_json_flags, refuse_existing
 from jaxnn.layers import init_model
 from jaxnn.models import GPT, GPTConfig
 
@@ -167,8 +168,9 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--no-transformers", action="store_true")
-    parser.add_argument("--json", default=None)
+    add_json_flags(parser)
     args = parser.parse_args()
+    refuse_existing(args.json, overwrite=args.overwrite)
     cfg = SIZES[args.size]
     context = args.prompt + args.new_tokens
     if context > cfg.seq_len:

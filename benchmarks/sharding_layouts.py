@@ -18,6 +18,8 @@ import math
 import os
 import re
 
+from benchmarks.output import add_json_flags, refuse_existing
+
 LAYOUTS = ("data=8", "fsdp=8", "tensor=8", "tensor=2,fsdp=4", "data=2,fsdp=4")
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u8": 1, "pred": 1}
@@ -93,8 +95,9 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--rules", default=None, help="a JSON rule table (default: the built-in rules)")
-    parser.add_argument("--json", default=None)
+    add_json_flags(parser)
     args = parser.parse_args()
+    refuse_existing(args.json, overwrite=args.overwrite)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 

@@ -24,6 +24,7 @@ import tempfile
 import time
 
 from benchmarks.machine import cpu_label
+from benchmarks.output import add_json_flags, refuse_existing
 
 IMPORT_ONLY = "import jax, jaxnn.cli.recipes, jaxnn.loop; jax.devices()"
 
@@ -76,8 +77,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--gpt-steps", type=int, default=50)
     parser.add_argument("--steps", type=int, default=None, help="steps of every model's run (default: its own)")
-    parser.add_argument("--json", default=None)
+    add_json_flags(parser)
     args = parser.parse_args()
+    refuse_existing(args.json, overwrite=args.overwrite)
     with tempfile.TemporaryDirectory(prefix="jaxnn-startup-") as tmp:
         rows = [measure(m, args.rounds, args.gpt_steps, tmp, args.steps) for m in args.models]
     print(f"jaxnn train start-up, median of {args.rounds} interleaved rounds; {cpu_label()}")

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from benchmarks.output import add_json_flags, refuse_existing
 from experiments.common import library_calls, machine_info
 from jaxnn import train
 from jaxnn.models import GPT, GPTConfig
@@ -127,11 +128,12 @@ def main(argv=None) -> int:
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
     parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, help="precision:attention pairs")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--json", default=None, help="write the record here")
+    add_json_flags(parser, "write the record here")
     parser.add_argument("--trace-dir", default=None, help="write profiler traces of --trace variants here")
     parser.add_argument("--trace", nargs="*", default=[], help="variants to trace (default: none)")
     parser.add_argument("--hlo-dir", default=None, help="write each variant's compiled HLO (gzip) here")
     args = parser.parse_args(argv)
+    refuse_existing(args.json, overwrite=args.overwrite)
     for variant in args.variants + args.trace:
         if variant.count(":") != 1:
             parser.error(f"variant {variant!r}: write it as precision:attention, e.g. bf16:auto")

@@ -18,6 +18,8 @@ import re
 import subprocess
 import sys
 
+from benchmarks.output import add_json_flags, refuse_existing
+
 VARIANTS = ("jaxnn", "jaxnn_optax_ce", "flax_linen")
 
 
@@ -60,8 +62,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tiny_step", description=__doc__.splitlines()[0])
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--json", help="also write the rows here")
+    add_json_flags(parser, "also write the rows here")
     args = parser.parse_args(argv)
+    refuse_existing(args.json, overwrite=args.overwrite)
     rows = []
     for precision in args.precisions:
         steps = {v: build(v, precision) for v in VARIANTS}

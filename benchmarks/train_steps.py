@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.machine import cpu_label
+from benchmarks.output import add_json_flags, refuse_existing
 from jaxnn.profile.timing import flops_of, measure_matmul_peak, stepper, time_fn
 
 # The benchmark models, shared with the peers in benchmarks/peers so that every library builds the same network.
@@ -327,11 +328,12 @@ def main(argv=None) -> int:
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
     parser.add_argument("--quick", action="store_true", help="fewer timing windows and a smaller peak GEMM")
     parser.add_argument("--no-scan", action="store_true", help="skip the K-steps-per-call variant")
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    add_json_flags(parser, "also write the results as JSON to PATH")
     parser.add_argument("--gpu", action="store_true", help="run the GPU GPT MFU check instead (gpu_mfu)")
     parser.add_argument("--dry-run", action="store_true", help="with --gpu: a tiny GPT that runs on the CPU")
     parser.add_argument("--out-dir", default="results/bench", help="with --gpu: where gpu_mfu.json goes")
     args = parser.parse_args(argv)
+    refuse_existing(args.json, overwrite=args.overwrite)
     if args.gpu:
         if jax.default_backend() != "gpu" and not args.dry_run:
             print(

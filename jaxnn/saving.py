@@ -215,7 +215,7 @@ def save_model(
     if example is not None:
         record["input"] = example
     if training is not None:
-        record["training"] = {"step": int(training["step"]), "entries": len(training)}
+        record["training"] = {"step": int(training["step"]), "entries": len(training), **_optimizer_of(params_or_state)}
 
     def fill(folder: pathlib.Path) -> None:
         save_safetensors(params, folder / WEIGHTS_FILE, model_state=state or None)
@@ -262,6 +262,14 @@ def _training_tensors(params_or_state: Any) -> dict[str, np.ndarray] | None:
         for where, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
             named[part + jax.tree_util.keystr(where)] = np.array(jax.device_get(leaf))  # 0-d stays 0-d
     return named
+
+
+def _optimizer_of(params_or_state: Any) -> dict:
+    """The optimizer fingerprint (and decaying schedule's steps) `fit` tied to the train state it returned, which
+    a resume checks; {} for a state `fit` did not return (then nothing is checked, as for older folders)."""
+    from jaxnn._src.optimizer_id import recalled
+
+    return recalled(getattr(params_or_state, "state", params_or_state)) or {}
 
 
 def load_training_state(path: str | os.PathLike, like_state: Any) -> Any:

@@ -89,6 +89,12 @@ EXEMPT: dict[str, str] = {
 # Modules another module starts as children (by name prefix), and that parent.
 CHILDREN: dict[str, str] = {"benchmarks.peers.peer_": "benchmarks.peers"}
 
+# docs/parallel.md's rules file for the built-in mlp (layers 1_dense, 3_dense, 5_logits), as written there:
+# tests/test_shard_rules.py checks that the docs hold this line and runs it.
+MLP_RULES_ECHO = (
+    """echo '{"*1_dense.w": [null, "tensor"], "*1_dense.b": ["tensor"], "*3_dense.w": ["tensor", null]}' > rules.json"""
+)
+
 COVERED_BY = "covered by "
 NOT_RUN = "not run by the tests:"
 
@@ -131,8 +137,7 @@ DOC_COMMANDS: dict[str, str] = {
     "jaxnn train --steps 5 --run-dir runs/first": "jaxnn train --steps 5 --run-dir runs/first --no-progress",
     # docs/parallel.md
     "jaxnn train --model mlp --mesh tensor=8 --sharding-rules rules.json": (
-        """echo '{"*0_dense.w": [null, "tensor"]}' > rules.json && """
-        f"jaxnn train --model mlp --mesh tensor=8 --sharding-rules rules.json {TRAIN_TINY}"
+        f"{MLP_RULES_ECHO} && jaxnn train --model mlp --mesh tensor=8 --sharding-rules rules.json {TRAIN_TINY}"
     ),
     'make train-multihost PARALLEL_ARGS="--devices-per-process 2 -- --model cnn --steps 500 --no-progress"': (
         'make train-multihost PARALLEL_ARGS="--devices-per-process 2 -- --model cnn --steps 2 --no-progress"'
@@ -205,6 +210,19 @@ def recipe_modules(root: pathlib.Path = ROOT) -> dict[str, list[str]]:
                 target = head.group(1)
             elif line.startswith("\t") and target:
                 found.setdefault(target, []).extend(re.findall(r"-m ((?:benchmarks|experiments)[\w.]*)", line))
+    return found
+
+
+def results_paths(root: pathlib.Path = ROOT) -> list[tuple[str, str]]:
+    """(target, path) for every path under results/ that a recipe of the Makefile or mk/*.mk names."""
+    found = []
+    for path in [root / "Makefile", *sorted((root / "mk").glob("*.mk"))]:
+        target = None
+        for line in path.read_text().splitlines():
+            head = re.match(r"^([a-z][a-z0-9-]*):", line)
+            target = head.group(1) if head else target
+            if line.startswith("\t") and target:
+                found += [(target, p) for p in re.findall(r"(?<![\w/])results/[^\s'\"]*", line)]
     return found
 
 

@@ -124,9 +124,8 @@ def test_a_sharded_fit_prints_its_layout_and_warns_at_the_users_line(capsys, req
     report_log.setLevel(logging.WARNING)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        jaxnn.fit(MLP(), (x, y), steps=1, batch_size=8, mesh="fsdp=8", plots=False,
-                  sharding_rules={"*nothing*": [None, "fsdp"]})  # fmt: skip
-    assert "fsdp=8:" in capsys.readouterr().err  # the layout report, without configuring logging
+        jaxnn.fit(MLP(), (x, y), steps=1, batch_size=8, mesh="tensor=8", plots=False)
+    assert "tensor=8:" in capsys.readouterr().err  # the layout report, without configuring logging
     said = [w for w in caught if issubclass(w.category, ShardingWarning)]
-    assert said and "'*nothing*' (user rules) matches no parameter" in str(said[0].message)
+    assert said and "mesh axis 'tensor' (8 devices) splits no parameter" in str(said[0].message)
     assert said[0].filename == __file__

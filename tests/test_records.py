@@ -72,7 +72,10 @@ def test_a_short_weighted_split_is_padded_with_tokens_that_never_count():
     "line, message",
     [
         ("{not json", r"bad\.jsonl:2: not a JSON object"),
-        ('{"question": "x"}', r"bad\.jsonl:2: expected \{\"text\": str\} or .*got \['question'\]"),
+        ('{"question": "x"}', r"bad\.jsonl:2: expected \{\"text\": str\}, .*got \['question'\]"),
+        ('{"messages": []}', r"bad\.jsonl:2: messages must be a non-empty list"),
+        ('{"messages": [{"role": "robot", "content": "x"}]}', r"bad\.jsonl:2: messages\[0\] must have a role"),
+        ('{"messages": [{"role": "user", "content": "x"}]}', r"bad\.jsonl:2: a conversation with no assistant"),
         ('["a list"]', r"bad\.jsonl:2: expected .* got list"),
         ('{"prompt": "p"}', r"bad\.jsonl:2: expected"),
     ],

@@ -1,21 +1,25 @@
 """User sharding rules on 8 simulated devices: any model splits where its rules say and trains as on one device; the
-layout report warns of an idle axis or a rule that matches nothing; a rule that cannot apply fails first."""
+layout report warns of an idle axis; a rule that matches nothing (unless allowed) or cannot apply fails first."""
 
+import dataclasses
 import json
 import re
+import shlex
+import subprocess
 
 import jax
 import numpy as np
 import optax
 import pytest
 import sharded_mlp
+import smoke_commands as smoke
 from jax.sharding import PartitionSpec as P
 from sharded_mlp import fit_mlp, mlp
 
 import jaxnn.layers as L
-from jaxnn import parallel
+from jaxnn import cli, parallel
 from jaxnn.config import ConfigError
-from jaxnn.models import GPT, GPTConfig
+from jaxnn.models import GPT, MLP, GPTConfig
 from jaxnn.parallel import (
     BUILT_IN,
     TENSOR,
@@ -74,7 +78,7 @@ TRANSFORMER_RULES = [
     ("*up.w", [None, "tensor"]),
     ("*up.b", ["tensor"]),
     ("*down.w", ["tensor", None]),
-    ("*4_dense.w", [None, "tensor"]),  # the vocabulary projection, by columns
+    ("*5_dense.w", [None, "tensor"]),  # the vocabulary projection, by columns
 ]
 
 
@@ -101,15 +105,14 @@ def test_a_user_built_transformer_splits_over_tensor_by_its_rules_and_matches_on
     assert_same_params(state.params, one_state.params, tol)
 
 
-def test_an_idle_axis_and_an_unused_rule_warn_and_a_rule_that_cannot_apply_fails_before_writing(tmp_path):
+def test_an_idle_axis_warns_and_a_rule_that_cannot_apply_fails_before_writing(tmp_path):
     create = lambda: create_train_state(mlp(), optax.sgd(0.1), jax.random.key(0), (8, 16))  # noqa: E731
     mesh = parallel.make_mesh("tensor=8")
+    # BUILT_IN matches none of this MLP's parameters: it warns of the idle axis, and its unused rules are allowed.
     with pytest.warns(
         ShardingWarning, match=r"mesh axis 'tensor' \(8 devices\) splits no parameter under jaxnn built-in"
     ):
         create_sharded_state(create, mesh)
-    with pytest.warns(ShardingWarning, match=r"sharding rule '\*embed\*' \(user rules\) matches no parameter"):
-        create_sharded_state(create, mesh, {**MLP_RULES, "*embed*": [None, "tensor"]})
     run_dir = tmp_path / "run"
     bad = re.escape(
         "sharding rule '*2_dense.w' (user rules): parameter '2_dense.w' of shape (64, 10) cannot be split over mesh "
@@ -125,6 +128,64 @@ def test_an_idle_axis_and_an_unused_rule_warn_and_a_rule_that_cannot_apply_fails
     ):
         fit_mlp(None, devices=16)
     assert BUILT_IN.match("2_blocks.1_mlp.3_proj.w") is not None and BUILT_IN.match("2_block.seq.w") is None
+
+
+UNMATCHED = re.escape(
+    "sharding rule '*embed*' matches no parameter (user rules); the parameters are: 0_dense.b, 0_dense.w, "
+    '2_dense.b, 2_dense.w. Fix the pattern, or allow rules that match nothing ("allow_unmatched": true'
+)
+
+
+def test_a_rule_that_matches_no_parameter_is_refused_before_writing_naming_it_and_the_parameters(tmp_path):
+    run_dir = tmp_path / "run"
+    with pytest.raises(ValueError, match=UNMATCHED):
+        fit_mlp("tensor=8", sharding_rules={**MLP_RULES, "*embed*": [None, "tensor"]}, run_dir=str(run_dir))
+    assert not run_dir.exists()
+    path = tmp_path / "rules.json"  # a JSON file's rules are named by the file
+    path.write_text(json.dumps([["*0_dense.w", [None, "tensor"]], ["*1_dense.w", ["tensor", None]], ["*fc*", []]]))
+    both = re.escape(f"sharding rules '*1_dense.w', '*fc*' match no parameter ({path}); the parameters are: 0_dense")
+    with pytest.raises(ValueError, match=both):
+        create_sharded_state(lambda: create_train_state(mlp(), optax.sgd(0.1), jax.random.key(0), (8, 16)),
+                             make_mesh(1), str(path))  # fmt: skip
+
+
+def test_many_parameters_are_abbreviated_in_the_refusal():
+    params = {f"{i:02d}_dense": {"w": jax.ShapeDtypeStruct((4, 4), np.float32)} for i in range(20)}
+    with pytest.raises(
+        ValueError, match=re.escape("are: 00_dense.w, 01_dense.w, ") + r".*, 11_dense\.w, \.\.\. \(20 in all\)\."
+    ):
+        parallel.layout_report(params, {"tensor": 2}, as_rules({"*embed*": ["tensor"]}))
+
+
+def test_rules_that_match_nothing_are_allowed_when_the_table_says_so(tmp_path):
+    create = lambda: create_train_state(mlp(), optax.sgd(0.1), jax.random.key(0), (8, 16))  # noqa: E731
+    mesh = parallel.make_mesh("tensor=8")
+    path = tmp_path / "rules.json"
+    path.write_text(json.dumps({**MLP_RULES, "*embed*": [None, "tensor"], "allow_unmatched": True}))
+    table = as_rules(str(path))
+    assert table.allow_unmatched and [r.pattern for r in table.rules] == [*MLP_RULES, "*embed*"]
+    pairs = dataclasses.replace(as_rules([*MLP_RULES.items(), ("*embed*", [None])]), allow_unmatched=True)
+    for rules in (str(path), pairs):
+        state = create_sharded_state(create, mesh, rules)
+        assert state.params["0_dense"]["w"].sharding.spec == P(None, "tensor")
+    assert parallel.layout_report(state.params, {"tensor": 8}, pairs).unused_rules == ("*embed*",)
+    assert BUILT_IN.allow_unmatched and not as_rules(MLP_RULES).allow_unmatched
+
+
+def test_the_documented_command_line_rules_shard_the_built_in_mlp(tmp_path, monkeypatch, capsys):
+    """docs/parallel.md's rules file and `jaxnn train` line, run as written (with a few steps): the smoke tier
+    runs the same line, and the rules must match the mlp's own layer names."""
+    command = "jaxnn train --model mlp --mesh tensor=8 --sharding-rules rules.json"
+    doc = (smoke.ROOT / "docs" / "parallel.md").read_text()
+    assert smoke.MLP_RULES_ECHO in doc.splitlines() and command in doc.splitlines()
+    assert smoke.DOC_COMMANDS[command].startswith(f"{smoke.MLP_RULES_ECHO} && {command} ")
+    subprocess.run(smoke.MLP_RULES_ECHO, shell=True, cwd=tmp_path, check=True)
+    shapes = jax.eval_shape(lambda: MLP().init(jax.random.key(0), (1, 28, 28, 1))[1])
+    report = parallel.layout_report(shapes, {"tensor": 8}, as_rules(str(tmp_path / "rules.json")))
+    assert report.axes[0].split == ("1_dense.b", "1_dense.w", "3_dense.w")
+    monkeypatch.chdir(tmp_path)
+    argv = [*shlex.split(command)[1:], "--steps", "2", "--no-summary", "--no-progress", "--no-plots"]
+    assert cli.main(argv) == 0, capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -3,8 +3,10 @@ command has a smoke run (tests/smoke_commands.py, run by tests/system/test_smoke
 
 from __future__ import annotations
 
+import argparse
 import shutil
 
+import pytest
 import smoke_commands as smoke
 
 
@@ -41,3 +43,27 @@ def test_a_target_module_or_command_added_without_a_smoke_run_is_reported(tmp_pa
         "benchmarks.stand_alone",
         "new.md: jaxnn train --model brand-new",
     ]
+
+
+def test_no_make_recipe_writes_a_fixed_file_under_results():
+    """results/ holds committed measurements: a target writes a fresh, dated name there, never one a rerun repeats
+    (a committed file among them would be replaced without a word)."""
+    paths = smoke.results_paths()
+    assert ("bench-remat", "results/bench/remat_memory-$(BENCH_TIME).json") in paths  # the check reads the recipes
+    assert [(target, p) for target, p in paths if "$(" not in p] == []
+
+
+def test_a_benchmark_refuses_to_replace_an_existing_json_file_unless_told(tmp_path):
+    from benchmarks.output import add_json_flags, refuse_existing
+    from benchmarks.remat_memory import main
+
+    committed = smoke.ROOT / "results/bench/remat_memory.json"  # docs/performance.md's remat table
+    before = committed.read_bytes()
+    with pytest.raises(SystemExit, match=r"remat_memory\.json exists \(a committed result\?\); pass --overwrite"):
+        main(["--seq-lens", "32", "--steps", "1", "--json", str(committed)])  # refused before measuring anything
+    assert committed.read_bytes() == before
+    parser = argparse.ArgumentParser()
+    add_json_flags(parser)
+    args = parser.parse_args(["--json", str(committed), "--overwrite"])
+    refuse_existing(args.json, overwrite=args.overwrite)  # told to: allowed
+    refuse_existing(str(tmp_path / "new.json"), None, overwrite=False)  # a fresh name: allowed

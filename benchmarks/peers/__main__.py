@@ -17,6 +17,7 @@ import tempfile
 import time
 
 from benchmarks.machine import cpu_label
+from benchmarks.output import add_json_flags, refuse_existing
 from benchmarks.train_steps import PRECISIONS, SPECS
 
 PEERS = {
@@ -110,8 +111,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=7, help="timing windows per configuration")
     parser.add_argument("--quick", action="store_true", help="3 windows, tiny and mlp only unless --models is given")
-    parser.add_argument("--json", default=None, help="default: results/bench/peers-<UTC time>.json")
+    add_json_flags(parser, "default: results/bench/peers-<UTC time>.json")
     args = parser.parse_args(argv)
+    refuse_existing(args.json, overwrite=args.overwrite)
     if args.quick:
         args.repeats = 3
         if "--models" not in (argv or sys.argv):

@@ -65,6 +65,8 @@ class TrainConfig:
     `lora`: train LoRA adapters alone, as `jaxnn.lora.parse_lora` reads them ("r=8,alpha=16,targets=*qkv.w").
     `pack`: gpt on JSON Lines records: pack the records into windows with segment ids (`jaxnn.data.packing`)
     instead of cutting the joined stream into windows.
+    `chat_template`: a Jinja file (or JSON holding `chat_template`) for `{"messages": ...}` records, replacing
+    (or standing in for) the template of `init_from`'s tokenizer folder.
     """
 
     model: str = "cnn"
@@ -89,6 +91,7 @@ class TrainConfig:
     augment: str = ""
     lora: str = ""
     pack: bool = False
+    chat_template: str | None = None
     fit: FitConfig = dataclasses.field(default_factory=_quick_fit)
 
     def __post_init__(self):

@@ -58,8 +58,12 @@ def load_data(cfg: TrainConfig) -> ImageDataset | TextCorpus:
         if found != ("cifar10" if name == "cifar10" else "mnist"):
             raise DataError(f"{cfg.data_dir}: holds {found} files, not the {name} format")
     tokenizer = _checkpoint_tokenizer(cfg)
-    if name == "text" and cfg.data_dir and is_record_source(cfg.data_dir):  # JSONL: text or prompt/completion
-        return load_text_records(cfg.data_dir, None if tokenizer is None else load_tokenizer(tokenizer))
+    if name == "text" and cfg.data_dir and is_record_source(cfg.data_dir):  # JSONL: text, pairs, conversations
+        from jaxnn.interop.chat import ChatTemplate
+
+        template = ChatTemplate.from_folder(None if tokenizer is None else tokenizer.parent, cfg.chat_template)
+        return load_text_records(cfg.data_dir, None if tokenizer is None else load_tokenizer(tokenizer),
+                                 chat_template=template)  # fmt: skip
     data = load_dataset(name, cfg.data_dir)
     if tokenizer is not None and isinstance(data, TextCorpus):
         log.info("train: text tokenised with %s", tokenizer)

@@ -65,7 +65,11 @@ def add_generate_parser(sub: Any) -> None:
         required=True,
         help="run directory of `jaxnn train` (or its ckpt/ or a step folder), or a transformers checkpoint folder",
     )
-    p.add_argument("--prompt", default="def ", help="text to continue")
+    p.add_argument("--prompt", default="def ", help="text to continue (with --chat: the user's message)")
+    p.add_argument("--chat", action="store_true", help="send --prompt as a user message through the checkpoint's "
+                   "chat template, and print the assistant's answer")  # fmt: skip
+    p.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template for --chat where "
+                   "the checkpoint's folder has none")  # fmt: skip
     p.add_argument("--length", type=int, default=200, help="bytes (tokens, with a tokenizer) to generate")
     p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely bytes")
@@ -137,39 +141,50 @@ def generate_main(args: argparse.Namespace) -> int:
         )
     compile_cache.enable(args.compile_cache)  # most of a short generation is compiling its programs
     ids = {} if folder is None else special_token_ids(folder, mcfg.vocab_size)
-    _print_generation(args, model, loaded.params, loaded.model_state, tokenizer, mcfg,
+    _print_generation(args, model, loaded.params, loaded.model_state, tokenizer, mcfg, folder=folder,
                       policy=loaded.config.get("precision", "fp32"), ids=ids)  # fmt: skip
     return 0
 
 
-def _print_generation(args, model, params, model_state, tokenizer, mcfg, *, policy="fp32", ids=None) -> None:
+def _print_generation(args, model, params, model_state, tokenizer, mcfg, *, policy="fp32", ids=None, folder=None):
     """Prints the prompt and its continuation, which ends at `--stop`, else at the checkpoint's end-of-text id
-    (`ids`: its special token ids, `interop.tokenizer.special_token_ids`), else after `--length` tokens."""
-    from jaxnn.generate import generate_text
+    (`ids`: its special token ids, `interop.tokenizer.special_token_ids`), else after `--length` tokens. With
+    `--chat`, the prompt is a user message in the chat template of `folder` (or `--chat-template`), and only the
+    answer is printed."""
+    from jaxnn.generate import generate_text, generate_tokens
     from jaxnn.interop.tokenizer import first_end_id
 
     ids = ids or {}
-    bos_id = ids.get("bos_token_id")
+    end_id = first_end_id(ids)
+    sampling = {
+        "context_len": mcfg.seq_len if mcfg.position == "learned" else None,
+        "key": args.seed,  # checked by generate: an integer in [0, 2**32)
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "model_state": model_state,
+        "policy": policy,
+    }
+    if not args.chat:
+        print(generate_text(model, params, args.prompt, args.length, tokenizer=tokenizer, stop=args.stop,
+                            bos_id=ids.get("bos_token_id"), end_id=end_id, **sampling))  # fmt: skip
+        return
+    text = _chat_prompt(args, folder)
+    # The template writes its special tokens itself: the text is tokenised without adding any.
+    prompt = list(text.encode()) if tokenizer is None else tokenizer.encode(text, add_special_tokens=False).ids
+    new = generate_tokens(model, params, prompt, args.length, stop=end_id, **sampling)
+    new = new[:-1] if new and new[-1] == end_id else new
+    print(bytes(new).decode("utf-8", "replace") if tokenizer is None else tokenizer.decode(new))
 
-    print(
-        generate_text(
-            model,
-            params,
-            args.prompt,
-            args.length,
-            tokenizer=tokenizer,
-            stop=args.stop,
-            bos_id=bos_id,
-            end_id=first_end_id(ids),
-            context_len=mcfg.seq_len if mcfg.position == "learned" else None,
-            key=args.seed,  # checked by generate: an integer in [0, 2**32)
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            model_state=model_state,
-            policy=policy,
-        )
-    )
+
+def _chat_prompt(args: argparse.Namespace, folder: Any) -> str:
+    """--prompt as the user's message, rendered with the chat template, the assistant's turn opened."""
+    from jaxnn.interop.chat import ChatTemplate
+
+    template = ChatTemplate.from_folder(folder, args.chat_template)
+    if template is None:
+        raise ValueError(f"--chat: {args.run_dir} has no chat template; give one with --chat-template FILE")
+    return template.render([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
 
 
 def _export_hf(args: argparse.Namespace) -> int:
@@ -296,6 +311,6 @@ def _generate_hf(args: argparse.Namespace) -> int:
             f"{folder}: no {TOKENIZER_FILE}, and its {cfg.vocab_size}-token vocabulary cannot read text as bytes"
         )
     ids = special_token_ids(folder, cfg.vocab_size)
-    _print_generation(args, GPT(cfg), jax.tree.map(jax.numpy.asarray, params), None, tokenizer, cfg,
+    _print_generation(args, GPT(cfg), jax.tree.map(jax.numpy.asarray, params), None, tokenizer, cfg, folder=folder,
                       ids=ids)  # fmt: skip
     return 0

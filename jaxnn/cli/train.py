@@ -43,8 +43,15 @@ def add_train_parser(sub: Any) -> None:
         default=None,
         metavar="DIR",
         help="directory of MNIST/Fashion-MNIST IDX, CIFAR-10 binary or text files, or a .jsonl file (or folder) of "
-        '{"text": ...} or {"prompt": ..., "completion": ...} records, the loss on completions only (default: the '
-        "bundled digits, or the Python stdlib source for gpt)",
+        '{"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [...]} records, the loss on completions '
+        "(assistant turns) only (default: the bundled digits, or the Python stdlib source for gpt)",
+    )
+    a(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help='a Jinja chat template (or a JSON file holding chat_template) for {"messages": ...} records, where '
+        "--init-from's folder has none (or to replace its own)",
     )
     a("--dataset", default="auto", help="data format: auto, digits, mnist, fashion_mnist, cifar10, text, synthetic")
     a("--size", default="base", help="model size: base (the model's default config) or small (for quick runs)")
@@ -408,6 +415,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         augment=args.augment,
         lora=args.lora,
         pack=args.pack,
+        chat_template=args.chat_template,
         fit=fit,
     )
 

@@ -1,13 +1,18 @@
-"""Fine-tuning text as users have it: JSON Lines of `{"text": ...}` documents or `{"prompt": ..., "completion":
-...}` pairs, tokenised with a checkpoint's tokenizer (or read as bytes), as a `TextCorpus` whose completions alone
-count in the loss.
+"""Fine-tuning text as users have it: JSON Lines of `{"text": ...}` documents, `{"prompt": ..., "completion":
+...}` pairs or `{"messages": [{"role", "content"}, ...]}` conversations, tokenised with a checkpoint's tokenizer
+(or read as bytes), as a `TextCorpus` whose completions (a conversation's assistant turns) alone count in the loss.
 
     corpus = load_text_records("train.jsonl", tokenizer)     # or a folder of *.jsonl files
+    corpus = load_text_records("chat.jsonl", tokenizer, chat_template=ChatTemplate.from_folder(folder))
     jaxnn.fit(model, corpus, loss=jaxnn.train.lm_loss, ...)    # batches carry a `loss_mask` for prompts
 
-Each record ends with a separator (the tokenizer's end-of-text token, or a newline for bytes), which counts as a
-target: the model learns where a completion stops. The last `test_fraction` of the records (at least one) is the
-test split. Windows are cut from the records' concatenation, as for any text corpus.
+Each text or prompt/completion record ends with a separator (the tokenizer's end-of-text token, or a newline for
+bytes), which counts as a target: the model learns where a completion stops. A conversation is rendered whole with
+the chat template (`jaxnn.interop.chat`: its ids are transformers' `apply_chat_template`'s) and needs no separator:
+each assistant turn's tokens (what the template writes from the end of the turns before it, with the assistant's
+turn opened, to the end of that turn, its end marker included) count, the rest does not. The last `test_fraction`
+of the records (at least one) is the test split. Windows are cut from the records' concatenation, as for any text
+corpus.
 """
 
 from __future__ import annotations
@@ -50,9 +55,9 @@ def _files(path: pathlib.Path) -> list[pathlib.Path]:
     return records
 
 
-def read_records(path: str | os.PathLike) -> Iterator[tuple[str, str]]:
-    """(prompt, completion) per record in file order; a `text` record is ("", text). Anything else is one
-    DataError naming the file and line."""
+def read_records(path: str | os.PathLike) -> Iterator[tuple[str, str] | list[dict[str, str]]]:
+    """(prompt, completion) per record in file order; a `text` record is ("", text); a conversation is its list of
+    messages. Anything else is one DataError naming the file and line."""
     for file in _files(pathlib.Path(path)):
         with open(file, encoding="utf-8", errors="strict") as f:
             try:
@@ -71,14 +76,66 @@ def json_line(file: pathlib.Path, number: int, line: str) -> Any:
         raise DataError(f"{file}:{number}: not a JSON object ({err.msg})") from None
 
 
-def _record(obj: Any, file: pathlib.Path, number: int) -> tuple[str, str]:
+def _record(obj: Any, file: pathlib.Path, number: int) -> tuple[str, str] | list[dict[str, str]]:
     where = f"{file}:{number}"
     if isinstance(obj, dict) and isinstance(obj.get("text"), str) and not {"prompt", "completion"} & set(obj):
         return "", obj["text"]
     if isinstance(obj, dict) and isinstance(obj.get("prompt"), str) and isinstance(obj.get("completion"), str):
         return obj["prompt"], obj["completion"]
+    if isinstance(obj, dict) and "messages" in obj:
+        return _messages(obj["messages"], where)
     keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-    raise DataError(f'{where}: expected {{"text": str}} or {{"prompt": str, "completion": str}}, got {keys}')
+    raise DataError(
+        f'{where}: expected {{"text": str}}, {{"prompt": str, "completion": str}} or {{"messages": [{{"role": str, '
+        f'"content": str}}, ...]}}, got {keys}'
+    )
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _messages(messages: Any, where: str) -> list[dict[str, str]]:
+    """A conversation's messages, checked: roles among ROLES, text content, at least one assistant turn."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f'{where}: messages must be a non-empty list of {{"role", "content"}} objects')
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
+            raise DataError(f"{where}: messages[{i}] must have a role among {', '.join(ROLES)} and text content")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"{where}: a conversation with no assistant turn has nothing to learn")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _conversation(messages: list, encode: Any, template: Any, path: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A conversation's ids and weights: 1 on each assistant turn (see the module docstring), 0 elsewhere."""
+    if template is None:
+        raise DataError(
+            f"{path}: chat records (messages), but the checkpoint's folder has no chat template; give one with "
+            "--chat-template FILE (chat_template= in the API)"
+        )
+    ids = encode(_render(template, messages, False, path))
+    weights = np.zeros(len(ids))
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = encode(_render(template, messages[:i], True, path))
+        end = encode(_render(template, messages[: i + 1], False, path))
+        if ids[: len(start)] != start or ids[: len(end)] != end:
+            raise DataError(
+                f"{path}: the chat template renders this conversation's turns differently alone than together "
+                "(a turn's text is not a prefix of the whole), so its assistant turns cannot be found"
+            )
+        weights[len(start) : len(end)] = 1
+    return np.asarray(ids, np.int32), weights
+
+
+def _render(template: Any, messages: list, opened: bool, path: Any) -> str:
+    from jaxnn.errors import ChatTemplateError
+
+    try:
+        return template.render(messages, add_generation_prompt=opened)
+    except ChatTemplateError as err:
+        raise DataError(f"{path}: {err}") from None
 
 
 def _encoder(tokenizer: Any, end_id: int | None) -> tuple[Any, list[int]]:
@@ -89,15 +146,25 @@ def _encoder(tokenizer: Any, end_id: int | None) -> tuple[Any, list[int]]:
 
 
 def load_text_records(
-    path: str | os.PathLike, tokenizer: Any = None, *, test_fraction: float = 0.1, end_id: int | None = None
+    path: str | os.PathLike,
+    tokenizer: Any = None,
+    *,
+    test_fraction: float = 0.1,
+    end_id: int | None = None,
+    chat_template: Any = None,
 ) -> TextCorpus:
     """The records under `path` (a .jsonl file or a folder of them) as token ids with per-token loss weights:
-    prompts weigh 0, completions, `text` records and each record's end token 1. `tokenizer`: a
-    `tokenizers.Tokenizer` (None: UTF-8 bytes, vocabulary 256); `end_id`: the separator (default: the
-    tokenizer's end-of-text token)."""
+    prompts weigh 0, completions, `text` records and each record's end token 1, a conversation's assistant turns 1.
+    `tokenizer`: a `tokenizers.Tokenizer` (None: UTF-8 bytes, vocabulary 256); `end_id`: the separator (default:
+    the tokenizer's end-of-text token); `chat_template`: a `jaxnn.interop.chat.ChatTemplate`, needed for
+    conversations."""
     encode, separator = _encoder(tokenizer, end_id)
     pieces = []
-    for prompt, completion in read_records(path):
+    for record in read_records(path):
+        if isinstance(record, list):
+            pieces.append(_conversation(record, encode, chat_template, path))
+            continue
+        prompt, completion = record
         asked, answered = (encode(prompt) if prompt else []), encode(completion) + separator
         pieces.append((np.asarray(asked + answered, np.int32), np.r_[np.zeros(len(asked)), np.ones(len(answered))]))
     if len(pieces) < 2:

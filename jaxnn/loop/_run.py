@@ -21,6 +21,7 @@ import optax
 from jax.sharding import Mesh
 
 from jaxnn._src import compile_cache as xla_cache
+from jaxnn._src.optimizer_id import FIELD, fingerprint, remember
 from jaxnn._src.optional import installed
 from jaxnn._src.warn import warn_at_caller
 from jaxnn.augment import Augment
@@ -36,6 +37,7 @@ from jaxnn.evaluation import eval_sums_fn, mean_over, padded, round_up
 from jaxnn.layers.core import Layer
 from jaxnn.layers.stack import rematerialised
 from jaxnn.loop._bookkeeping import Tracker
+from jaxnn.loop._resume_checks import refuse_other_optimizer
 from jaxnn.loop._setup import (
     augment_fn,
     augmentation,
@@ -115,6 +117,7 @@ class FitInputs(NamedTuple):
     schedule_decays: bool | None = None
     lora: Any = None  # a jaxnn.lora.LoRA or its text
     resume_from: str | None = None  # a jaxnn.save_model folder whose train state the run continues
+    check_optimizer: bool = True  # False: a resume may change the optimizer or the default's steps (see fit)
 
 
 def run_fit(model: Layer, data: TrainData, cfg: FitConfig, inputs: FitInputs | None = None) -> FitResult:
@@ -155,12 +158,16 @@ def run_fit(model: Layer, data: TrainData, cfg: FitConfig, inputs: FitInputs | N
         model, tx, inputs, lora_record = lora_start(model, tx, cfg, inputs, batch_spec(example)["x"])
         start_from = {**start_from, **lora_record}
     create = lambda: initial_state(model, tx, cfg, in_shape, inputs.params, inputs.model_state)  # noqa: E731
-    output = output_spec(model, cfg.precision, jax.eval_shape(create), batch_spec(example))  # the probe
+    abstract = jax.eval_shape(create)
+    output = output_spec(model, cfg.precision, abstract, batch_spec(example))  # the probe
     aug = augmentation(inputs.augment, output)
     refuse_loss_ignoring_mixed_targets(inputs.loss, aug, output, example)
     base = {**cfg.record(), **({"steps": cfg.steps} if decays else {}), **(inputs.config or {})}
     files = RunFiles(cfg, json_record({**base, **({"augment": aug.record()} if aug else {})}), is_main=_main())
     files.precheck()  # a run dir in use is refused now, before anything is compiled
+    trained_with = _optimizer_record(tx, abstract, cfg, decays)
+    if inputs.check_optimizer:  # after the record's own comparison, whose message names the config's fields
+        refuse_other_optimizer(cfg, inputs.resume_from, trained_with, default_optimizer=inputs.optimizer is None)
     state = create_sharded_state(create, mesh, inputs.sharding_rules, show_report=cfg.progress and _main())
     if inputs.init_from is not None:
         state, start_from = state_from(inputs.init_from, state)
@@ -171,7 +178,7 @@ def run_fit(model: Layer, data: TrainData, cfg: FitConfig, inputs: FitInputs | N
     check_eval_data(evals, example, inputs.loss, output)
     check_monitors(callbacks, cfg, evals, model, inputs.loss, state, scores)
     # The record: config.json's one serialisation, of which the precheck saw the part known then.
-    files.record = {**files.record, **model_record(state.params), **start_from}
+    files.record = {**files.record, **model_record(state.params), **start_from, FIELD: trained_with[FIELD]}
     files.open()  # the run dir is checked and locked here; nothing was written before
     try:
         result, interrupted = _train(
@@ -179,6 +186,7 @@ def run_fit(model: Layer, data: TrainData, cfg: FitConfig, inputs: FitInputs | N
         )
     finally:
         files.close()
+    remember(result.state, trained_with)  # for save_model's record of this state
     if interrupted:
         raise FitInterrupted(f"fit: interrupted (Ctrl-C) at step {result.summary['step']}; checkpoint saved", result)
     return result
@@ -193,6 +201,11 @@ def _resuming(inputs: FitInputs) -> FitInputs:
     assert inputs.resume_from is not None
     _, params, model_state = load_model(inputs.resume_from)
     return inputs._replace(params=params, model_state=model_state or None)
+
+
+def _optimizer_record(tx, abstract, cfg: FitConfig, decays: bool) -> dict:
+    """What a resume of this run checks: the optimizer's fingerprint, and `steps` where the schedule ends there."""
+    return {FIELD: fingerprint(tx, abstract.opt_state), **({"steps": cfg.steps} if decays else {})}
 
 
 def _main() -> bool:
@@ -254,6 +267,7 @@ def _train(
             keep=cfg.keep,
             save_every=0 if cfg.keep_best else cfg.ckpt_every,  # keep_best saves at every evaluation instead
             async_save=cfg.async_checkpoints,
+            ignore=(FIELD,),  # checked by the resume's own optimizer check (older checkpoints lack it)
             keep_best=cfg.keep_best,
             best_mode=metric_mode(cfg.keep_best, cfg.keep_best_mode) if cfg.keep_best else "min",
         )

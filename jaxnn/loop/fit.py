@@ -65,6 +65,7 @@ def fit(
     run_dir: str | None = None,
     ckpt_dir: str | None = None,
     resume: bool | str | os.PathLike[str] = False,
+    check_optimizer: bool = True,
     overwrite: bool = False,
     metrics: tuple[str, ...] = (),
     progress: bool = True,
@@ -117,6 +118,10 @@ def fit(
       from a train state (a FitResult) continues that state: its step, optimizer state and key, with the data
       order of `seed` from its step on, so the same data and settings give the run it would have been. With a
       `run_dir`, a checkpoint there newer than the folder wins (the continued run was itself stopped).
+    check_optimizer: a resume (of a run directory or a saved model) whose optimizer differs from the recorded one
+      (its transformations, their settings such as the learning rate, a schedule's length), or that changes
+      `steps` under the default optimizer, whose schedule decays to 0 at `steps`, is refused naming the difference;
+      False continues anyway, with this call's optimizer on the saved optimizer state.
     steps, epochs, batch_size, ...: the fields of `jaxnn.config.FitConfig`, which documents and validates them;
       give `steps` or `epochs`, not both. Any other keyword is refused with the list of known ones.
 

@@ -21,6 +21,7 @@ import time
 from typing import TYPE_CHECKING, Literal
 
 from jaxnn._src.checks import config_differences
+from jaxnn._src.optimizer_id import FIELD
 from jaxnn._src.optional import available
 from jaxnn._src.ownership import (
     OWNER_FILE,
@@ -299,7 +300,8 @@ class RunFiles:
         saved = self._saved_config()
         if saved is not None and partial:
             saved = {k: v for k, v in saved.items() if k in self.record}
-        diffs = config_differences(saved, self.record, saved_as="saved") if saved is not None else []
+        # The optimizer's fingerprint has its own check (jaxnn.loop._resume_checks), with its override.
+        diffs = config_differences(saved, self.record, (FIELD,), saved_as="saved") if saved is not None else []
         if diffs:
             raise RunDirError(
                 f"run dir {self._root} belongs to a different config ({'; '.join(diffs)}); "

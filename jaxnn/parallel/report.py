@@ -1,9 +1,10 @@
 """The layout report: what each mesh axis splits under a rule table, read from the parameters' shapes alone.
 
 Made before the train state exists (from `jax.eval_shape`), so a rule that cannot apply stops the run before
-anything is compiled or written, and a layout that shards nothing is said before the first step: a `tensor` or
-`fsdp` axis that splits no parameter, and a rule that matches no parameter, are `ShardingWarning`s naming the axis
-or the pattern and the rule set.
+anything is compiled or written, and so does a rule that matches no parameter (unless the table allows it:
+`ShardingRules.allow_unmatched`), naming the rules and the parameters there are. A layout that shards nothing is
+said before the first step: a `tensor` or `fsdp` axis that splits no parameter is a `ShardingWarning` naming the
+axis and the rule set.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,12 +21,13 @@ import numpy as np
 from jaxnn._src.pytree import flatten
 from jaxnn._src.warn import warn_at_caller
 from jaxnn.errors import ShardingWarning  # noqa: F401 (also importable from here)
-from jaxnn.parallel.rules import FSDP, TENSOR, ShardingRules
+from jaxnn.parallel.rules import ALLOW_UNMATCHED, FSDP, TENSOR, ShardingRules
 
 log = logging.getLogger(__name__)
 
 PARAMETER_AXES = (FSDP, TENSOR)  # the axes whose whole purpose is to split parameters
 LARGEST_SHOWN = 3
+NAMES_SHOWN = 12  # parameter names listed when a rule matches none: enough to spot the naming scheme
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ class LayoutReport:
 
 def layout_report(params: Any, sizes: Mapping[str, int], rules: ShardingRules) -> LayoutReport:
     """The report for a parameter tree (arrays or `jax.ShapeDtypeStruct`s) on a mesh of axis `sizes`; raises the
-    rules' ValueError when one cannot apply."""
+    rules' ValueError when one cannot apply, and one when a rule matches no parameter (`refuse_unmatched`)."""
     shapes = {name: (tuple(x.shape), int(np.dtype(x.dtype).itemsize)) for name, x in flatten(params).items()}
     specs = {name: rules.spec(name, shape, sizes) for name, (shape, _) in shapes.items()}
     nbytes = {name: math.prod(shape) * item for name, (shape, item) in shapes.items()}
@@ -98,8 +100,8 @@ def layout_report(params: Any, sizes: Mapping[str, int], rules: ShardingRules) -
                 f"them whole; give sharding rules that name {axis!r} (docs/parallel.md)"
             )
     unused = tuple(r.pattern for r in rules.rules if not any(r.regex.fullmatch(n) for n in specs))
-    if rules.warn_unused:
-        notes += [f"sharding rule {p!r} ({rules.name}) matches no parameter" for p in unused]
+    if not rules.allow_unmatched:
+        refuse_unmatched(rules.name, unused, list(specs))
     return LayoutReport(
         rules.name,
         sum(nbytes.values()),
@@ -107,6 +109,21 @@ def layout_report(params: Any, sizes: Mapping[str, int], rules: ShardingRules) -
         tuple(reports),
         unused,
         tuple(notes),
+    )
+
+
+def refuse_unmatched(table: str, unused: Sequence[str], names: Sequence[str]) -> None:
+    """One ValueError line naming the rules that match none of the parameter `names`, and listing those names (the
+    first `NAMES_SHOWN`): a misspelt pattern would otherwise leave its parameters whole, silently."""
+    if not unused:
+        return
+    shown = ", ".join(names[:NAMES_SHOWN]) + (f", ... ({len(names)} in all)" if len(names) > NAMES_SHOWN else "")
+    which = (
+        "rule " + repr(unused[0]) + " matches" if len(unused) == 1 else f"rules {', '.join(map(repr, unused))} match"
+    )
+    raise ValueError(
+        f"sharding {which} no parameter ({table}); the parameters are: {shown or 'none'}. Fix the pattern, or "
+        f'allow rules that match nothing ("{ALLOW_UNMATCHED}": true in the table, docs/parallel.md)'
     )
 
 

@@ -3,7 +3,9 @@
 A rule is `(pattern, spec)`. The pattern is matched against a parameter's dotted name (`jaxnn._src.pytree.path_name`,
 e.g. `"2_block.1_mlp.1_fc.w"`): a shell-style glob (`"*fc.w"`, `*` crosses dots), or a regular expression when it
 starts with `re:` (`"re:(.*\\.)?(\\d+_)?fc\\.w"`), which must match the whole name. The first rule that matches
-decides; a parameter no rule matches is whole along every axis but fsdp.
+decides; a parameter no rule matches is whole along every axis but fsdp. A rule that matches no parameter of the
+model is refused by the layout report (a misspelt pattern would otherwise shard nothing, silently), unless the table
+says `allow_unmatched` (`ShardingRules(..., allow_unmatched=True)`, or `"allow_unmatched": true` in a JSON table).
 
 The spec names the parameter's *last* `len(spec)` dimensions, each `None`, an axis name or a list of axis names,
 so that one rule also covers `Repeat`'s stacked parameters (a leading layer axis stays whole). Axes the mesh lacks
@@ -31,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
 AXES = (DATA, FSDP, TENSOR)
 REGEX_PREFIX = "re:"
+ALLOW_UNMATCHED = "allow_unmatched"  # the option's key among a table's patterns: a bool is never a spec
 
 DimSpec = str | tuple[str, ...] | None
 
@@ -46,13 +49,14 @@ class Rule:
 
 @dataclass(frozen=True)
 class ShardingRules:
-    """An ordered rule table. `name` appears in the layout report and its warnings; `warn_unused` says whether a
-    rule that matches no parameter is worth a warning (not for `BUILT_IN`, a catalogue for every built-in layer)."""
+    """An ordered rule table. `name` appears in the layout report, its warnings and errors; `allow_unmatched` lets
+    a rule match no parameter of the model (`BUILT_IN`, a catalogue for every built-in layer, or a table shared by
+    several models); otherwise the layout report refuses the table."""
 
     rules: tuple[Rule, ...]
     name: str = "user rules"
     fsdp_min_size: int = 1024  # smaller parameters (norm scales, biases) would cost a collective each for nothing
-    warn_unused: bool = True
+    allow_unmatched: bool = False
 
     def match(self, name: str) -> Rule | None:
         """The first rule whose pattern matches the dotted parameter name, or None."""
@@ -128,7 +132,8 @@ RulesLike = ShardingRules | Mapping[str, Any] | Iterable[tuple[str, Any]] | str 
 
 def as_rules(rules: RulesLike, name: str | None = None) -> ShardingRules:
     """A `ShardingRules` from a table, a {pattern: spec} mapping (in order), (pattern, spec) pairs, or the path
-    of a JSON file holding either of the latter two."""
+    of a JSON file holding either of the latter two. An `"allow_unmatched": true` entry (or pair) among the
+    rules sets `ShardingRules.allow_unmatched`."""
     if isinstance(rules, ShardingRules):
         return rules
     if isinstance(rules, (str, os.PathLike)):
@@ -137,11 +142,14 @@ def as_rules(rules: RulesLike, name: str | None = None) -> ShardingRules:
     for pair in pairs:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise ValueError(f"sharding rules: expected (pattern, spec) pairs, got {pair!r}")
-    return ShardingRules(tuple(rule(p, s) for p, s in pairs), name=name or "user rules")
+    options = [s for p, s in pairs if p == ALLOW_UNMATCHED and isinstance(s, bool)]
+    table = tuple(rule(p, s) for p, s in pairs if not (p == ALLOW_UNMATCHED and isinstance(s, bool)))
+    return ShardingRules(table, name=name or "user rules", allow_unmatched=any(options))
 
 
 def load_rules(path: str | os.PathLike[str]) -> ShardingRules:
-    """Rules from a JSON file: `{"pattern": [spec, ...], ...}` or `[["pattern", [spec, ...]], ...]`."""
+    """Rules from a JSON file: `{"pattern": [spec, ...], ...}` or `[["pattern", [spec, ...]], ...]`, with an
+    optional `"allow_unmatched": true` entry."""
     try:
         with open(path) as f:
             table = json.load(f)
@@ -165,5 +173,5 @@ BUILT_IN = ShardingRules(
         rule(_END + r"(out|proj|swiglu\.down)\.w", (TENSOR, None)),  # row-parallel: one all-reduce joins the shares
     ),
     name="jaxnn built-in rules",
-    warn_unused=False,
+    allow_unmatched=True,
 )
