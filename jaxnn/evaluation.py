@@ -274,6 +274,8 @@ def predict(
     _, split = _placement(mesh)
     policy = get_policy(precision)
     forward = jax.jit(lambda p, s, x: forward_batch(model, policy, p, s, {"x": x}, key=None, train=False)[0])
+    if isinstance(data, np.ndarray):
+        _check_batch_axis(forward, params, state, data)
     params, state = replicate((params, state), mesh)
     outputs = []
     for x in _inputs(data, batch_size):
@@ -287,6 +289,25 @@ def predict(
         total = len(data.x_test)
         return jax.tree.map(lambda *parts: np.concatenate(parts)[:total], *outputs)
     return jax.tree.map(lambda *parts: np.concatenate(parts), *outputs)
+
+
+def _check_batch_axis(forward: Callable, params: Any, state: Any, x: np.ndarray) -> None:
+    """Refuses one example given without its batch axis, which the model would otherwise read as a batch of
+    smaller examples and fail on a weight's shape: the model takes `x[None]` but not `x`'s rows."""
+
+    def takes(shape: tuple[int, ...]) -> bool:
+        try:
+            jax.eval_shape(forward, params, state, jax.ShapeDtypeStruct(shape, x.dtype))
+        except Exception:  # noqa: BLE001 - any refusal of the shape by the model's layers
+            return False
+        return True
+
+    one_row = (1, *x.shape[1:])
+    if x.ndim >= 1 and not takes(one_row) and takes((1, *x.shape)):
+        raise DataError(
+            f"predict: x has shape {x.shape}: one example without its batch axis (the model takes "
+            f"{(1, *x.shape)}, not rows of {x.shape[1:]}); pass x[None]"
+        )
 
 
 __all__ = ["evaluate", "params_and_state", "predict"]

@@ -146,7 +146,7 @@ def _as_key(key: PRNGKey | int | None) -> PRNGKey:
     if key is None:
         return jax.random.key(0)
     if isinstance(key, (int, np.integer)):
-        check_seed("generate", key)
+        check_seed("generate", key, "key (a PRNG key or an integer seed)")
         return jax.random.key(int(key))
     return key
 

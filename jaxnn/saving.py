@@ -10,7 +10,8 @@ built-in model (`describe`): `serial(Conv(32, 3), Relu, ...)` is saved as those 
 `GPT(GPTConfig(...))` as its config. Names inside the params follow from the calls, so a folder loads into the
 same tree it was saved from. What no call describes is refused at save, naming it: a layer a user wrote as
 `Layer(init, apply, ...)`, a `Lambda` of an anonymous function (a named function is saved by its import path,
-`Lambda(jax.nn.relu)`), a layer changed afterwards with `_replace`. Initialisers are not saved (the parameters
+`Lambda(jax.nn.relu)`), a layer changed afterwards with `_replace`, a function of the script being run
+(`__main__`). Load checks the weights against the architecture. Initialisers are not saved (the parameters
 are): a loaded model uses the constructors' defaults, which matters only if it is initialised again.
 
 Versioned: `model.json` holds `"format": "jaxnn-model"` and `"version"`; a newer version is refused in one line.
@@ -101,11 +102,33 @@ def encode(value: Any, where: str, instances: dict[int, str] | None = None) -> A
         fields = {name: encode(getattr(value, name), f"{where}.{name}", instances) for name in kept}
         return {"config": _path_of(type(value)), "fields": fields}
     if callable(value) and _path_of(value):
+        _check_importable(value, where)
         return {"function": _path_of(value)}
     raise ModelSaveError(
         f"save_model: {where} is a {type(value).__name__} ({getattr(value, '__name__', value)!r}) that cannot be "
         "written down: use a named function or one of jaxnn's layers"
     )
+
+
+def _check_importable(function: Any, where: str) -> None:
+    """Refuses a function of the script being run: its path `__main__.name` leads nowhere in another process."""
+    if function.__module__ != "__main__":
+        return
+    code = getattr(function, "__code__", None)
+    defined = code.co_filename if code is not None else "the script being run"
+    raise ModelSaveError(
+        f"save_model: {where} is {function.__qualname__}, defined in {defined} (__main__), which no other process "
+        "can import; define it in an importable module and load with load_model(path, trust=('that_module',))"
+    )
+
+
+def _changed_fields(layer: Layer, spec: Any) -> list[str]:
+    """The fields of `layer` that differ from the layer its recorded call built (changed with `_replace`)."""
+    made = getattr(spec, "made", None)
+    if made is None:  # a Spec made by hand: nothing to compare with
+        return []
+    fields = [f for f in Layer._fields if f != "spec"]
+    return [f for f in fields if getattr(layer, f) is not getattr(made, f) and getattr(layer, f) != getattr(made, f)]
 
 
 def _encode_layer(layer: Layer, where: str, instances: dict[int, str]) -> Any:
@@ -119,6 +142,13 @@ def _encode_layer(layer: Layer, where: str, instances: dict[int, str]) -> Any:
             "layers, or save its parameters alone (jaxnn.export.save_safetensors)"
         )
     call = spec.path.rsplit(".", 1)[-1]
+    changed = _changed_fields(layer, spec)
+    if changed:
+        raise ModelSaveError(
+            f"save_model: {where} (layer {layer.name!r}) had its {', '.join(changed)} replaced after {call}(...) "
+            "built it (_replace), so its recorded call would load another layer; build it from jaxnn's layers, or "
+            "save its parameters alone (jaxnn.export.save_safetensors)"
+        )
     kept = {k: v for k, v in spec.kwargs.items() if not _unsaved_initialiser(k, v)}
     return {
         "call": spec.path,
@@ -210,7 +240,8 @@ def save_model(
         made_by = version("jaxnn")
     except PackageNotFoundError:  # a checkout on the path, not installed
         made_by = "unknown"
-    record = {"format": FORMAT, "version": VERSION, "jaxnn": made_by, "architecture": architecture}
+    record = {"format": FORMAT, "version": VERSION, "jaxnn": made_by, "architecture": architecture,
+              "weights": _shapes(params, state)}  # fmt: skip
     example = _input_record(input_spec, params_or_state)
     if example is not None:
         record["input"] = example
@@ -228,6 +259,54 @@ def save_model(
         (folder / ARCHITECTURE_FILE).write_text(json.dumps(record, indent=1) + "\n")
 
     return os.fspath(write_folder(path, fill, {"format": FORMAT}))
+
+
+def _shapes(params: Any, state: Any) -> dict[str, list[int]]:
+    """Each parameter's (and model state entry's, under "state.") shape by its dotted name: what `load_model`
+    checks the weights file against, so that weights from another save are refused at load."""
+    from jaxnn._src.pytree import flatten
+
+    named = {**flatten(params), **{f"state.{k}": v for k, v in flatten(state or {}).items()}}
+    return {name: [int(d) for d in np.shape(leaf)] for name, leaf in named.items()}
+
+
+def _check_weights(folder: pathlib.Path, model: Layer, record: dict, params: Any, state: Any) -> None:
+    """Refuses weights that do not fit the architecture (another save's, or an edited model.json), naming the
+    first parameter that differs. Checked against the architecture's own init when the input is recorded, and
+    against the shapes recorded at save (folders from before they were recorded have neither)."""
+    from jaxnn.lora import ADAPTER_KEYS
+
+    found = _shapes(params, state)
+    wanted = [(f"the shapes {ARCHITECTURE_FILE} records", record.get("weights"))]
+    if isinstance(record.get("input"), dict):
+        # LoRA adapters ride beside the weights they adapt; the architecture's init has none.
+        base = {k: v for k, v in found.items() if k.rsplit(".", 1)[-1] not in ADAPTER_KEYS}
+        wanted.append((f"the architecture in {ARCHITECTURE_FILE}", _init_shapes(model, record["input"]["shape"])))
+        found_for = [found, base]
+    else:
+        found_for = [found]
+    for (source, expected), have in zip(wanted, found_for):
+        if isinstance(expected, dict) and expected != have:
+            name = next(n for n in sorted({*expected, *have}) if expected.get(n) != have.get(n))
+            raise ModelSaveError(
+                f"{folder / WEIGHTS_FILE}: parameter {name} is {_shown(have.get(name))} there and "
+                f"{_shown(expected.get(name))} by {source}; the two files come from different saves"
+            )
+
+
+def _shown(shape: Any) -> str:
+    return "missing" if shape is None else f"shape {tuple(shape)}"
+
+
+def _init_shapes(model: Layer, example_shape: Sequence[int]) -> dict[str, list[int]]:
+    """The shapes `model`'s init gives for one example (abstractly: no parameter memory is allocated)."""
+    import jax
+
+    from jaxnn.layers.core import init_model
+
+    in_shape = (1, *(int(d) for d in example_shape))
+    params, state = jax.eval_shape(lambda key: init_model(model, key, in_shape)[1:], jax.random.key(0))
+    return _shapes(params, state)
 
 
 def _input_record(input_spec: Any, params_or_state: Any) -> dict | None:
@@ -327,6 +406,7 @@ def saved_record(path: str | os.PathLike) -> dict:
     """The checked `model.json` record of a `save_model` folder (format, version, architecture, input, training)."""
     folder = pathlib.Path(path)
     if not is_saved_model(folder):
+        _check_interrupted(folder)
         raise ModelSaveError(f"{folder}: not a saved model (no {ARCHITECTURE_FILE} and {WEIGHTS_FILE})")
     try:
         record = json.loads((folder / ARCHITECTURE_FILE).read_text())
@@ -335,12 +415,33 @@ def saved_record(path: str | os.PathLike) -> dict:
     if not isinstance(record, dict) or record.get("format") != FORMAT:
         found = record.get("format") if isinstance(record, dict) else type(record).__name__
         raise ModelSaveError(f"{folder / ARCHITECTURE_FILE}: not a jaxnn model (format {found!r})")
-    if not isinstance(record.get("version"), int) or record["version"] > VERSION:
+    version = record.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise ModelSaveError(
+            f'{folder / ARCHITECTURE_FILE}: its "version" field is {version!r}, not a format version (a whole '
+            f"number, 1 to {VERSION}); the file was edited or damaged"
+        )
+    if version > VERSION:
         raise ModelSaveError(
             f"{folder}: saved by a newer jaxnn (format version {record.get('version')}, this one reads up to "
             f"{VERSION}); upgrade jaxnn"
         )
     return record
+
+
+def _check_interrupted(folder: pathlib.Path) -> None:
+    """Names the folder a save killed between its two renames left (the earlier save, set aside beside an empty
+    name; `jaxnn._src.folders`), rather than calling the missing folder not a saved model."""
+    from jaxnn._src.folders import set_aside
+
+    if folder.exists():
+        return
+    left = set_aside(folder)
+    if left is not None:
+        raise ModelSaveError(
+            f"{folder}: an interrupted save (killed while replacing the folder): its files are in {left}; rerun "
+            f"the save, or rename {left.name} to {folder.name}"
+        )
 
 
 def is_saved_model(path: str | os.PathLike) -> bool:
@@ -361,6 +462,7 @@ def load_model(path: str | os.PathLike, *, trust: Sequence[str] = ()) -> tuple[L
     except (ImportError, AttributeError, TypeError, KeyError) as err:
         raise ModelSaveError(f"{folder}: its architecture cannot be built by this jaxnn ({err})") from None
     params, state, _ = load_safetensors(folder / WEIGHTS_FILE)
+    _check_weights(folder, model, record, params, state)
     return model, params, state
 
 

@@ -50,7 +50,7 @@ def create_train_state(
     policy: Policy | str = "fp32",
 ) -> TrainState:
     """Initialises parameters (in the policy's parameter dtype), model state and optimizer state."""
-    check_optimizer(tx)
+    check_optimizer(tx, "create_train_state: tx (the optimizer)")
     policy = get_policy(policy)
     init_key, train_key = jax.random.split(key)
     _, params, model_state = init_model(model, init_key, in_shape)
@@ -227,11 +227,12 @@ def forward_batch(
     return policy.cast_to_output(logits), model_state
 
 
-def check_optimizer(tx: Any) -> None:
-    """Refuses anything but an optax GradientTransformation (a None optimizer would fail deep inside the step)."""
+def check_optimizer(tx: Any, argument: str = "optimizer") -> None:
+    """Refuses anything but an optax GradientTransformation (a None optimizer would fail deep inside the step);
+    `argument` names it as the caller's signature does."""
     if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
         raise TypeError(
-            f"optimizer must be an optax.GradientTransformation (e.g. optax.adamw(1e-3)), got {type(tx).__name__}"
+            f"{argument} must be an optax.GradientTransformation (e.g. optax.adamw(1e-3)), got {type(tx).__name__}"
         )
 
 

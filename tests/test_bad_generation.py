@@ -63,7 +63,10 @@ def test_decoding_past_the_cache_is_refused_eagerly_and_nan_under_jit(gpt):
 @pytest.mark.parametrize("seed", [-1, 2**32, True])
 def test_seeds_out_of_range_are_refused(gpt, seed):
     model, params = gpt
-    with pytest.raises(ConfigError, match=rf"^generate: seed must be an integer in \[0, 2\*\*32\), got {seed}$"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"^generate: key \(a PRNG key or an integer seed\) must be an integer in \[0, 2\*\*32\), got {seed}$",
+    ):
         generate(model, params, [[1, 2]], 2, key=seed, temperature=1.0)
 
 

@@ -141,7 +141,7 @@ def test_the_command_line_names_a_class_count_below_the_labels_and_a_png_folder(
     argv = ["train", "--model", "cnn", "--model-config", "num_classes=5", "--steps", "1", "--run-dir"]
     assert cli.main([*argv, str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip()
-    assert "outside the model's 5 classes" in err and len(err.splitlines()) == 1
+    assert "--model-config num_classes=5: the data set digits has 10 classes" in err and len(err.splitlines()) == 1
     (tmp_path / "pngs").mkdir()
     (tmp_path / "pngs" / "a.png").write_bytes(b"\x89PNG")
     assert cli.main(["train", "--data", str(tmp_path / "pngs"), "--run-dir", str(tmp_path / "r")]) == 2

@@ -33,10 +33,10 @@ def first_differences(diffs: list[str], limit: int = 4) -> str:
     return "; ".join(diffs[:limit]) + ("; ..." if len(diffs) > limit else "")
 
 
-def check_seed(owner: str, value: Any) -> None:
-    """Refuses a seed that is not an integer in [0, 2**32), naming the owner and the value."""
+def check_seed(owner: str, value: Any, argument: str = "seed") -> None:
+    """Refuses a seed that is not an integer in [0, 2**32), naming the owner, the argument it came as and the value."""
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not 0 <= int(value) < SEED_LIMIT:
-        raise ConfigError(f"{owner}: seed must be an integer in [0, 2**32), got {value!r}")
+        raise ConfigError(f"{owner}: {argument} must be an integer in [0, 2**32), got {value!r}")
 
 
 def check_compile_cache(owner: str, value: Any) -> None:

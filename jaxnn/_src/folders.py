@@ -110,6 +110,13 @@ def recover(target: pathlib.Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def set_aside(target: pathlib.Path) -> pathlib.Path | None:
+    """The earlier folder a write killed between its two renames left beside `target` (newest first), if any:
+    what `recover` puts back, for readers that must not change the folder themselves to name it."""
+    left = sorted(target.parent.glob(f".{target.name}.old-*"), key=lambda p: p.stat().st_mtime)
+    return left[-1] if left else None
+
+
 def _swap(staging: pathlib.Path, target: pathlib.Path) -> None:
     if not target.exists():
         os.rename(staging, target)
@@ -120,4 +127,4 @@ def _swap(staging: pathlib.Path, target: pathlib.Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-__all__ = ["MARKER", "check_replaceable", "recover", "write_folder"]
+__all__ = ["MARKER", "check_replaceable", "recover", "set_aside", "write_folder"]

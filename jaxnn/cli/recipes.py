@@ -100,7 +100,12 @@ def model_config(cfg: TrainConfig, data: ImageDataset | TextCorpus) -> Any:
     if cfg.model == "gpt":
         overrides.setdefault("seq_len", cfg.seq_len)
     elif not isinstance(data, TextCorpus):
-        overrides.setdefault("num_classes", data.num_classes)
+        given = overrides.setdefault("num_classes", data.num_classes)
+        if isinstance(given, int) and given < data.num_classes:  # the flag is the culprit, not the data's labels
+            raise ConfigError(
+                f"--model-config num_classes={given}: the data set {data.name} has {data.num_classes} classes; "
+                f"drop it (the data's count is the default) or give at least {data.num_classes}"
+            )
         if cfg.model == "vit":  # its position table is sized for one image size: the data's
             overrides.setdefault("image_size", data.image_shape[0])
     return built_in_config(cfg.model, overrides, size=cfg.size)

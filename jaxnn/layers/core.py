@@ -94,10 +94,13 @@ class Spec:
     """The call that made a layer: the constructor's import path and its arguments (`describe`). Compared and
     hashed by identity, so a layer stays usable as a static argument of jit whatever its arguments hold."""
 
-    __slots__ = ("path", "args", "kwargs")
+    __slots__ = ("path", "args", "kwargs", "made")
 
-    def __init__(self, path: str, args: tuple, kwargs: dict):
+    def __init__(self, path: str, args: tuple, kwargs: dict, made: Any = None):
         self.path, self.args, self.kwargs = path, args, kwargs
+        # The layer the call returned: a layer changed afterwards (`_replace(apply=...)`) keeps this spec but no
+        # longer matches it, and `jaxnn.save_model` refuses it rather than save the unchanged call.
+        self.made = made
 
     def __repr__(self) -> str:
         return f"Spec({self.path})"
@@ -140,7 +143,8 @@ def describe(constructor: F) -> F:
 
     @functools.wraps(constructor)
     def build(*args: Any, **kwargs: Any) -> Layer:
-        return constructor(*args, **kwargs)._replace(spec=Spec(path, args, kwargs))
+        layer = constructor(*args, **kwargs)
+        return layer._replace(spec=Spec(path, args, kwargs, made=layer))
 
     build.builds_layers = True  # type: ignore[attr-defined]  # what jaxnn.load_model may call
     return build  # type: ignore[return-value]

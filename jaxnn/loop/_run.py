@@ -34,7 +34,7 @@ from jaxnn.data.prefetch import DevicePrefetch
 from jaxnn.data.sources import as_eval_batches, as_train_source
 from jaxnn.errors import UnusedDevicesWarning  # noqa: F401 (also importable from here)
 from jaxnn.evaluation import eval_sums_fn, mean_over, padded, round_up
-from jaxnn.layers.core import Layer
+from jaxnn.layers.core import Layer, check_is_layer
 from jaxnn.layers.stack import rematerialised
 from jaxnn.loop._bookkeeping import Tracker
 from jaxnn.loop._resume_checks import refuse_other_optimizer
@@ -125,6 +125,7 @@ def run_fit(model: Layer, data: TrainData, cfg: FitConfig, inputs: FitInputs | N
     runs with the FitConfig it builds from its keywords, and `jaxnn train` with the one it builds from its flags.
     `cfg` is used as it is: only what the data fix (the steps of `epochs`, an iterable's batch size) is filled in."""
     inputs = FitInputs() if inputs is None else inputs
+    check_is_layer(model, "fit: model")  # a constructor not yet called, named before anything else reads it
     if cfg.remat is not None:
         model = _rematerialised(model, cfg.remat)
     xla_cache.enable(cfg.compile_cache)
