@@ -23,7 +23,7 @@ import numpy as np
 from jaxnn.errors import ServerBusyError
 from jaxnn.layers import Layer
 from jaxnn.precision import Policy, get_policy
-from jaxnn.serve import slots as device
+from jaxnn.serve.slots import RowSampling, decode, empty_pool, place, prefill, vocabulary
 
 log = logging.getLogger("jaxnn.serve")
 
@@ -87,8 +87,8 @@ class Engine:
         self.model, self.policy = model, get_policy(policy)
         self.params, self.state = self.policy.cast_to_compute(params), model_state
         self.context, self.slots, self.max_queue, self.max_prefill = context, slots, max_queue, max_prefill
-        self.vocab = device.vocabulary(model, self.params, model_state, self.policy)
-        self._pool = device.empty_pool(model, slots, context, self.policy.compute_dtype)
+        self.vocab = vocabulary(model, self.params, model_state, self.policy)
+        self._pool = empty_pool(model, slots, context, self.policy.compute_dtype)
         self._table = _SlotTable(slots)
         self._waiting: collections.deque[Request] = collections.deque()
         self._wake = threading.Condition()
@@ -180,19 +180,19 @@ class Engine:
             ids[i, width - len(request.prompt) :] = request.prompt
             mask[i, width - len(request.prompt) :] = True
         sampling = _sampling(group, rows)
-        first, rows_cache = device.prefill(self.model, self.policy, self.context, self.params, self.state,
+        first, rows_cache = prefill(self.model, self.policy, self.context, self.params, self.state,
                                            ids, mask, sampling)  # fmt: skip
         first = np.asarray(first)
         for i, request in enumerate(group):
             slot = self._table.take(request, len(request.prompt))
-            self._pool = device.place(self._pool, rows_cache, np.int32(i), np.int32(slot))
+            self._pool = place(self._pool, rows_cache, np.int32(i), np.int32(slot))
             self._table.produced(slot, int(first[i]))
 
     def _decode(self) -> None:
         t = self._table
-        sampling = device.RowSampling(t.temperature, t.top_k, t.top_p, t.key_data, t.count)
+        sampling = RowSampling(t.temperature, t.top_k, t.top_p, t.key_data, t.count)
         live = t.live.copy()
-        next_tokens, self._pool = device.decode(self.model, self.policy, self.params, self.state, self._pool,
+        next_tokens, self._pool = decode(self.model, self.policy, self.params, self.state, self._pool,
                                                 t.token, t.position, live, sampling)  # fmt: skip
         next_tokens = np.asarray(next_tokens)
         for slot in np.flatnonzero(live):
@@ -204,7 +204,7 @@ def _bucket(n: int, minimum: int = MIN_WIDTH) -> int:
     return max(minimum, 1 << (n - 1).bit_length())
 
 
-def _sampling(group: list[Request], rows: int) -> device.RowSampling:
+def _sampling(group: list[Request], rows: int) -> RowSampling:
     """The prefill rows' sampling settings (padding rows greedy)."""
     temperature = np.zeros(rows, np.float32)
     top_k = np.zeros(rows, np.int32)
@@ -212,7 +212,7 @@ def _sampling(group: list[Request], rows: int) -> device.RowSampling:
     key_data = np.zeros((rows, 2), np.uint32)
     for i, r in enumerate(group):
         temperature[i], top_k[i], top_p[i], key_data[i] = r.temperature, r.top_k, r.top_p, r.key_data
-    return device.RowSampling(temperature, top_k, top_p, key_data, np.zeros(rows, np.int32))
+    return RowSampling(temperature, top_k, top_p, key_data, np.zeros(rows, np.int32))
 
 
 class _SlotTable:
