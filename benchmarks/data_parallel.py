@@ -24,6 +24,7 @@ def bench(forms, device_counts, *, global_batch: int, scaling: str, model_name: 
     from jaxnn.models import CONFIGS, get_model
     from jaxnn.profile.timing import stepper, time_fn
     from jaxnn.train import classification_loss, create_train_state, make_optimizer
+    from jaxnn.train.data_parallel import data_parallel_train_step
 
     model = get_model(model_name, CONFIGS[model_name]())
     tx = make_optimizer(1e-3)
@@ -37,9 +38,7 @@ def bench(forms, device_counts, *, global_batch: int, scaling: str, model_name: 
         }
         steps = {}
         for form in forms:
-            dp = parallel.data_parallel_train_step(
-                model, classification_loss, tx, mesh=parallel.make_mesh(n), form=form
-            )
+            dp = data_parallel_train_step(model, classification_loss, tx, mesh=parallel.make_mesh(n), form=form)
             state = create_train_state(model, tx, jax.random.key(0), batch["x"].shape)
             steps[form] = stepper(dp.step, dp.place_state(state), dp.place_batch(batch))
         # Rounds that alternate between the forms: load from other users of the machine then lands on every form

@@ -14,9 +14,10 @@ import numpy as np
 
 from experiments import common
 from jaxnn.models import CNN, MLP, CNNConfig, MLPConfig
-from jaxnn.parallel import FORMS, configure_cpu_devices, create_sharded_state, data_parallel_train_step, make_mesh
+from jaxnn.parallel import configure_cpu_devices, create_sharded_state, make_mesh
 from jaxnn.profile.timing import time_fn
 from jaxnn.train import classification_loss, create_train_state, make_optimizer
+from jaxnn.train.data_parallel import FORMS, data_parallel_train_step
 
 NAME = "exp_parallel"
 

@@ -2,7 +2,7 @@
 
 `jaxnn.fit(model, data, ...)` is the training loop (`jaxnn.loop`), `jaxnn.evaluate` and `jaxnn.predict` run a
 trained model over a data set (`jaxnn.evaluation`); layers are in `jaxnn.layers`, models in `jaxnn.models`,
-callbacks in `jaxnn.callbacks`, meshes, sharding rules and the data-parallel step in `jaxnn.parallel`. Every
+callbacks in `jaxnn.callbacks`, meshes and sharding rules in `jaxnn.parallel`, the steps in `jaxnn.train`. Every
 public module (`SUBMODULES`) is reachable as an attribute (`jaxnn.layers`, `jaxnn.train`, ...) and is imported on
 first use, so that `import jaxnn.cli` stays light and leaves jax's device set-up to the command line. `jaxnn._src`
 is internal: what it holds may change without notice.

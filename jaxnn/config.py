@@ -40,8 +40,8 @@ _MOVED = {
     "SIZES": "jaxnn.models.factory",
     "MODEL_DEFAULTS": "jaxnn.models.factory",
     "default_model_overrides": "jaxnn.models.factory",
-    "SCHEDULES": "jaxnn.train",
-    "FIT_FORMS": "jaxnn.parallel.forms",
+    "SCHEDULES": "jaxnn.train.optim",
+    "FIT_FORMS": "jaxnn.train.data_parallel",
     "BACKENDS": "jaxnn.data.pipeline",
 }
 __getattr__, __dir__ = lazy_exports("jaxnn.config", _MOVED, ())
@@ -74,7 +74,7 @@ class FitConfig:
     metrics: (run) writers besides JSON lines: "csv", "tensorboard".
     progress / plots: (run) a progress bar; loss and accuracy PNGs at the end.
     devices: (run) data-parallel devices of this process (ignored when a mesh is given or with many processes).
-    form: (run) data-parallel form, "jit" or "shard_map" (see jaxnn.parallel).
+    form: (run) data-parallel form, "jit" or "shard_map" (see jaxnn.train.data_parallel).
     prefetch: (run) batches placed on the devices ahead of the step.
     guard_nonfinite: (run) stop at the first NaN/Inf loss (fp16: report long runs of skipped steps instead).
     async_checkpoints: (run) write checkpoints in the background while training goes on (orbax's async save).
@@ -146,8 +146,8 @@ class FitConfig:
 
     def __post_init__(self):
         from jaxnn.layers.stack import REMAT_POLICIES
-        from jaxnn.parallel.forms import FIT_FORMS
         from jaxnn.precision import PRESETS
+        from jaxnn.train.data_parallel import FIT_FORMS
 
         owner = "fit"
         for name in ("steps", "log_every", "keep", "devices", "accumulate"):

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxnn import parallel
 from jaxnn.layers import BatchNorm, Dense, Dropout, Layer, Relu, serial
-from jaxnn.train import classification_loss, create_train_state, make_optimizer, make_train_step
+from jaxnn.train import classification_loss, create_train_state, data_parallel, make_optimizer, make_train_step
 
 BATCH, FEATURES, CLASSES, STEPS = 32, 6, 4, 4
 TOL = {"rtol": 2e-5, "atol": 2e-5}
@@ -55,7 +55,7 @@ def _single_device(model, key, batches):
 def _data_parallel(model, key, batches, form, mesh=None):
     tx = _tx()
     state = create_train_state(model, tx, key, (BATCH, FEATURES))
-    dp = parallel.data_parallel_train_step(model, classification_loss, tx, mesh=mesh, form=form)
+    dp = data_parallel.data_parallel_train_step(model, classification_loss, tx, mesh=mesh, form=form)
     state = dp.place_state(state)
     losses = []
     for b in batches:
@@ -73,7 +73,7 @@ def test_eight_simulated_devices():
     assert parallel.make_mesh().shape[parallel.DATA_AXIS] == 8
 
 
-@pytest.mark.parametrize("form", parallel.FORMS)
+@pytest.mark.parametrize("form", data_parallel.FORMS)
 def test_each_form_matches_one_device(form, key):
     batches = _batches()
     ref, ref_losses = _single_device(_mlp(), key, batches)
@@ -91,7 +91,7 @@ def test_each_form_matches_one_device(form, key):
 
 def test_jit_form_keeps_state_replicated_and_batch_sharded(key):
     tx = _tx()
-    dp = parallel.data_parallel_train_step(_mlp(), classification_loss, tx)
+    dp = data_parallel.data_parallel_train_step(_mlp(), classification_loss, tx)
     state = dp.place_state(create_train_state(_mlp(), tx, key, (BATCH, FEATURES)))
     batch = dp.place_batch(_batches()[0])
     # Each device holds only its own rows: the batch was never gathered whole on one device.
@@ -114,7 +114,9 @@ def test_fewer_devices_than_available(key):
 def test_cross_replica_batch_norm_equals_global_batch_norm(form, key):
     batches = _batches(2)
     ref, ref_losses = _single_device(_bn_model(None), key, batches)
-    state, losses, _ = _data_parallel(_bn_model(parallel.bn_axis_name(form, cross_replica=True)), key, batches, form)
+    state, losses, _ = _data_parallel(
+        _bn_model(data_parallel.bn_axis_name(form, cross_replica=True)), key, batches, form
+    )
     _assert_trees_close(state.params, ref.params)
     _assert_trees_close(state.model_state, ref.model_state)
     np.testing.assert_allclose(losses, ref_losses, **TOL)
@@ -123,7 +125,7 @@ def test_cross_replica_batch_norm_equals_global_batch_norm(form, key):
 def test_jit_form_batch_norm_is_global(key):
     batches = _batches(2)
     ref, _ = _single_device(_bn_model(None), key, batches)
-    state, _, _ = _data_parallel(_bn_model(parallel.bn_axis_name("jit")), key, batches, "jit")
+    state, _, _ = _data_parallel(_bn_model(data_parallel.bn_axis_name("jit")), key, batches, "jit")
     _assert_trees_close(state.params, ref.params)
     _assert_trees_close(state.model_state, ref.model_state)
 
@@ -143,7 +145,9 @@ def _per_shard(model: Layer, shards: int) -> Layer:
 @pytest.mark.parametrize("form", ["shard_map", "pmap"])
 def test_per_device_batch_norm_uses_per_shard_statistics(form, key):
     batches = _batches(3)
-    state, _, _ = _data_parallel(_bn_model(parallel.bn_axis_name(form, cross_replica=False)), key, batches[:1], form)
+    state, _, _ = _data_parallel(
+        _bn_model(data_parallel.bn_axis_name(form, cross_replica=False)), key, batches[:1], form
+    )
     # After one step, running = 0.9 * init + 0.1 * (average over devices of each device's own statistics).
     shards = batches[0]["x"].reshape(8, -1, FEATURES)
     bn = state.model_state["0_batch_norm"]
@@ -151,7 +155,7 @@ def test_per_device_batch_norm_uses_per_shard_statistics(form, key):
     np.testing.assert_allclose(bn["var"], 0.9 + 0.1 * shards.var(axis=1).mean(axis=0), rtol=1e-4)
     assert not np.allclose(bn["var"], 0.9 + 0.1 * batches[0]["x"].var(axis=0), rtol=1e-3)
 
-    state, _, _ = _data_parallel(_bn_model(parallel.bn_axis_name(form, cross_replica=False)), key, batches, form)
+    state, _, _ = _data_parallel(_bn_model(data_parallel.bn_axis_name(form, cross_replica=False)), key, batches, form)
     per_shard, _ = _single_device(_per_shard(_bn_model(None), 8), key, batches)
     global_bn, _ = _single_device(_bn_model(None), key, batches)
     _assert_trees_close(state.params, per_shard.params)
@@ -161,15 +165,15 @@ def test_per_device_batch_norm_uses_per_shard_statistics(form, key):
 
 def test_jit_form_refuses_per_device_batch_norm():
     with pytest.raises(ValueError, match="form 'jit' always computes BatchNorm statistics over the global batch"):
-        parallel.bn_axis_name("jit", cross_replica=False)
+        data_parallel.bn_axis_name("jit", cross_replica=False)
     with pytest.raises(ValueError, match="unknown data-parallel form 'vmap'"):
-        parallel.data_parallel_train_step(_mlp(), classification_loss, _tx(), form="vmap")
+        data_parallel.data_parallel_train_step(_mlp(), classification_loss, _tx(), form="vmap")
 
 
-@pytest.mark.parametrize("form", parallel.FORMS)
+@pytest.mark.parametrize("form", data_parallel.FORMS)
 def test_batch_not_divisible_by_devices_is_refused(form, key):
     tx = _tx()
-    dp = parallel.data_parallel_train_step(_mlp(), classification_loss, tx, form=form)
+    dp = data_parallel.data_parallel_train_step(_mlp(), classification_loss, tx, form=form)
     rng = np.random.default_rng(0)
     batch = {"x": rng.normal(size=(12, FEATURES)).astype(np.float32), "y": rng.integers(0, CLASSES, 12)}
     with pytest.raises(ValueError, match="batch size 12 is not divisible by the 8 devices of the data axis"):
@@ -219,7 +223,7 @@ def test_shard_map_matches_jit_in_low_precision(policy, key):
     for form in ("jit", "shard_map"):
         tx = _tx()
         state = create_train_state(_mlp(), tx, key, (BATCH, FEATURES), policy)
-        dp = parallel.data_parallel_train_step(_mlp(), classification_loss, tx, policy, form=form)
+        dp = data_parallel.data_parallel_train_step(_mlp(), classification_loss, tx, policy, form=form)
         state = dp.place_state(state)
         for b in batches:
             state, metrics = dp.step(state, dp.place_batch(b))
@@ -260,7 +264,7 @@ def test_each_device_draws_its_own_dropout_mask(form, key):
     n, rows, features = 4, 4, 16
     model, tx = _dropout_probe(rows, features), optax.sgd(1.0)
     state = create_train_state(model, tx, key, (rows, features))
-    dp = parallel.data_parallel_train_step(
+    dp = data_parallel.data_parallel_train_step(
         model, _mean_output_loss, tx, mesh=parallel.make_mesh(n), form=form, donate=False
     )
     batch = {"x": np.ones((n * rows, features), np.float32), "y": np.zeros(n * rows, np.int32)}
@@ -295,7 +299,7 @@ def test_shard_map_sums_half_precision_gradients_in_float32(key):
     model, tx = _mlp(), optax.sgd(1.0)
     state = create_train_state(model, tx, key, (BATCH, FEATURES), "bf16")
     body = jax.shard_map(
-        parallel.per_device_step_fn(model, classification_loss, tx, "bf16"),
+        data_parallel.per_device_step_fn(model, classification_loss, tx, "bf16"),
         mesh=mesh,
         in_specs=(P(), P(parallel.DATA_AXIS)),
         out_specs=(P(), P()),
@@ -324,6 +328,22 @@ def test_shard_map_sums_half_precision_gradients_in_float32(key):
     x[np.arange(n), np.arange(n)] = 1.0
     x[(np.arange(n) + 3) % n, np.arange(n)] = -1.0
     probe_state = create_train_state(probe, tx, key, (1, n), "bf16")
-    dp = parallel.data_parallel_train_step(probe, _mean_output_loss, tx, "bf16", mesh=mesh, form="shard_map")
+    dp = data_parallel.data_parallel_train_step(probe, _mean_output_loss, tx, "bf16", mesh=mesh, form="shard_map")
     new_state, _ = dp.step(dp.place_state(probe_state), dp.place_batch({"x": x, "y": np.zeros(n, np.int32)}))
     np.testing.assert_array_equal(-np.asarray(new_state.params["w"]), x.sum(0) / n)
+
+
+def test_the_moved_step_names_resolve_from_jaxnn_parallel_with_a_warning_naming_their_new_home():
+    import jaxnn.train.data_parallel as home
+
+    for name in ("DataParallelStep", "FORMS", "bn_axis_name", "data_parallel_train_step", "per_device_step_fn"):
+        with pytest.warns(
+            DeprecationWarning,
+            match=rf"jaxnn\.parallel\.{name} is deprecated .* use jaxnn\.train\.data_parallel\.{name}$",
+        ):
+            assert getattr(parallel, name) is getattr(home, name)
+        assert name not in dir(parallel) and name not in parallel.__all__
+    with pytest.warns(DeprecationWarning, match=r"use jaxnn\.train\.data_parallel$"):
+        assert parallel.forms is home
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        parallel.nothing  # noqa: B018

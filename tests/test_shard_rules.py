@@ -27,12 +27,12 @@ from jaxnn.parallel import (
     as_rules,
     batch_sharding,
     create_sharded_state,
-    data_parallel_train_step,
     make_mesh,
     replicated,
     shard_batch,
 )
 from jaxnn.train import create_train_state, language_model_loss, train_step_fn
+from jaxnn.train.data_parallel import data_parallel_train_step
 
 MLP_RULES = sharded_mlp.RULES
 

@@ -13,8 +13,9 @@ from jax.sharding import PartitionSpec as P
 from jaxnn import fit, parallel
 from jaxnn.checkpoint import Checkpointer
 from jaxnn.models import CNN, GPT, CNNConfig, GPTConfig
-from jaxnn.parallel import create_sharded_state, data_parallel_train_step, make_mesh
+from jaxnn.parallel import create_sharded_state, make_mesh
 from jaxnn.train import classification_loss, create_train_state, language_model_loss
+from jaxnn.train.data_parallel import data_parallel_train_step
 
 GPT_CFG = GPTConfig(seq_len=8, d_model=32, num_layers=1, num_heads=4, drop_prob=0.1)  # dropout: masks by position
 MESHES = ("fsdp=8", "tensor=2,fsdp=4", "data=2,fsdp=4")

@@ -75,7 +75,7 @@ MODULES = (
     "jaxnn.parallel.placement",
     "jaxnn.parallel.rules",
     "jaxnn.parallel.report",
-    "jaxnn.parallel.forms",
+    "jaxnn.train.data_parallel",
     "jaxnn.profile",
     "jaxnn.profile.projection",
 )

@@ -66,13 +66,13 @@ from jaxnn.loop._setup import (
 )
 from jaxnn.loop.plots import preload as preload_plotting
 from jaxnn.loop.rundir import RunFiles
-from jaxnn.parallel.forms import data_parallel_train_step
 from jaxnn.parallel.mesh import batch_devices, check_batch_divisible, make_mesh, process_slice
 from jaxnn.parallel.placement import create_sharded_state
 from jaxnn.parallel.rules import RulesLike, as_rules
 from jaxnn.precision import all_finite, get_policy
 from jaxnn.saving import load_model, load_training_state
 from jaxnn.train import LossFn, TrainState, make_optimizer, masked_classification_loss
+from jaxnn.train.data_parallel import data_parallel_train_step
 
 log = logging.getLogger("jaxnn.loop")
 

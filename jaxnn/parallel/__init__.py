@@ -1,5 +1,5 @@
-"""Parallel training: meshes, where arrays go on them, sharding rules, the layout report, and the data-parallel
-step in its forms. One device, eight simulated CPU devices, or many processes run the same code.
+"""Parallel training's vocabulary: meshes, where arrays go on them, sharding rules, the layout report, and the
+activation constraints. One device, eight simulated CPU devices, or many processes run the same code.
 
 - `mesh`: simulated CPU devices, `make_mesh` (the one mesh builder: a device count or axis sizes such as
   "data=2,fsdp=4"), the batch's axes, and `initialize_distributed` for multi-process runs;
@@ -7,12 +7,21 @@ step in its forms. One device, eight simulated CPU devices, or many processes ru
   of a train state under a rule table;
 - `rules`: `ShardingRules`, ordered parameter-path patterns -> partition specs, and `BUILT_IN` for jaxnn's layers;
 - `report`: the layout report (what each mesh axis splits) and `ShardingWarning`;
-- `activations`: sharding constraints inside the built-in blocks, by logical axis;
-- `forms`: `data_parallel_train_step` in its jit, shard_map and pmap forms.
+- `activations`: sharding constraints inside the built-in blocks, by logical axis.
+
+The data-parallel step (`data_parallel_train_step` in its jit, shard_map and pmap forms) is training, and lives in
+`jaxnn.train.data_parallel`, above the layers; this package sits below them and imports only `jaxnn._src`,
+`jaxnn.errors` and its own modules. The step's old names here (`data_parallel_train_step`, `per_device_step_fn`,
+`DataParallelStep`, `FORMS`, `bn_axis_name`, and the module `forms`) still resolve as attributes, with a
+DeprecationWarning naming the new home, until 0.2.
 
 Every name below is reachable as `jaxnn.parallel.<name>`; the submodules are imported on first use, so that the
-layers can import `activations` without loading the training step.
+layers can import `activations` without loading the others.
 """
+
+import importlib
+import warnings
+from typing import Any
 
 from jaxnn._src.lazy import lazy_exports
 
@@ -63,12 +72,36 @@ _HOMES = {
     ),
     "report": ("AxisReport", "LayoutReport", "ShardingWarning", "announce", "layout_report", "params_of"),
     "activations": ("BATCH", "HIDDEN", "LOGICAL_AXES", "constrain"),
-    "forms": ("FORMS", "DataParallelStep", "bn_axis_name", "data_parallel_train_step", "per_device_step_fn"),
 }
 _NAMES = {name: module for module, names in _HOMES.items() for name in names}
 SUBMODULES = tuple(_HOMES)
 
 
-__getattr__, __dir__ = lazy_exports("jaxnn.parallel", _NAMES, SUBMODULES)
+_lazy_getattr, __dir__ = lazy_exports("jaxnn.parallel", _NAMES, SUBMODULES)
+
+# Names that moved to `jaxnn.train.data_parallel` with the data-parallel step: named by string (this package
+# imports nothing above it), resolved on attribute access only with a DeprecationWarning, left out of `dir()` and
+# `__all__`; removed in 0.2.
+_MOVED = {
+    "forms": "jaxnn.train.data_parallel",  # the module itself
+    **{
+        name: f"jaxnn.train.data_parallel.{name}"
+        for name in ("DataParallelStep", "FORMS", "bn_axis_name", "data_parallel_train_step", "per_device_step_fn")
+    },
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MOVED:
+        return _lazy_getattr(name)
+    new = _MOVED[name]
+    warnings.warn(
+        f"jaxnn.parallel.{name} is deprecated and will be removed in 0.2; use {new}", DeprecationWarning, stacklevel=2
+    )
+    if name == "forms":
+        return importlib.import_module(new)
+    module, _, attr = new.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
 
 __all__ = sorted(_NAMES)

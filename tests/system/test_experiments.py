@@ -22,8 +22,8 @@ from jax import lax
 from experiments import common, exp_inference, exp_matmul, exp_parallel, exp_precision, gpu_check, report
 from jaxnn._src.optional import installed
 from jaxnn.models import MLP
-from jaxnn.parallel import FORMS
 from jaxnn.profile.timing import time_fn
+from jaxnn.train.data_parallel import FORMS
 
 EXPERIMENTS = [
     "exp_matmul",

@@ -6,10 +6,12 @@
   with an explicit collective, and the metrics with `lax.pmean`.
 - `"pmap"`: the older `jax.pmap` form (state carries a leading device axis), kept for comparison and migration.
 
-All three build on `jaxnn.train.train_step_fn`; `data_parallel_train_step` returns a `DataParallelStep` whose
-`place_state`/`place_batch`/`step` hide the differences, so the training loop is the same for every form and for
-one device, eight devices, or many processes. Meshes, placement and multi-process start-up live in
-`jaxnn.parallel.mesh` (re-exported here).
+All three build on `jaxnn.train.train_step_fn` (and jit through `jaxnn.train.step.jit_step`);
+`data_parallel_train_step` returns a `DataParallelStep` whose `place_state`/`place_batch`/`step` hide the
+differences, so the training loop is the same for every form and for one device, eight devices, or many processes.
+Meshes, placement and multi-process start-up live in `jaxnn.parallel` (the sharding vocabulary, below the layers);
+this step lives above them, with the rest of training. It was the module `forms` of `jaxnn.parallel` (an attribute
+there still, deprecated, until 0.2).
 """
 
 from __future__ import annotations
@@ -31,22 +33,17 @@ from jaxnn._src.pytree import is_prng_key
 from jaxnn.layers.core import Layer
 from jaxnn.parallel.mesh import (
     DATA_AXIS,
-    ENV_COORDINATOR,
-    ENV_NUM_PROCESSES,
-    ENV_PROCESS_ID,
     batch_sharding,
     check_batch_divisible,
-    configure_cpu_devices,
-    initialize_distributed,
     leading_size,
     make_mesh,
-    process_slice,
     replicated,
     shards_state,
 )
-from jaxnn.parallel.placement import create_sharded_state, place_state, replicate, shard_batch
+from jaxnn.parallel.placement import place_state, shard_batch
 from jaxnn.precision import Policy
-from jaxnn.train import AugmentFn, Batch, LossFn, Metrics, StepFn, TrainState, train_step_fn
+from jaxnn.train.state import AugmentFn, Batch, LossFn, Metrics, StepFn, TrainState
+from jaxnn.train.step import jit_step, train_step_fn
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +219,6 @@ def data_parallel_train_step(
     """
     _check_form(form)
     mesh = make_mesh() if mesh is None else mesh
-    donate_argnums = (0,) if donate else ()
     if form != "jit" and shards_state(mesh):
         raise ValueError(f"form {form!r} is data parallelism only; a mesh with fsdp or tensor axes needs form 'jit'")
 
@@ -237,7 +233,7 @@ def data_parallel_train_step(
             per_device_step_fn(model, loss_fn, tx, policy, augment=augment),
             axis_name=DATA_AXIS,
             devices=list(mesh.devices.flat),
-            donate_argnums=donate_argnums,
+            donate_argnums=(0,) if donate else (),
             out_axes=(0, None),
         )  # metrics are identical on every device after their pmean
 
@@ -256,7 +252,7 @@ def data_parallel_train_step(
 
     if form == "jit":
         step = train_step_fn(model, loss_fn, tx, policy, accumulate=accumulate, augment=augment)
-        return _jit_step(step, mesh, form, donate_argnums)
+        return _jit_step(step, mesh, form, donate)
     body = jax.shard_map(
         per_device_step_fn(model, loss_fn, tx, policy, accumulate=accumulate, augment=augment),
         mesh=mesh,
@@ -266,10 +262,10 @@ def data_parallel_train_step(
         # check_vma=True, autodiff would also sum the replicated parameters' gradients.
         check_vma=False,
     )
-    return _jit_step(body, mesh, form, donate_argnums)
+    return _jit_step(body, mesh, form, donate)
 
 
-def _jit_step(body: StepFn, mesh: Mesh, form: str, donate_argnums: tuple[int, ...]) -> DataParallelStep:
+def _jit_step(body: StepFn, mesh: Mesh, form: str, donate: bool) -> DataParallelStep:
     """`body` jitted with the batch split over the batch axes and the state where it lies: replicated, or sharded
     by the rules (`jaxnn.parallel.placement`). The state's shardings are read from the first state the step gets
     (the one placed by `place_state` or created by `create_sharded_state`), and the new state keeps them, so
@@ -284,11 +280,11 @@ def _jit_step(body: StepFn, mesh: Mesh, form: str, donate_argnums: tuple[int, ..
         if not compiled:  # compiled once: reading the shardings every step would cost tiny models' dispatch time
             shardings = jax.tree.map(lambda x: x.sharding, state)
             compiled.append(
-                jax.jit(
+                jit_step(
                     body,
+                    donate=donate,
                     in_shardings=(shardings, batch_sharding(mesh)),
                     out_shardings=(shardings, replicated(mesh)),
-                    donate_argnums=donate_argnums,
                 )
             )
         with context():
@@ -310,24 +306,10 @@ def _check_pmap_batch(batch: Any, mesh: Mesh) -> None:
 
 
 __all__ = [
-    "DATA_AXIS",
-    "ENV_COORDINATOR",
-    "ENV_NUM_PROCESSES",
-    "ENV_PROCESS_ID",
     "FIT_FORMS",
     "FORMS",
     "DataParallelStep",
-    "batch_sharding",
     "bn_axis_name",
-    "check_batch_divisible",
-    "configure_cpu_devices",
-    "create_sharded_state",
     "data_parallel_train_step",
-    "initialize_distributed",
-    "make_mesh",
     "per_device_step_fn",
-    "process_slice",
-    "replicate",
-    "replicated",
-    "shard_batch",
 ]
