@@ -114,25 +114,13 @@ def test_the_package_keeps_few_root_modules_and_marks_its_internals():
 
 # ------------------------------------------------------------------------------------------------------- the rooms
 # A room is a package or a root module of jaxnn (`jaxnn.layers`, `jaxnn.train`); `jaxnn._src` is one room. Rooms
-# should import each other only downward, so the room graph has no loop. Today's room loops (layers <-> parallel <->
-# train, layers <-> profile, layers <-> kernels <-> precision) put these imports on a loop; the list may only shrink,
-# and each move that breaks a loop strikes its pairs.
+# should import each other only downward, so the room graph has no loop. Today's room loop (layers <-> parallel <->
+# train) puts these imports on a loop; the list may only shrink, and each move that breaks a loop strikes its pairs.
 KNOWN_UPWARD = {
-    ("jaxnn.kernels", "jaxnn.layers"),
-    ("jaxnn.kernels", "jaxnn.precision"),
-    ("jaxnn.kernels", "jaxnn.profile"),
-    ("jaxnn.layers", "jaxnn.kernels"),
     ("jaxnn.layers", "jaxnn.parallel"),
-    ("jaxnn.layers", "jaxnn.precision"),
-    ("jaxnn.layers", "jaxnn.profile"),
     ("jaxnn.parallel", "jaxnn.layers"),
-    ("jaxnn.parallel", "jaxnn.precision"),
     ("jaxnn.parallel", "jaxnn.train"),
-    ("jaxnn.precision", "jaxnn.kernels"),
-    ("jaxnn.profile", "jaxnn.layers"),
-    ("jaxnn.profile", "jaxnn.precision"),
     ("jaxnn.train", "jaxnn.layers"),
-    ("jaxnn.train", "jaxnn.precision"),
 }
 
 
@@ -170,6 +158,17 @@ def test_upward_imports_between_rooms_only_shrink():
     assert upward <= KNOWN_UPWARD, f"new room imports that run back up: {sorted(upward - KNOWN_UPWARD)}"
     assert not KNOWN_UPWARD - upward, f"gone, strike from KNOWN_UPWARD: {sorted(KNOWN_UPWARD - upward)}"
     assert not any(room.startswith(("experiments", "benchmarks")) for deps in room_graph().values() for room in deps)
+
+
+def test_experiments_import_no_benchmark():
+    # Benchmarks stand above the experiments (they may reuse an experiment's measurement), never below them.
+    found = []
+    for path in sorted((ROOT.parent / "experiments").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{path.name} imports {n}" for n in names if n.split(".")[0] == "benchmarks"]
+    assert found == []
 
 
 def test_upward_imports_are_found_through_other_rooms():
