@@ -14,7 +14,7 @@ time (median and spread over windows of `steps` steps), samples/s, and the devic
 on a batch already on the device; and the time the loop waited for input (`DevicePrefetch.take_wait`).
 
 `split` measures the real thing beside the synthetic cost: the same random crop and flip in numpy on the host and
-inside the step (`jaxnn.augment`, dm-pix), with `benchmarks.augment_placement`: images/s per host core, the
+inside the step (`jaxnn.augment`, dm-pix), with `experiments.augment_split`: images/s per host core, the
 device's extra step time, the input-wait fraction of each placement, the step rate at which host augmentation
 stops keeping up, and a projected accelerator row (projected, not measured). Without dm-pix (the GPU machine has
 no network to install it) its device rows are skipped with a note.
@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from benchmarks import augment_placement
-from experiments import common
+from experiments import augment_split, common
+from experiments.augment_split import IMAGE, PAD
 from jaxnn._src.optional import installed
 from jaxnn.data import DevicePrefetch, PipelineConfig, TrainBatches, host_iterator, synthetic
 from jaxnn.models import CNN, CNNConfig
@@ -49,8 +49,6 @@ CONFIG = {  # batch, steps per window, augmentation repeats, CNN widths, host re
         "split_steps": 100,
     },
 }
-IMAGE = (32, 32, 3)
-PAD = 4
 
 
 def device_augment(x_BHWC, key, repeats: int):
@@ -162,7 +160,7 @@ def run(size: str = "quick", budget: common.Budget | None = None) -> dict:
         budget.skip("split")
     else:
         tiny = size == "tiny"
-        split = augment_placement.measure(
+        split = augment_split.measure(
             batch=batch,
             widths=tuple(cfg["widths"]),
             steps=cfg["split_steps"],
@@ -222,7 +220,7 @@ def summarize(record: dict) -> list[str]:
         for r in record["rows"]
     ]
     if record.get("split"):
-        lines += augment_placement.format_table(record["split"]).splitlines()
+        lines += augment_split.format_table(record["split"]).splitlines()
     return lines
 
 

@@ -11,11 +11,11 @@ import pytest
 
 from jaxnn import layers as L
 from jaxnn import train
+from jaxnn._src import kernel_cost
 from jaxnn.kernels import onednn
 from jaxnn.kernels.onednn.library import TARGETS
 from jaxnn.layers.core import init_model, run
 from jaxnn.models import CNN, GPT, CNNConfig, GPTConfig
-from jaxnn.profile import kernel_cost
 from jaxnn.profile.timing import cost_counts
 
 ON = pytest.param(True, id="onednn", marks=pytest.mark.skipif(not onednn.available(), reason="no oneDNN kernels"))
@@ -139,3 +139,20 @@ def test_kernel_costs_reads_the_kernels_from_their_shapes():
 
 def test_kernel_costs_knows_every_kernel_target():
     assert {target: kernel for kernel, target in TARGETS.items()} == kernel_cost.KERNELS
+
+
+def test_the_counts_keep_their_public_names():
+    # Counted in jaxnn._src (below the layers' summary); the profiler's modules keep the names users imported.
+    from jaxnn._src import xla_cost
+    from jaxnn.profile import kernel_cost as public_kernel_cost
+    from jaxnn.profile import timing
+
+    assert (timing.cost_counts, timing.flops_of, timing.compiled_flops) == (
+        xla_cost.cost_counts,
+        xla_cost.flops_of,
+        xla_cost.compiled_flops,
+    )
+    assert (
+        public_kernel_cost.kernel_costs is kernel_cost.kernel_costs
+        and public_kernel_cost.KERNELS is kernel_cost.KERNELS
+    )

@@ -205,6 +205,13 @@ def test_the_measurement_is_made_once_per_machine_and_read_from_its_cache(tmp_pa
     assert str(record["choices"]["conv_f32"]) in runs[0].stdout.split("]")[-1]
 
 
+@pytest.mark.parametrize("module", ["jaxnn.profile.onednn_calibration", "jaxnn.kernels.onednn.calibrate"])
+def test_the_measurement_runs_by_its_name_and_its_former_name(module):
+    done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage: python -m jaxnn.profile.onednn_calibration" in done.stdout
+
+
 @needs_bf16
 def test_matmul_bf16_result_and_vmap():
     a, b = rand((4, 8, 16), jnp.bfloat16, 13), rand((4, 16, 8), jnp.bfloat16, 14)

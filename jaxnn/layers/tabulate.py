@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
+from jaxnn._src.xla_cost import cost_counts
 from jaxnn.layers.core import Layer, Params, State, child_keys, run, splits_input
 from jaxnn.precision import Policy, get_policy
-from jaxnn.profile.timing import cost_counts
 
 _COLUMNS = ("Layer", "Output shape", "Params", "Param bytes", "FLOPs")
 _FOOTNOTE = (

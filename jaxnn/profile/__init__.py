@@ -12,11 +12,13 @@
 - `timing.py`: timing that waits for the device, FLOP counts from the compiler, the measured matmul peak (what
   the benchmarks and experiments time with);
 - `kernel_cost.py`: the FLOPs and bytes of jaxnn's oneDNN kernel calls, which XLA's cost analysis cannot see into
-  (`timing.cost_counts` adds them);
+  (`timing.cost_counts` adds them; both are counted in `jaxnn._src`, below the layers' summary that reads them);
+- `onednn_calibration.py`: which oneDNN kernels beat jaxnn's own CPU paths on this machine
+  (`python -m jaxnn.profile.onednn_calibration`, started by `jaxnn.kernels.onednn.choice` once per machine);
 - `trace.py`: a `jax.profiler` trace of a few training steps (`fit(..., profile_dir=DIR)`).
 
-The names below are imported on first use, so that the layers' summary can read `timing` without loading the
-profiler.
+The names below are imported on first use, so that `import jaxnn.profile.timing` (what benchmarks time with) does
+not load the profiler.
 """
 
 from jaxnn._src.lazy import lazy_exports
@@ -35,7 +37,17 @@ _NAMES = {
     "ProfileError": "results",
     "format_profile": "results",
 }
-SUBMODULES = ("kernel_cost", "measure", "plots", "program_cost", "projection", "results", "timing", "trace")
+SUBMODULES = (
+    "kernel_cost",
+    "measure",
+    "onednn_calibration",
+    "plots",
+    "program_cost",
+    "projection",
+    "results",
+    "timing",
+    "trace",
+)
 
 
 __getattr__, __dir__ = lazy_exports("jaxnn.profile", _NAMES, SUBMODULES)

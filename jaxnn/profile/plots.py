@@ -39,6 +39,18 @@ def _span(profiles: Sequence[Profile]) -> tuple[float, float]:
     return lo / 4, hi * 4
 
 
+def _panel(ax: Any, peak: float, bandwidth: float, color: str, label: str, span: tuple[float, float]) -> Any:
+    """One roofline panel's ceiling for one profile; returns a function that plots a layer's point on it."""
+    _ceilings(ax, peak, bandwidth, color, label, span)
+
+    def point(x: float, y: float, pass_: str, name: str | None = None) -> None:
+        ax.scatter(x, y, color=color, marker=_MARKERS[pass_], s=28)
+        if name is not None:
+            ax.annotate(name, (x, y), fontsize=7, xytext=(3, 2), textcoords="offset points")
+
+    return point
+
+
 def roofline_png(profiles: Sequence[Profile], path: str | pathlib.Path) -> pathlib.Path:
     """The measured roofline of this machine (left) and, when the profiles carry an accelerator, the projected one
     (right: each point sits at its lower bound, so on the roof by construction). Returns the path written."""
@@ -48,51 +60,22 @@ def roofline_png(profiles: Sequence[Profile], path: str | pathlib.Path) -> pathl
     span = _span(profiles)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, p in enumerate(profiles):
-        color = colors[i % len(colors)]
-        pk = p.peaks
-        _ceilings(
-            axes[0][0],
-            pk.peak(p.dtype),
-            pk.bandwidth,
-            color,
-            f"{p.policy}: {pk.peak(p.dtype) / 1e9:,.0f} GFLOP/s, {pk.bandwidth / 1e9:.1f} GB/s",
-            span,
-        )
+        color, pk = colors[i % len(colors)], p.peaks
+        label = f"{p.policy}: {pk.peak(p.dtype) / 1e9:,.0f} GFLOP/s, {pk.bandwidth / 1e9:.1f} GB/s"
+        measured = _panel(axes[0][0], pk.peak(p.dtype), pk.bandwidth, color, label, span)
         if pk.cache_bandwidth and i == 0:
-            _ceilings(
-                axes[0][0],
-                pk.peak(p.dtype),
-                pk.cache_bandwidth,
-                "gray",
-                f"{pk.cache_mib} MiB pass (in cache): {pk.cache_bandwidth / 1e9:.0f} GB/s",
-                span,
-                style=":",
-            )
+            cache = f"{pk.cache_mib} MiB pass (in cache): {pk.cache_bandwidth / 1e9:.0f} GB/s"
+            _ceilings(axes[0][0], pk.peak(p.dtype), pk.cache_bandwidth, "gray", cache, span, style=":")
         for r in p.rows:
             if r.intensity and r.flops_per_s:
-                axes[0][0].scatter(r.intensity, r.flops_per_s, color=color, marker=_MARKERS[r.pass_], s=28)
-                axes[0][0].annotate(
-                    r.layer.split("_")[0],
-                    (r.intensity, r.flops_per_s),
-                    fontsize=7,
-                    xytext=(3, 2),
-                    textcoords="offset points",
-                )
+                measured(r.intensity, r.flops_per_s, r.pass_, r.layer.split("_")[0])
         if p.accelerator:
             a = p.accelerator
-            _ceilings(
-                axes[0][1],
-                a.peak(p.dtype),
-                a.bandwidth,
-                color,
-                f"{p.policy}: {a.peak(p.dtype) / 1e12:g} TFLOP/s, {a.bandwidth / 1e12:g} TB/s",
-                span,
-            )
+            label = f"{p.policy}: {a.peak(p.dtype) / 1e12:g} TFLOP/s, {a.bandwidth / 1e12:g} TB/s"
+            bound = _panel(axes[0][1], a.peak(p.dtype), a.bandwidth, color, label, span)
             for r in p.rows:
                 if r.intensity and r.flops and r.projected_s:
-                    axes[0][1].scatter(
-                        r.intensity, r.flops / r.projected_s, color=color, marker=_MARKERS[r.pass_], s=28
-                    )
+                    bound(r.intensity, r.flops / r.projected_s, r.pass_)
     device = profiles[0].peaks.device if profiles else ""
     axes[0][0].set_title(f"measured: {profiles[0].model if profiles else ''}\non {device}", fontsize=9)
     if projected:

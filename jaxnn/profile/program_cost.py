@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import jax
 
+from jaxnn._src.xla_cost import cost_counts
 from jaxnn.profile.projection import ProgramCost
-from jaxnn.profile.timing import cost_counts
 
 # Instructions that launch no kernel of their own on a GPU (bookkeeping, or a loop whose body is counted).
 NO_KERNEL = {

@@ -4,8 +4,8 @@ Whether oneDNN beats XLA's CPU kernels depends on the CPU: on the 2-core EPYCs m
 its convolutions made the CNN's step 1.3-2.4x faster, while its bfloat16 products were no faster than XLA's, and
 its float32 products gained on some shapes only (docs/performance.md, "Defaults per CPU"). So each kind of kernel
 (`KINDS`: convolutions and matrix products, float32 and bfloat16 apart) is timed against XLA's path on shapes of
-the benchmark models, in a child process (`python -m jaxnn.kernels.onednn.calibrate`; a trace must not run
-programs), and taken where it takes at most `MARGIN` of XLA's time. The answer is cached under
+the benchmark models, in a child process (`python -m jaxnn.profile.onednn_calibration`; a trace must not
+run programs), and taken where it takes at most `MARGIN` of XLA's time. The answer is cached under
 ~/.cache/jaxnn/onednn/, one file per CPU model and features, core count, oneDNN and jax version;
 `JAXNN_ONEDNN=0/1` (or `jaxnn.kernels.onednn.use`) overrides it, and `JAXNN_ONEDNN_CALIBRATE=0` skips the
 measurement (XLA's kernels then stay the default).
@@ -69,7 +69,8 @@ def default_choices(onednn_version: str | None = None) -> dict[str, bool]:
     if record is None:
         print(f"jaxnn: timing oneDNN's kernels against XLA's on this CPU, once (cached in {path})", file=sys.stderr)
         env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED}
-        cmd = [sys.executable, "-m", "jaxnn.kernels.onednn.calibrate", "--write", path]
+        # By module name, not imported: the measurement times the layers and products above this package.
+        cmd = [sys.executable, "-m", "jaxnn.profile.onednn_calibration", "--write", path]
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
