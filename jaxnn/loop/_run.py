@@ -23,10 +23,11 @@ from jax.sharding import Mesh
 from jaxnn._src import compile_cache as xla_cache
 from jaxnn._src.optimizer_id import FIELD, fingerprint, remember
 from jaxnn._src.optional import installed
+from jaxnn._src.stop_signal import StopSignal
 from jaxnn._src.warn import warn_at_caller
 from jaxnn.augment import Augment
 from jaxnn.callbacks import Callback, NonFiniteError, NonFiniteGuard, RunInfo, metric_mode
-from jaxnn.checkpoint import Checkpointer, CheckpointError, StopSignal
+from jaxnn.checkpoint import Checkpointer, CheckpointError
 from jaxnn.config import ConfigError, FitConfig, config_differences
 from jaxnn.data.datasets import ImageDataset, TextCorpus
 from jaxnn.data.pipeline import PipelineConfig
@@ -50,22 +51,16 @@ from jaxnn.loop._setup import (
     checked_callbacks,
     checked_devices,
     fit_scores,
-    initial_state,
-    input_record,
-    json_record,
     local_value,
-    lora_start,
-    model_record,
     output_spec,
     refuse_idle_resume,
     refuse_loss_ignoring_mixed_targets,
     refuse_resume_with_other_steps,
-    starting_point,
-    state_from,
     steps_from_epochs,
 )
+from jaxnn.loop._start import initial_state, lora_start, starting_point, state_from
 from jaxnn.loop.plots import preload as preload_plotting
-from jaxnn.loop.rundir import RunFiles
+from jaxnn.loop.rundir import RunFiles, input_record, json_record, model_record
 from jaxnn.parallel.forms import data_parallel_train_step
 from jaxnn.parallel.mesh import batch_devices, check_batch_divisible, make_mesh, process_slice
 from jaxnn.parallel.placement import create_sharded_state
