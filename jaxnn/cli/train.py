@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import datetime
 import logging
-import math
 import os
 import pathlib
 from typing import TYPE_CHECKING, Any
@@ -23,13 +22,6 @@ from jaxnn.errors import ConfigError
 
 if TYPE_CHECKING:
     from jaxnn.callbacks import Callback
-
-
-def mesh_devices(mesh: str) -> int:
-    """The number of devices a mesh spec ("data=2,fsdp=4") spans."""
-    from jaxnn.parallel.mesh import parse_mesh
-
-    return math.prod(parse_mesh(mesh).values())
 
 
 def set_cpu_devices(n: int) -> None:
@@ -263,7 +255,7 @@ def train_main(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)  # validated here, before jax starts
     # One process simulates the whole mesh; in a multi-process run each has --devices and the mesh spans all.
     one_process = not multi_process_asked(args)
-    set_cpu_devices(mesh_devices(cfg.mesh) if cfg.mesh and one_process else args.devices)
+    set_cpu_devices(cfg.mesh.devices if cfg.mesh and one_process else args.devices)
     if cfg.mesh:  # the layout report (what each mesh axis splits) is printed before training, not only logged
         logging.getLogger("jaxnn.parallel.report").setLevel(logging.INFO)
     multi_process = start_processes(args)

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxnn.augment import Augment, augment_batch, parse_augment
+from jaxnn.augment import Augment, augment_batch
 from jaxnn.callbacks import Callback, EarlyStopping, metric_mode
 from jaxnn.config import ConfigError, FitConfig
 from jaxnn.data.datasets import DataError, ImageDataset
@@ -57,17 +57,11 @@ def batch_size_of(batch: dict) -> int:
     return int(np.shape(batch["x"])[0])
 
 
-def augmentation(augment, output: Any) -> Any:
-    """fit's `augment` as an `Augment` with the model's classes (from its probed `output`) filled in, or None; bad
-    settings are one line."""
-    if augment is None:
+def augmentation(aug: Augment | None, output: Any) -> Augment | None:
+    """fit's `augment` (typed at the edge, `jaxnn.loop.fit`) with the model's classes (from its probed `output`)
+    filled in where mixup or cutmix need them, or None; its library is checked to be installed."""
+    if aug is None:
         return None
-    try:
-        aug = parse_augment(augment) if isinstance(augment, str) else augment
-    except ValueError as err:
-        raise ConfigError(f"fit: {err}") from None
-    if not isinstance(aug, Augment):
-        raise ConfigError(f"fit: augment must be a jaxnn.augment.Augment or its text, got {type(augment).__name__}")
     aug.check_available()
     if aug.mixes and aug.num_classes is None:
         if output is None or not hasattr(output, "shape"):

@@ -50,10 +50,7 @@ def lora_start(model: Layer, tx: Any, cfg: FitConfig, inputs: Any, x_spec: Any) 
     from jaxnn.checkpoint import load_params
     from jaxnn.layers.core import init_model, run
 
-    try:
-        settings = lora_lib.as_lora(inputs.lora)
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"fit: {err}") from None
+    settings = inputs.lora  # a LoRA, typed at the edge (jaxnn.loop.fit)
     params, model_state, record = inputs.params, inputs.model_state, {"lora": settings.record()}
     if inputs.init_from is not None:  # another run's parameters: the base, under new adapters and a new optimizer
         loaded = load_params(inputs.init_from)  # a LoRA run's adapters are folded in: the new ones start afresh
