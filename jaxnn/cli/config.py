@@ -176,17 +176,13 @@ def _as_mesh(value: Any) -> MeshShape | None:
 
 
 def _as_augment(value: Any) -> Augment | None:
-    from jaxnn.augment import Augment, parse_augment
+    from jaxnn.augment import as_augment
 
     if value is None or value == "":
         return None
-    if isinstance(value, Augment):
-        return value
-    if not isinstance(value, str):
-        raise ConfigError(f"augment must be a jaxnn.augment.Augment or its text, got {type(value).__name__}")
     try:
-        return parse_augment(value)
-    except ValueError as err:
+        return as_augment(value)
+    except (TypeError, ValueError) as err:
         raise ConfigError(str(err)) from None
 
 

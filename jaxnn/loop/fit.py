@@ -19,7 +19,7 @@ from typing import Any
 import optax
 from jax.sharding import Mesh
 
-from jaxnn.augment import Augment, parse_augment
+from jaxnn.augment import Augment, as_augment
 from jaxnn.callbacks import Callback
 from jaxnn.config import ConfigError, FitConfig
 from jaxnn.data.pipeline import PipelineConfig
@@ -171,13 +171,9 @@ def _as_mesh(mesh: Any) -> Mesh | MeshShape | None:
 
 
 def _as_augment(augment: Any) -> Augment | None:
-    if augment is None or isinstance(augment, Augment):
-        return augment
-    if not isinstance(augment, str):
-        raise ConfigError(f"fit: augment must be a jaxnn.augment.Augment or its text, got {type(augment).__name__}")
     try:
-        return parse_augment(augment)
-    except ValueError as err:
+        return None if augment is None else as_augment(augment)
+    except (TypeError, ValueError) as err:
         raise ConfigError(f"fit: {err}") from None
 
 
