@@ -132,6 +132,15 @@ def parse_augment(text: str) -> Augment:
     return Augment(**fields)
 
 
+def as_augment(value: Augment | str) -> Augment:
+    """An `Augment` from itself or its text (`parse_augment`): where a run starts, so the run reads no text."""
+    if isinstance(value, Augment):
+        return value
+    if isinstance(value, str):
+        return parse_augment(value)
+    raise TypeError(f"augment must be a jaxnn.augment.Augment or its text, got {type(value).__name__}")
+
+
 def example_keys(key: jax.Array, step: jax.Array, rows: int, offset: Any = 0) -> jax.Array:
     """One key per row: rows `offset .. offset+rows-1` of the global batch at `step`."""
     base = jax.random.fold_in(jax.random.fold_in(key, _AUGMENT_STREAM), step)
@@ -237,4 +246,13 @@ def normalise(
     return (x_BHWC.astype(jnp.float32) * (1.0 / scale) - mean_C) * inv_std_C
 
 
-__all__ = ["NAMES", "Augment", "augment_batch", "augment_image", "example_keys", "normalise", "parse_augment"]
+__all__ = [
+    "NAMES",
+    "Augment",
+    "as_augment",
+    "augment_batch",
+    "augment_image",
+    "example_keys",
+    "normalise",
+    "parse_augment",
+]

@@ -254,3 +254,41 @@ def test_the_sample_escapes_control_characters():
     from jaxnn.cli.recipes import printable
 
     assert printable("ok\tfine\nbell\x07 esc\x1b[31m é") == "ok\tfine\nbell\\x07 esc\\x1b[31m é"
+
+
+# config.json of `jaxnn train --model mlp --size small --steps 2 --batch-size 8 --augment crop,flip,mixup --lora
+# r=2,alpha=4,targets=*dense.w --mesh data=2`, byte for byte as written when the mesh, augment and lora text was
+# still parsed inside the loop (optax's version aside): parsing it once at the edge leaves the record as it was.
+EDGE_PARSED_RECORD = pathlib.Path(__file__).parent / "fixtures" / "edge_parsed_config.json"
+
+
+def test_a_run_with_augment_lora_and_mesh_records_the_config_it_always_did(tmp_path):
+    import optax
+
+    run = tmp_path / "run"
+    argv = ["--model", "mlp", "--size", "small", "--steps", "2", "--batch-size", "8", "--augment", "crop,flip,mixup"]
+    argv += ["--lora", "r=2,alpha=4,targets=*dense.w", "--mesh", "data=2", "--no-plots", "--no-progress"]
+    assert cli.main(["train", *argv, "--no-summary", "--run-dir", str(run)]) == 0
+    expected = EDGE_PARSED_RECORD.read_text().replace("OPTAX_VERSION", optax.__version__)
+    assert (run / "config.json").read_text() == expected
+
+
+def test_train_config_reads_mesh_augment_and_lora_text_once_into_typed_values():
+    import dataclasses
+
+    from jaxnn.augment import Augment
+    from jaxnn.lora import LoRA
+    from jaxnn.parallel.mesh import MeshShape, make_mesh
+
+    cfg = TrainConfig(mesh="data=2,fsdp=2", augment="crop,flip", lora="r=4,alpha=8")
+    assert cfg.mesh == MeshShape(data=2, fsdp=2) and (cfg.mesh.devices, cfg.mesh.batch_split) == (4, 4)
+    assert isinstance(cfg.augment, Augment) and cfg.augment.flip
+    assert isinstance(cfg.lora, LoRA) and (cfg.lora.rank, cfg.lora.alpha) == (4, 8.0)
+    assert dataclasses.replace(cfg, lr=0.1).mesh is cfg.mesh  # typed values pass through unchanged
+    assert TrainConfig(augment="", lora="").augment is None and TrainConfig(lora="").lora is None
+    assert "augment" not in cfg.trajectory() and "lora" not in cfg.trajectory()  # fit records their record()
+    assert dict(make_mesh(MeshShape(tensor=2)).shape) == {"data": 1, "fsdp": 1, "tensor": 2}
+    with pytest.raises(ConfigError, match=r"^batch size 6 is not divisible by the 4 devices of the batch axes"):
+        TrainConfig(mesh="data=2,fsdp=2", fit=dataclasses.replace(TrainConfig().fit, batch_size=6))
+    with pytest.raises(ValueError, match=r"the size of 'tensor' must be a positive integer, got 0"):
+        MeshShape(tensor=0)

@@ -143,7 +143,7 @@ MUTATIONS = (
     ),
     Mutation(
         "the lock never refuses",
-        "jaxnn/loop/rundir.py",
+        "jaxnn/_src/run_lock.py",
         "                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)",
         "                pass",
         ("tests/system/test_faults.py::test_lock_on_the_same_directory_twice_in_one_process",),

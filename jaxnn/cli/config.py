@@ -11,12 +11,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxnn._src.checks import positive_int
 from jaxnn._src.model_names import MODELS, SIZES
 from jaxnn.config import FitConfig
 from jaxnn.errors import ConfigError
+
+if TYPE_CHECKING:  # imported when a config is built, not with this module (see above)
+    from jaxnn.augment import Augment
+    from jaxnn.lora import LoRA
+    from jaxnn.parallel.mesh import MeshShape
 
 # TrainConfig's own fields that do not change what a run computes: a checkpoint may be resumed with them changed
 # (the FitConfig's are its RUN_ONLY).
@@ -53,16 +58,19 @@ class TrainConfig:
     """One `jaxnn train` run: what to train, on what data, with which optimizer, and how `fit` runs it (`fit`).
 
     `dataset` "auto": text for gpt, else the format found in `data_dir`, else digits. `model_overrides` replaces
-    fields of the model's config, as ((field, value), ...), e.g. (("d_model", 128),). `mesh` ("data=2,fsdp=4",
-    see jaxnn.parallel.mesh) replaces `fit.devices`; `sharding_rules` is a JSON rule table's path
-    (jaxnn.parallel.rules).
+    fields of the model's config, as ((field, value), ...), e.g. (("d_model", 128),). `mesh`, a
+    `jaxnn.parallel.mesh.MeshShape` (or its text, "data=2,fsdp=4", read once when the config is built), replaces
+    `fit.devices`; `sharding_rules` is a JSON rule table's path (jaxnn.parallel.rules).
     `schedule`: the learning rate's cosine decay to 0 at the run's last step, or "constant" after the warm-up,
     which lets a finished run be trained on with a larger `steps`.
     `init_from`: start from another run's parameters and optimizer state (`jaxnn.fit`'s `init_from`), or from
     the weights of a transformers GPT-2/Llama folder (its tokenizer.json, where it has one, tokenises the text).
-    `augment`: random augmentation in the train step on the device, as `jaxnn.augment.parse_augment` reads it
-    ("crop,flip,mixup"); `crop_pad` and `flip` are the host pipeline's.
-    `lora`: train LoRA adapters alone, as `jaxnn.lora.parse_lora` reads them ("r=8,alpha=16,targets=*qkv.w").
+    `augment`: random augmentation in the train step on the device, a `jaxnn.augment.Augment` (or its text, as
+    `jaxnn.augment.parse_augment` reads it: "crop,flip,mixup"); `crop_pad` and `flip` are the host pipeline's.
+    `lora`: train LoRA adapters alone, a `jaxnn.lora.LoRA` (or its text, as `jaxnn.lora.parse_lora` reads it:
+    "r=8,alpha=16,targets=*qkv.w").
+    Text given for `mesh`, `augment` and `lora` is converted once, when the config is built (a bad one is a
+    ConfigError of one line); "" means none, as on the command line. The fields then hold the typed values.
     `pack`: gpt on JSON Lines records: pack the records into windows with segment ids (`jaxnn.data.packing`)
     instead of cutting the joined stream into windows.
     `chat_template`: a Jinja file (or JSON holding `chat_template`) for `{"messages": ...}` records, replacing
@@ -80,7 +88,7 @@ class TrainConfig:
     crop_pad: int = 0
     flip: bool = False
     seq_len: int = 128
-    mesh: str | None = None
+    mesh: MeshShape | None = None
     sharding_rules: str | None = None
     backend: str = "grain"
     workers: int = 0
@@ -88,13 +96,16 @@ class TrainConfig:
     schedule: str = "cosine"
     label_smoothing: float = 0.0
     init_from: str | None = None
-    augment: str = ""
-    lora: str = ""
+    augment: Augment | None = None
+    lora: LoRA | None = None
     pack: bool = False
     chat_template: str | None = None
     fit: FitConfig = dataclasses.field(default_factory=_quick_fit)
 
     def __post_init__(self):
+        # The converters (as Equinox's `field(converter=...)`): text becomes a typed value here, once.
+        for name, convert in (("mesh", _as_mesh), ("augment", _as_augment), ("lora", _as_lora)):
+            object.__setattr__(self, name, convert(getattr(self, name)))
         _validate(self)
 
     def small(self) -> TrainConfig:
@@ -115,8 +126,8 @@ class TrainConfig:
         return {
             k: v
             for k, v in own.items()
-            # `lora` is recorded by fit itself, as the parsed settings
-            if k not in (*RUN_ONLY_FIELDS, "lora") and not (k in LATER_DEFAULTS and v == LATER_DEFAULTS[k])
+            # `augment` and `lora` are recorded by fit itself, as their settings' `record()`
+            if k not in (*RUN_ONLY_FIELDS, "augment", "lora") and not (k in LATER_DEFAULTS and v == LATER_DEFAULTS[k])
         }
 
 
@@ -143,7 +154,8 @@ def _validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"unknown schedule {cfg.schedule!r}; choose one of {list(SCHEDULES)}")
     if not (isinstance(cfg.label_smoothing, (int, float)) and 0 <= cfg.label_smoothing < 1):
         raise ConfigError(f"label_smoothing must be in [0, 1), got {cfg.label_smoothing!r}")
-    _check_augment_and_lora(cfg)
+    if cfg.augment is not None and cfg.model == "gpt":
+        raise ConfigError(f"augment: augmentation is for the image models, not {cfg.model!r}")
     if cfg.pack and cfg.model != "gpt":
         raise ConfigError(f"pack: packing is for text (--model gpt), not {cfg.model!r}")
     if cfg.backend not in BACKENDS:
@@ -154,33 +166,39 @@ def _validate(cfg: TrainConfig) -> None:
         _check_mesh(cfg.mesh, cfg.fit.batch_size)
 
 
-def _check_augment_and_lora(cfg: TrainConfig) -> None:
-    """The augment and lora texts, read as their owners read them (`fit` parses them again for the run)."""
-    if cfg.augment:
-        from jaxnn.augment import parse_augment
-
-        try:
-            parse_augment(cfg.augment)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-        if cfg.model == "gpt":
-            raise ConfigError(f"augment {cfg.augment!r}: augmentation is for the image models, not {cfg.model!r}")
-    if cfg.lora:
-        from jaxnn.lora import parse_lora
-
-        try:
-            parse_lora(cfg.lora)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-
-
-def _check_mesh(mesh: str, batch_size: int) -> None:
-    from jaxnn.parallel.mesh import BATCH_AXES, parse_mesh
+def _as_mesh(value: Any) -> MeshShape | None:
+    from jaxnn.parallel.mesh import MeshShape
 
     try:
-        sizes = parse_mesh(mesh)
+        return None if value is None else MeshShape.parse(value)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    split = math.prod(sizes.get(axis, 1) for axis in BATCH_AXES)
-    if batch_size % split:
-        raise ConfigError(f"batch size {batch_size} is not divisible by the {split} devices of the batch axes")
+
+
+def _as_augment(value: Any) -> Augment | None:
+    from jaxnn.augment import as_augment
+
+    if value is None or value == "":
+        return None
+    try:
+        return as_augment(value)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(str(err)) from None
+
+
+def _as_lora(value: Any) -> LoRA | None:
+    from jaxnn.lora import as_lora
+
+    if value is None or value == "":
+        return None
+    try:
+        return as_lora(value)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(str(err)) from None
+
+
+def _check_mesh(mesh: MeshShape, batch_size: int) -> None:
+    if batch_size % mesh.batch_split:
+        raise ConfigError(
+            f"batch size {batch_size} is not divisible by the {mesh.batch_split} devices of the batch axes"
+        )

@@ -9,6 +9,8 @@ import pathlib
 import sys
 from typing import Any, NamedTuple
 
+from jaxnn.cli.parsers import add_command
+
 MODEL_HELP = "a jaxnn.save_model folder, or a run directory of `jaxnn train` (or its ckpt/ or a step folder)"
 
 
@@ -81,10 +83,10 @@ def as_model_input(x: Any, trained: TrainedModel, source: str) -> Any:
 
 
 def add_predict_parser(sub: Any) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "predict",
         help="write a trained model's outputs for the inputs in a .npy/.npz file",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Run a trained model (eval mode) on every example of an array file and write its outputs "
         "(or, with --classes, the index of the largest output) as a .npy file.",
     )
@@ -98,10 +100,10 @@ def add_predict_parser(sub: Any) -> None:
 
 
 def add_evaluate_parser(sub: Any) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "evaluate",
         help="print a trained model's loss and accuracy on a data set's test split or an array file",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Score a trained model on every example once: a data set's test split (a run's own by "
         "default) or the 'x' and 'y' arrays of a .npz file. Prints one JSON line of metrics.",
     )

@@ -27,7 +27,8 @@ from jaxnn.cli.profile import add_profile_parser, profile_main
 from jaxnn.cli.runs import add_export_parser, add_generate_parser, export_main, generate_main
 from jaxnn.cli.serve import add_serve_parser, serve_main
 from jaxnn.cli.summary import add_summary_parser, summary_main
-from jaxnn.cli.train import add_train_parser, train_main
+from jaxnn.cli.train import train_main
+from jaxnn.cli.train_flags import add_train_parser
 
 EXIT_OK = 0
 EXIT_FAILED = 1

@@ -13,6 +13,7 @@ from typing import Any
 from jaxnn._src.model_names import MODELS
 from jaxnn._src.storage import check_writable
 from jaxnn.cli.config import parse_model_config
+from jaxnn.cli.parsers import add_command
 from jaxnn.errors import ConfigError
 
 # One example's shape when --in-shape is not given: what `jaxnn train --model M` trains on by default (the bundled
@@ -22,10 +23,10 @@ IMAGE_SHAPE = (8, 8, 1)
 
 
 def add_profile_parser(sub: Any) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "profile",
         help="time each layer of a model against this machine's measured roofline",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Per top-level layer: forward and forward+backward time, XLA's FLOPs and bytes, intensity, "
         "fraction of the measured matmul peak and copy bandwidth, the bound, and a projected accelerator's lower "
         "bound. Writes profile.json, roofline.png and layer_time.png to --out.",

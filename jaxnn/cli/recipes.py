@@ -166,10 +166,10 @@ def train(
         config={**cfg.trajectory(), "model_config": dataclasses.asdict(mcfg), **_tokenizer_entry(tokenizer_folder)},
         mesh=cfg.mesh,
         sharding_rules=cfg.sharding_rules,
-        augment=cfg.augment or None,
+        augment=cfg.augment,
         # The cosine schedule decays to 0 at the last step, so the step count is part of what the run computes.
         schedule_decays=cfg.schedule == "cosine",
-        lora=cfg.lora or None,
+        lora=cfg.lora,
         **_starting_point(cfg, model, mcfg, example),
     )
     try:

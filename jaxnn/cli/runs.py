@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from jaxnn.cli.parsers import add_command
+
 
 def add_export_parser(sub: Any) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "export",
         help="export a trained model for inference without jaxnn",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Write a run's checkpoint as model.jaxexport (a serialized jax.export program with a symbolic "
         "batch size), weights.safetensors and export.json (shapes, dtypes, how to call it).",
     )
@@ -51,10 +53,10 @@ def add_export_parser(sub: Any) -> None:
 
 
 def add_generate_parser(sub: Any) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "generate",
         help="print text sampled from a trained GPT run",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Continue a prompt with the newest (or --step's) checkpoint of a `jaxnn train --model gpt` run, "
         "or with a Hugging Face GPT-2 or Llama folder (its tokenizer.json where it has one, else bytes), "
         "decoding with a KV cache. Prompt and output lengths are rounded up to powers of two, so a new prompt length "

@@ -9,6 +9,8 @@ import socket
 import sys
 from typing import Any, NamedTuple
 
+from jaxnn.cli.parsers import add_command
+
 
 class ServedModel(NamedTuple):
     model: Any
@@ -20,10 +22,10 @@ class ServedModel(NamedTuple):
 
 
 def add_serve_parser(sub: Any) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "serve",
         help="serve a trained GPT over an OpenAI-compatible HTTP API (completions, chat, streaming)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Serve /v1/completions, /v1/chat/completions, /v1/models and /health on 127.0.0.1 (by default). "
         "Requests join and leave one running decode batch at token granularity (continuous batching over --slots "
         "cache slots); greedy outputs equal `jaxnn generate`'s. Ctrl-C or SIGTERM finishes the requests in flight, "

@@ -7,13 +7,14 @@ import argparse
 from typing import Any
 
 from jaxnn.cli.config import parse_model_config
+from jaxnn.cli.parsers import add_command
 
 
 def add_summary_parser(sub: Any) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "summary",
         help="print a model's layers, output shapes and parameter counts without allocating its weights",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="The per-layer table of a built-in model (mlp, cnn, resnet, gpt, ...) or a preset (gpt2, "
         "llama-3-8b, resnet50, vit-b16, ...), and the published parameter count beside a preset's own.",
     )

@@ -1,11 +1,13 @@
 """The public training loop: `jaxnn.fit(model, data, ...)` trains any Layer with any loss and optax optimizer.
 
 - `fit.py`: `fit`, the keyword API: its keywords become one `FitConfig` and one `FitInputs` for `run_fit`;
-- `rundir.py`: the run directory: its lock, config.json, metrics, summary.json (`RunFiles`, `fresh_run_dir`);
+- `rundir.py`: the run directory: config.json, metrics, summary.json and the records they hold (`RunFiles`,
+  `fresh_run_dir`; its lock is `jaxnn._src.run_lock`'s);
 - `plots.py`: the training curves as PNG files at the end of a run.
 
 Internal to the package: `_run.py` (`run_fit` and the loop: steps, evaluation, checkpoints, signals),
-`_setup.py` (the checks made before anything is written, and the one probe of the model's output) and
+`_setup.py` (the checks made before anything is written, and the one probe of the model's output), `_start.py`
+(where a run starts: given params, LoRA adapters, another run's state) and
 `_bookkeeping.py` (metrics one step late, the progress bar, callbacks, the summary).
 """
 

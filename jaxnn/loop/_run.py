@@ -23,10 +23,11 @@ from jax.sharding import Mesh
 from jaxnn._src import compile_cache as xla_cache
 from jaxnn._src.optimizer_id import FIELD, fingerprint, remember
 from jaxnn._src.optional import installed
+from jaxnn._src.stop_signal import StopSignal
 from jaxnn._src.warn import warn_at_caller
 from jaxnn.augment import Augment
 from jaxnn.callbacks import Callback, NonFiniteError, NonFiniteGuard, RunInfo, metric_mode
-from jaxnn.checkpoint import Checkpointer, CheckpointError, StopSignal
+from jaxnn.checkpoint import Checkpointer, CheckpointError
 from jaxnn.config import ConfigError, FitConfig, config_differences
 from jaxnn.data.datasets import ImageDataset, TextCorpus
 from jaxnn.data.pipeline import PipelineConfig
@@ -50,23 +51,18 @@ from jaxnn.loop._setup import (
     checked_callbacks,
     checked_devices,
     fit_scores,
-    initial_state,
-    input_record,
-    json_record,
     local_value,
-    lora_start,
-    model_record,
     output_spec,
     refuse_idle_resume,
     refuse_loss_ignoring_mixed_targets,
     refuse_resume_with_other_steps,
-    starting_point,
-    state_from,
     steps_from_epochs,
 )
+from jaxnn.loop._start import initial_state, lora_start, starting_point, state_from
 from jaxnn.loop.plots import preload as preload_plotting
-from jaxnn.loop.rundir import RunFiles
-from jaxnn.parallel.mesh import batch_devices, check_batch_divisible, make_mesh, process_slice
+from jaxnn.loop.rundir import RunFiles, input_record, json_record, model_record
+from jaxnn.lora import LoRA
+from jaxnn.parallel.mesh import MeshShape, batch_devices, check_batch_divisible, make_mesh, process_slice
 from jaxnn.parallel.placement import create_sharded_state
 from jaxnn.parallel.rules import RulesLike, as_rules
 from jaxnn.precision import all_finite, get_policy
@@ -106,16 +102,16 @@ class FitInputs(NamedTuple):
     eval_data: TrainData | None = None
     eval_metrics: Any = None  # names or jaxnn.scores.Score objects
     callbacks: Iterable[Callback] = ()
-    mesh: Mesh | str | None = None
+    mesh: Mesh | MeshShape | None = None  # text is fit's to convert (jaxnn.loop.fit), as are augment's and lora's
     sharding_rules: RulesLike | None = None
     pipeline: PipelineConfig | None = None
-    augment: Augment | str | None = None
+    augment: Augment | None = None
     config: dict | None = None
     params: Any = None
     model_state: Any = None
     init_from: str | os.PathLike[str] | None = None
     schedule_decays: bool | None = None
-    lora: Any = None  # a jaxnn.lora.LoRA or its text
+    lora: LoRA | None = None
     resume_from: str | None = None  # a jaxnn.save_model folder whose train state the run continues
     check_optimizer: bool = True  # False: a resume may change the optimizer or the default's steps (see fit)
 
@@ -220,11 +216,11 @@ def _rematerialised(model: Layer, policy: str) -> Layer:
         raise ConfigError(f"fit: {err}") from None
 
 
-def _mesh(mesh: Mesh | str | None, cfg: FitConfig) -> Mesh:
-    """fit's `mesh` as a Mesh: given, built from its text, or `devices` local devices (all, with many processes)."""
+def _mesh(mesh: Mesh | MeshShape | None, cfg: FitConfig) -> Mesh:
+    """fit's `mesh` as a Mesh: given, built from its shape, or `devices` local devices (all, with many processes)."""
     if isinstance(mesh, Mesh):
         built = mesh
-    elif isinstance(mesh, str):
+    elif isinstance(mesh, MeshShape):
         built = make_mesh(mesh)
     else:
         built = make_mesh(None if jax.process_count() > 1 else checked_devices(cfg.devices))

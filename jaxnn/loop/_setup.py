@@ -1,6 +1,6 @@
 """The loop's setup checks: everything `fit` refuses before anything is compiled or written, each in one line
-naming the culprit (a bad device count, data, model/loss pair, evaluation set, monitored metric, starting point),
-and the shape probes they share. Internal to `jaxnn.loop`.
+naming the culprit (a bad device count, data, model/loss pair, evaluation set, monitored metric, augmentation), and
+the shape probes they share. Internal to `jaxnn.loop`; where a run starts is `_start.py`'s.
 
 The model's output is probed once (`output_spec`, from the abstract train state: no FLOPs) and handed to every
 check that needs it.
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import pathlib
@@ -20,19 +19,16 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxnn.augment import Augment, augment_batch, parse_augment
+from jaxnn.augment import Augment, augment_batch
 from jaxnn.callbacks import Callback, EarlyStopping, metric_mode
-from jaxnn.checkpoint import load_train_state, state_digest
-from jaxnn.config import ConfigError, FitConfig, config_differences, first_differences
+from jaxnn.config import ConfigError, FitConfig
 from jaxnn.data.datasets import DataError, ImageDataset
 from jaxnn.evaluation import metric_names
-from jaxnn.layers.core import Layer
 from jaxnn.parallel.mesh import batch_devices
 from jaxnn.precision import get_policy
 from jaxnn.scores import get_scores
 from jaxnn.train import (
     classification_loss,
-    create_train_state,
     forward_batch,
     masked_classification_loss,
     train_step_fn,
@@ -61,93 +57,11 @@ def batch_size_of(batch: dict) -> int:
     return int(np.shape(batch["x"])[0])
 
 
-def starting_point(model: Layer, in_shape: Any, params: Any, model_state: Any) -> dict:
-    """Checks given starting params/state against the model's own; their digest for the run's record."""
-    if params is None and model_state is None:
-        return {}
-    from jaxnn._src.pytree import shapes
-    from jaxnn.layers.core import init_model
-
-    _, init_params, init_state = jax.eval_shape(lambda k: init_model(model, k, in_shape), jax.random.key(0))
-    record = {}
-    for part, given, own in (("params", params, init_params), ("model_state", model_state, init_state)):
-        if given is None:
-            continue
-        theirs, ours = shapes(given), shapes(own)
-        diffs = config_differences(theirs, ours, saved_as="given", now_as="model")
-        if diffs:
-            raise ConfigError(
-                f"fit: the {part} given do not fit the model ({len(diffs)} differ: {first_differences(diffs)})"
-            )
-        record[f"initial_{part}"] = state_digest(given)[:16]
-    return record
-
-
-def lora_start(model: Layer, tx: Any, cfg: FitConfig, inputs: Any, x_spec: Any) -> tuple[Layer, Any, Any, dict]:
-    """fit's `lora`: the starting params (given, `init_from`'s, or the model's initialisation) with adapters
-    added, an optimizer that trains them alone, the model with adapter dropout, and the record's entries.
-    Adapters that the model would never read (a pattern matching a convolution's or a custom layer's weight)
-    are refused, naming them."""
-    from jaxnn import lora as lora_lib
-    from jaxnn.checkpoint import load_params
-    from jaxnn.layers.core import init_model, run
-
-    try:
-        settings = lora_lib.as_lora(inputs.lora)
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"fit: {err}") from None
-    params, model_state, record = inputs.params, inputs.model_state, {"lora": settings.record()}
-    if inputs.init_from is not None:  # another run's parameters: the base, under new adapters and a new optimizer
-        loaded = load_params(inputs.init_from)  # a LoRA run's adapters are folded in: the new ones start afresh
-        params, model_state = lora_lib.merge(loaded.params), loaded.model_state or None
-        record.update(starting_point(model, x_spec.shape, params, model_state))
-        record["init_from"] = record.pop("initial_params")
-    if params is None or (model.stateful and model_state is None):
-        _, fresh, fresh_state = init_model(model, jax.random.key(cfg.seed), x_spec.shape)
-        params = fresh if params is None else params
-        model_state = fresh_state if model_state is None else model_state
-    try:
-        params = lora_lib.add_adapters(params, settings, jax.random.fold_in(jax.random.key(cfg.seed), 0x10AA))
-    except ValueError as err:
-        raise ConfigError(f"fit: {err}") from None
-    unused = lora_lib.unused_adapters(lambda p, x: run(model, p, x, state=model_state)[0], params, x_spec)
-    if unused:
-        raise ConfigError(
-            f"fit: LoRA targets {unused[0]}{f' and {len(unused) - 1} more' if len(unused) > 1 else ''}, which no "
-            "Dense layer multiplies (a convolution's or a custom layer's weight): its adapters would never train; "
-            "narrow the targets"
-        )
-    model = lora_lib.lora_model(model, settings)
-    sizes = {name: int(np.size(leaf)) for name, leaf in lora_lib.adapters(params).items()}
-    trained = sum(n for name, n in sizes.items() if not name.endswith("lora_scale"))
-    total = sum(int(np.size(leaf)) for leaf in jax.tree.leaves(params)) - sum(sizes.values())
-    log.info("fit: LoRA r=%d on %d weights: %s trainable parameters beside %s frozen (%.2f%%)", settings.rank,
-             len(sizes) // 3, f"{trained:,}", f"{total:,}", 100 * trained / max(total, 1))  # fmt: skip
-    inputs = inputs._replace(params=params, model_state=model_state, init_from=None)
-    return model, lora_lib.train_adapters_only(tx), inputs, record
-
-
-def initial_state(model: Layer, tx: Any, cfg: FitConfig, in_shape: Any, params: Any, model_state: Any) -> Any:
-    state = create_train_state(model, tx, jax.random.key(cfg.seed), in_shape, cfg.precision)
-    if params is not None:
-        params = get_policy(cfg.precision).cast_to_param(params)
-        state = state._replace(params=params, opt_state=tx.init(params))
-    if model_state is not None:
-        state = state._replace(model_state=model_state)
-    return state
-
-
-def augmentation(augment, output: Any) -> Any:
-    """fit's `augment` as an `Augment` with the model's classes (from its probed `output`) filled in, or None; bad
-    settings are one line."""
-    if augment is None:
+def augmentation(aug: Augment | None, output: Any) -> Augment | None:
+    """fit's `augment` (typed at the edge, `jaxnn.loop.fit`) with the model's classes (from its probed `output`)
+    filled in where mixup or cutmix need them, or None; its library is checked to be installed."""
+    if aug is None:
         return None
-    try:
-        aug = parse_augment(augment) if isinstance(augment, str) else augment
-    except ValueError as err:
-        raise ConfigError(f"fit: {err}") from None
-    if not isinstance(aug, Augment):
-        raise ConfigError(f"fit: augment must be a jaxnn.augment.Augment or its text, got {type(augment).__name__}")
     aug.check_available()
     if aug.mixes and aug.num_classes is None:
         if output is None or not hasattr(output, "shape"):
@@ -409,33 +323,6 @@ def refuse_resume_with_other_steps(cfg: FitConfig, decays: bool, default_optimiz
     )
 
 
-def state_from(path, state) -> tuple[Any, dict]:
-    """Another run's whole train state as this run's starting point, at step 0 with this run's key."""
-    restored, step = load_train_state(path, state)
-    restored = restored._replace(step=restored.step - restored.step, key=state.key)
-    digest = state_digest((restored.params, restored.model_state, restored.opt_state))[:16]
-    log.info("fit: starting from the state of %s (its step %d)", path, step)
-    return restored, {"init_from": digest}
-
-
-def json_record(record: dict) -> dict:
-    """`record` as it reads back from JSON (tuples become lists), so a saved copy compares equal to it."""
-    try:
-        return json.loads(json.dumps(record))
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"fit: config must hold JSON values (numbers, strings, lists, dicts): {err}") from None
-
-
-def model_record(params) -> dict:
-    """The parameter count and a digest of the parameter shapes: a resume into another model is refused early."""
-    shapes = jax.tree_util.tree_flatten_with_path(params)[0]
-    text = ";".join(f"{jax.tree_util.keystr(p)}:{tuple(x.shape)}:{x.dtype}" for p, x in shapes)
-    return {
-        "num_params": int(sum(np.prod(x.shape) for _, x in shapes)),
-        "param_shapes": hashlib.sha256(text.encode()).hexdigest()[:16],
-    }
-
-
 def refuse_idle_resume(tx: Any, state: Any, start: int, steps: int, where: str) -> None:
     """A resumed run whose optimizer's learning rate is 0 from its first step on (a decaying schedule made for
     fewer steps than it is resumed with) would run its steps and change nothing: refused in one line, whatever
@@ -466,22 +353,3 @@ def refuse_idle_resume(tx: Any, state: Any, start: int, steps: int, where: str) 
 def local_value(x: Any) -> Any:
     """A replicated scalar's value on this process (a global array of many processes is not fully addressable)."""
     return np.asarray(x.addressable_data(0)).item() if isinstance(x, jax.Array) else np.asarray(x).item()
-
-
-def input_record(source: Any) -> dict | None:
-    """One example's input as the summary records it (what `jaxnn.save_model` keeps for exports and `jaxnn
-    predict`): shape without the batch axis and dtype, and for a jaxnn image data set the normalisation its
-    pipeline applied to the stored images; None for an input that is not one array (a tuple of them)."""
-    x = source.example()["x"]
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        return None
-    record: dict[str, Any] = {"shape": [int(d) for d in x.shape[1:]], "dtype": np.dtype(x.dtype).name}
-    data = getattr(source, "data", None)
-    if isinstance(data, ImageDataset):
-        record["normalise"] = {
-            "stored_dtype": np.dtype(data.x_train.dtype).name,
-            "scale": float(data.scale),
-            "mean": [float(m) for m in np.ravel(data.mean)],
-            "std": [float(v) for v in np.ravel(data.std)],
-        }
-    return record

@@ -13,20 +13,21 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import optax
 from jax.sharding import Mesh
 
-from jaxnn.augment import Augment
+from jaxnn.augment import Augment, as_augment
 from jaxnn.callbacks import Callback
 from jaxnn.config import ConfigError, FitConfig
 from jaxnn.data.pipeline import PipelineConfig
 from jaxnn.layers.core import Layer
 from jaxnn.loop._run import FitInputs, FitInterrupted, FitResult, TrainData, run_fit
 from jaxnn.loop.rundir import fresh_run_dir
-from jaxnn.lora import LoRA
+from jaxnn.lora import LoRA, as_lora
+from jaxnn.parallel.mesh import MeshShape
 from jaxnn.parallel.rules import RulesLike
 from jaxnn.train import LossFn, masked_classification_loss
 
@@ -40,7 +41,7 @@ def fit(
     eval_data: TrainData | None = None,
     eval_metrics: Sequence[Any] | None = None,
     callbacks: Iterable[Callback] = (),
-    mesh: Mesh | str | None = None,
+    mesh: Mesh | MeshShape | str | None = None,
     sharding_rules: RulesLike | None = None,
     pipeline: PipelineConfig | None = None,
     augment: Augment | str | None = None,
@@ -94,9 +95,9 @@ def fit(
     optimizer: any optax `GradientTransformation` (default: `make_optimizer(1e-3, total_steps=steps)`); one that
       takes `value` (`optax.contrib.reduce_on_plateau`) gets the step's training loss.
     callbacks: `jaxnn.callbacks.Callback` instances; a `NonFiniteGuard` is added unless `guard_nonfinite=False`.
-    mesh: a `jax.sharding.Mesh` with a `data` axis and optionally `fsdp` and `tensor` axes, or its sizes as text
-      ("data=2,fsdp=4", see `jaxnn.parallel.make_mesh`) (default: `devices` local devices on a `data` axis, or all
-      devices of all processes in a multi-process run).
+    mesh: a `jax.sharding.Mesh` with a `data` axis and optionally `fsdp` and `tensor` axes, or its sizes: a
+      `jaxnn.parallel.mesh.MeshShape` or its text ("data=2,fsdp=4", see `jaxnn.parallel.make_mesh`) (default:
+      `devices` local devices on a `data` axis, or all devices of all processes in a multi-process run).
     sharding_rules: where each parameter (and its optimizer moments and checkpointed arrays) goes on the mesh:
       (pattern, spec) pairs, a {pattern: spec} mapping, a `jaxnn.parallel.rules.ShardingRules` or a JSON file's
       path (see `jaxnn.parallel.rules`; default: the built-in models' table).
@@ -132,9 +133,10 @@ def fit(
     SIGTERM does the same and returns normally.
     """
     # Over 80 lines only through its signature and docstring, and kept whole: every FitConfig field is a keyword so
-    # that help() and editors list them. The body is four lines: one FitConfig, validated once here, and the
-    # objects, handed to the loop (jaxnn.loop._run) whole.
+    # that help() and editors list them. The body is five lines: one FitConfig, validated once here, and the
+    # objects (their text converted to typed values), handed to the loop (jaxnn.loop._run) whole.
     values = dict(locals())
+    values.update(mesh=_as_mesh(mesh), augment=_as_augment(augment), lora=_as_lora(lora))  # text read once, here
     values["resume_from"] = None if isinstance(resume, bool) else _saved_model_to_resume(resume)
     inputs = FitInputs(**{name: values[name] for name in FitInputs._fields if name in values})
     return run_fit(model, data, _fit_config(values, unknown), inputs)
@@ -150,6 +152,36 @@ def _fit_config(values: dict, unknown: dict) -> FitConfig:
     if settings["steps"] is None:
         del settings["steps"]  # FitConfig's default, or what `epochs` makes of it
     return FitConfig.from_settings({**settings, **unknown})
+
+
+def _as_mesh(mesh: Any) -> Mesh | MeshShape | None:
+    """fit's `mesh`: a Mesh or None as given, its sizes (text, a mapping) as a MeshShape (a ValueError of one line
+    naming the item otherwise)."""
+    if mesh is None or isinstance(mesh, Mesh):
+        return mesh
+    if not isinstance(mesh, (str, Mapping, MeshShape)):
+        raise ConfigError(
+            f"fit: mesh must be a jax.sharding.Mesh, a jaxnn.parallel.mesh.MeshShape or its text, got "
+            f"{type(mesh).__name__}"
+        )
+    try:
+        return MeshShape.parse(mesh)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _as_augment(augment: Any) -> Augment | None:
+    try:
+        return None if augment is None else as_augment(augment)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"fit: {err}") from None
+
+
+def _as_lora(lora: Any) -> LoRA | None:
+    try:
+        return None if lora is None else as_lora(lora)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"fit: {err}") from None
 
 
 def _saved_model_to_resume(path: Any) -> str:

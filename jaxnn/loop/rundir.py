@@ -1,24 +1,25 @@
 """Run directories: one writer at a time, and the files of one run (config, metrics, plots, summary).
 
-- `RunLock`: a lock file held for a run's life (`fcntl.flock`, released by the kernel if the process dies); it
-  records the holder's host and process id, so a second run is refused with one line naming the holder, and a
-  lock left by a crashed run is recognised and taken over with a warning.
+- `RunLock` (`jaxnn._src.run_lock`, importable from here): the lock file held for a run's life.
 - `RunFiles`: checks, locks and writes one run directory (process 0), through `jaxnn._src.storage`'s whole-file writes;
   it records the run's id in the run and checkpoint directories (`jaxnn._src.ownership`) and never writes into, rotates
   or removes checkpoints of another run.
+- the run's records: `json_record` (config.json as it reads back), `model_record` (parameter count and shapes' digest)
+  and `input_record` (the summary's input: shape, dtype, normalisation).
 """
 
 from __future__ import annotations
 
-import fcntl
+import hashlib
 import json
 import logging
 import os
 import pathlib
 import shutil
-import socket
 import time
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from jaxnn._src.checks import config_differences
 from jaxnn._src.optimizer_id import FIELD
@@ -31,15 +32,15 @@ from jaxnn._src.ownership import (
     read_owner,
     write_owner,
 )
+from jaxnn._src.run_lock import LOCK_NAME, RunLock
 from jaxnn._src.storage import (
-    PathLike,
     RunDirError,
     StorageError,
     check_writable,
     make_dirs,
-    pid_alive,
     write_json_atomic,
 )
+from jaxnn.errors import ConfigError
 from jaxnn.loop.plots import write_plots
 from jaxnn.metrics import make_writers
 
@@ -48,115 +49,6 @@ if TYPE_CHECKING:
     from jaxnn.metrics import MetricWriter
 
 log = logging.getLogger(__name__)
-
-LOCK_NAME = "run.lock"
-
-
-# -------------------------------------------------------------------------------------------------------- the lock
-
-
-class RunLock:
-    """Exclusive use of a run directory by one process; use as a context manager (or `acquire`/`release`)."""
-
-    def __init__(self, run_dir: PathLike):
-        self.path = pathlib.Path(run_dir) / LOCK_NAME
-        self._fd: int | None = None
-
-    def _holder(self) -> dict:
-        try:
-            return json.loads(self.path.read_text() or "{}")
-        except (OSError, ValueError):
-            return {}
-
-    def _in_use(self) -> RunDirError:
-        h = self._holder()
-        return RunDirError(
-            f"run dir {self.path.parent} is in use by process {h.get('pid', '?')} on host "
-            f"{h.get('host', '?')} (since {h.get('since', '?')}); wait for it, stop it, or "
-            "choose another --run-dir"
-        )
-
-    def check_free(self) -> None:
-        """Refuses (naming the holder) a directory another live process holds, without taking the lock or
-        writing anything: the first check of every caller, so that a run in use is never reported as
-        anything else. A stale lock passes here; `acquire` takes it over."""
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except OSError:
-            return  # no lock file: nobody holds it
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise self._in_use() from None
-        else:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
-        self._refuse_live_holder(self._holder())
-
-    def _refuse_live_holder(self, previous: dict) -> None:
-        me = (socket.gethostname(), os.getpid())
-        if not previous.get("pid") or (previous.get("host"), previous.get("pid")) == me:
-            return
-        if previous.get("host") == me[0] and pid_alive(int(previous["pid"])):
-            # flock says free but the recorded process lives: a file system without working locks.
-            raise RunDirError(
-                f"run dir {self.path.parent} is in use by process {previous['pid']} on this host "
-                f"({LOCK_NAME} names it); stop it or remove {self.path}"
-            )
-
-    def acquire(self) -> RunLock:
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                os.close(fd)
-                raise self._in_use() from None
-            # The holder may have released and removed the file between our open and our flock: lock the file
-            # that is at the path now, not an orphan.
-            if os.path.exists(self.path) and os.path.samestat(os.fstat(fd), os.stat(self.path)):
-                break
-            os.close(fd)
-        previous = self._holder()
-        me = {"host": socket.gethostname(), "pid": os.getpid()}
-        try:
-            self._refuse_live_holder(previous)
-        except RunDirError:
-            os.close(fd)
-            raise
-        if previous.get("pid") and (previous.get("host"), previous.get("pid")) != (me["host"], me["pid"]):
-            log.warning(
-                "run dir %s: taking over the lock left by process %s on host %s, which ended without releasing it",
-                self.path.parent,
-                previous.get("pid"),
-                previous.get("host"),
-            )
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({**me, "since": time.strftime("%Y-%m-%dT%H:%M:%S")}).encode())
-        os.fsync(fd)
-        self._fd = fd
-        return self
-
-    def release(self) -> None:
-        if self._fd is None:
-            return
-        try:
-            self.path.unlink(missing_ok=True)  # while still holding it, so no one locks an orphan
-        finally:
-            os.close(self._fd)
-            self._fd = None
-
-    def __enter__(self) -> RunLock:
-        return self.acquire()
-
-    def __exit__(self, *exc: object) -> Literal[False]:
-        self.release()
-        return False
-
-
-# ---------------------------------------------------------------------------------------------------- whole files
-
 
 # ------------------------------------------------------------------------------------------------- a run's files
 
@@ -377,6 +269,50 @@ class RunFiles:
         self._writers = []
         if self._lock:
             self._lock.release()
+
+
+# ----------------------------------------------------------------------------------------------- the run's records
+
+
+def json_record(record: dict) -> dict:
+    """`record` as it reads back from JSON (tuples become lists), so a saved copy compares equal to it."""
+    try:
+        return json.loads(json.dumps(record))
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"fit: config must hold JSON values (numbers, strings, lists, dicts): {err}") from None
+
+
+def model_record(params: Any) -> dict:
+    """The parameter count and a digest of the parameter shapes: a resume into another model is refused early."""
+    import jax
+
+    shapes = jax.tree_util.tree_flatten_with_path(params)[0]
+    text = ";".join(f"{jax.tree_util.keystr(p)}:{tuple(x.shape)}:{x.dtype}" for p, x in shapes)
+    return {
+        "num_params": int(sum(np.prod(x.shape) for _, x in shapes)),
+        "param_shapes": hashlib.sha256(text.encode()).hexdigest()[:16],
+    }
+
+
+def input_record(source: Any) -> dict | None:
+    """One example's input as the summary records it (what `jaxnn.save_model` keeps for exports and `jaxnn
+    predict`): shape without the batch axis and dtype, and for a jaxnn image data set the normalisation its
+    pipeline applied to the stored images; None for an input that is not one array (a tuple of them)."""
+    from jaxnn.data.datasets import ImageDataset
+
+    x = source.example()["x"]
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        return None
+    record: dict[str, Any] = {"shape": [int(d) for d in x.shape[1:]], "dtype": np.dtype(x.dtype).name}
+    data = getattr(source, "data", None)
+    if isinstance(data, ImageDataset):
+        record["normalise"] = {
+            "stored_dtype": np.dtype(data.x_train.dtype).name,
+            "scale": float(data.scale),
+            "mean": [float(m) for m in np.ravel(data.mean)],
+            "std": [float(v) for v in np.ravel(data.std)],
+        }
+    return record
 
 
 def _all_processes_agree(ok: bool) -> bool:

@@ -12,6 +12,7 @@ Where arrays go on a mesh is `jaxnn.parallel.placement`'s.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -52,6 +53,36 @@ def parse_mesh(spec: str | Mapping[str, int]) -> dict[str, int]:
     if not sizes:
         raise ValueError(f"mesh {spec!r}: no axes given; expected AXIS=SIZE items, e.g. data=2,fsdp=4")
     return sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshShape:
+    """A mesh's axis sizes, read once from its text where a run starts (`parse`) and passed on typed: `make_mesh`
+    builds it, `devices` says how many devices it spans, `batch_split` how many ways it splits the batch. An
+    axis a spec leaves out has size 1."""
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self) -> None:
+        parse_mesh(dataclasses.asdict(self))  # the sizes are checked as the text's are, naming the axis
+
+    @classmethod
+    def parse(cls, spec: str | Mapping[str, int] | MeshShape) -> MeshShape:
+        """`"data=2,fsdp=4"` (or a mapping of axis sizes, or a MeshShape) -> MeshShape; a bad spec is a ValueError
+        of one line naming the item (`parse_mesh`, the grammar)."""
+        return spec if isinstance(spec, MeshShape) else cls(**parse_mesh(spec))
+
+    @property
+    def devices(self) -> int:
+        """How many devices the mesh spans: the product of its axis sizes."""
+        return self.data * self.fsdp * self.tensor
+
+    @property
+    def batch_split(self) -> int:
+        """How many ways the batch is split: the product of the batch axes' (data, fsdp) sizes."""
+        return self.data * self.fsdp
 
 
 def _mesh_items(spec: str) -> list[tuple[str, Any]]:
@@ -120,10 +151,10 @@ def configure_cpu_devices(num_devices: int) -> None:
         )
 
 
-def make_mesh(shape: int | str | Mapping[str, int] | None = None, devices: list | None = None) -> Mesh:
+def make_mesh(shape: int | str | Mapping[str, int] | MeshShape | None = None, devices: list | None = None) -> Mesh:
     """The one mesh builder: `shape` is a device count, a 1-D mesh named `data` over the first `shape` devices
-    (all of them when None, across processes), or axis sizes ("data=2,fsdp=4" or {"data": 2, "fsdp": 4}; see
-    `parse_mesh`), a mesh with axes (data, fsdp, tensor) (missing axes have size 1) over the first
+    (all of them when None, across processes), or axis sizes (a `MeshShape`, "data=2,fsdp=4" or {"data": 2,
+    "fsdp": 4}; see `parse_mesh`), a mesh with axes (data, fsdp, tensor) (missing axes have size 1) over the first
     product-of-sizes devices. Devices come in process order, so each process holds one contiguous share of a
     batch; `devices` replaces `jax.devices()`."""
     devices = jax.devices() if devices is None else list(devices)
@@ -136,8 +167,7 @@ def make_mesh(shape: int | str | Mapping[str, int] | None = None, devices: list 
         # Auto (not the Explicit default): data parallelism leaves sharding propagation to XLA, so model code such
         # as embedding gathers never needs sharding annotations.
         return jax.make_mesh((n,), (DATA_AXIS,), axis_types=(AxisType.Auto,), devices=devices[:n])
-    sizes = parse_mesh(shape)
-    dims = tuple(sizes.get(axis, 1) for axis in AXES)
+    dims = dataclasses.astuple(MeshShape.parse(shape))  # (data, fsdp, tensor), in AXES' order
     needed = math.prod(dims)
     if needed > len(devices):
         raise ValueError(f"mesh {dict(zip(AXES, dims))} needs {needed} devices, {len(devices)} available")
