@@ -53,9 +53,18 @@ def _path_of(obj: Any) -> str | None:
         return None
 
 
+# Layer constructors and instances that moved to another module; folders saved before name them where they were.
+_MOVED = {
+    "jaxnn.layers.core.Lambda": "jaxnn.layers.combinators.Lambda",
+    "jaxnn.layers.core.serial": "jaxnn.layers.combinators.serial",
+    "jaxnn.layers.core.parallel": "jaxnn.layers.combinators.parallel",
+    "jaxnn.layers.core.residual": "jaxnn.layers.combinators.residual",
+}
+
+
 def _resolve(path: str) -> Any:
-    """The object at an import path "package.module.Attr.attr"."""
-    parts = path.split(".")
+    """The object at an import path "package.module.Attr.attr" (or where it moved to, `_MOVED`)."""
+    parts = _MOVED.get(path, path).split(".")
     for cut in range(len(parts), 0, -1):
         try:
             obj = importlib.import_module(".".join(parts[:cut]))

@@ -19,15 +19,13 @@ from jax.typing import DTypeLike
 from jaxnn import precision
 from jaxnn.layers.activation import Dropout, Gelu
 from jaxnn.layers.blocked_attention import attention as attention_in_blocks
+from jaxnn.layers.combinators import Lambda, residual, serial
 from jaxnn.layers.core import (
-    Lambda,
     Layer,
     LayerError,
     check_keywords,
     check_positive,
     describe,
-    residual,
-    serial,
     shape_error,
     with_name,
 )

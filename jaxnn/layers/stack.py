@@ -83,7 +83,7 @@ def rematerialised(model: Layer, policy: str) -> Layer:
     config: Any = spec.args[0] if len(spec.args) == 1 and not spec.kwargs else None
     if _has_remat_field(config):
         return _constructor(spec.path)(dataclasses.replace(config, remat=policy))
-    if spec.path == "jaxnn.layers.core.serial":
+    if spec.path == "jaxnn.layers.combinators.serial":
         layers = [_per_block(child, policy) for child in spec.args]
         return _constructor(spec.path)(*layers, **spec.kwargs)
     raise ValueError(

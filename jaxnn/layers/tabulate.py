@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from jaxnn.layers.core import Layer, Params, State, child_keys, run, splits_input
+from jaxnn.layers.combinators import splits_input
+from jaxnn.layers.core import Layer, Params, State, child_keys, run
 from jaxnn.precision import Policy, get_policy
 from jaxnn.profile.timing import cost_counts
 
