@@ -59,6 +59,9 @@ _MOVED = {
     "jaxnn.layers.core.serial": "jaxnn.layers.combinators.serial",
     "jaxnn.layers.core.parallel": "jaxnn.layers.combinators.parallel",
     "jaxnn.layers.core.residual": "jaxnn.layers.combinators.residual",
+    "jaxnn.layers.attention.SwiGLU": "jaxnn.layers.transformer.SwiGLU",
+    "jaxnn.layers.attention.TransformerBlock": "jaxnn.layers.transformer.TransformerBlock",
+    "jaxnn.layers.attention.HiddenGelu": "jaxnn.layers.transformer.HiddenGelu",
 }
 
 
@@ -81,7 +84,7 @@ def _named_instances() -> dict[int, str]:
     import jaxnn.layers as layers_package
 
     found: dict[int, str] = {}
-    for module_name in ("jaxnn.layers.activation", "jaxnn.layers.attention", "jaxnn.layers"):
+    for module_name in ("jaxnn.layers.activation", "jaxnn.layers.transformer", "jaxnn.layers"):
         module = importlib.import_module(module_name)
         for attr, value in vars(module).items():
             if isinstance(value, Layer):

@@ -13,7 +13,7 @@ from jaxnn.layers.activation import (
     Softplus,
     Tanh,
 )
-from jaxnn.layers.attention import MultiHeadAttention, SwiGLU, TransformerBlock, rotary_embedding
+from jaxnn.layers.attention import MultiHeadAttention, rotary_embedding
 from jaxnn.layers.combinators import Lambda, parallel, residual, serial
 from jaxnn.layers.conv import Conv, ConvTranspose
 from jaxnn.layers.core import (
@@ -40,6 +40,7 @@ from jaxnn.layers.pool import AvgPool, GlobalAvgPool, MaxPool
 from jaxnn.layers.recurrent import RNN, Bidirectional, GRUCell, LSTMCell
 from jaxnn.layers.stack import REMAT_POLICIES, Repeat, remat, rematerialised
 from jaxnn.layers.tabulate import ModelSummary, SummaryRow, summary
+from jaxnn.layers.transformer import SwiGLU, TransformerBlock
 
 __all__ = [
     "Softplus",

@@ -67,7 +67,7 @@ def remat(layer: Layer, *, checkpoint_policy: Any = None) -> Layer:
 
 
 # Layers that take a `remat` policy themselves and apply it to each copy or block they hold.
-_TAKES_REMAT = ("jaxnn.layers.stack.Repeat", "jaxnn.layers.attention.TransformerBlock")
+_TAKES_REMAT = ("jaxnn.layers.stack.Repeat", "jaxnn.layers.transformer.TransformerBlock")
 
 
 def rematerialised(model: Layer, policy: str) -> Layer:
