@@ -50,7 +50,7 @@ def export_decoding(
     import jax
     import jax.numpy as jnp
 
-    from jaxnn.generate import decode_step, positions_of
+    from jaxnn.decoding import decode_step, positions_of
     from jaxnn.kernels import onednn
     from jaxnn.layers.core import run_cached
     from jaxnn.precision import get_policy
