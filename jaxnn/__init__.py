@@ -42,6 +42,7 @@ SUBMODULES = (
     "cli",
     "config",
     "data",
+    "decoding",
     "decoding_export",
     "errors",
     "evaluation",

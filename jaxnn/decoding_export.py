@@ -15,16 +15,15 @@ returned, so the caller owns it; `examples/generate_exported.py` is such a calle
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from jaxnn._src import pytree
-from jaxnn._src.ownership import check_export_dir, export_identity
+from jaxnn._src.ownership import check_export_dir
 from jaxnn._src.storage import check_writable, make_dirs, write_bytes_atomic, write_json_atomic
-from jaxnn.export import STATE_PREFIX, WEIGHTS_FILE, check_platforms, flat_weights, save_safetensors
+from jaxnn.export import CONFIG_KEY, STATE_PREFIX, WEIGHTS_FILE, check_platforms, flat_weights, save_safetensors
 
 if TYPE_CHECKING:
     from jaxnn.layers import Layer
@@ -50,7 +49,7 @@ def export_decoding(
     import jax
     import jax.numpy as jnp
 
-    from jaxnn.generate import decode_step, positions_of
+    from jaxnn.decoding import decode_step, positions_of
     from jaxnn.kernels import onednn
     from jaxnn.layers.core import run_cached
     from jaxnn.precision import get_policy
@@ -120,7 +119,8 @@ def write_decoding_export(
 
     out = pathlib.Path(out_dir)
     check_writable(out)
-    check_export_dir(out, export_identity(config), (PREFILL_FILE, STEP_FILE, WEIGHTS_FILE, INFO_FILE), _identity)
+    files = (PREFILL_FILE, STEP_FILE, WEIGHTS_FILE, INFO_FILE)
+    check_export_dir(out, config, files, info_file=INFO_FILE, config_key=CONFIG_KEY)
     prefill, step = export_decoding(
         model, params, model_state, prompt_len=prompt_len, cache_len=cache_len, policy=policy, platforms=platforms
     )
@@ -144,21 +144,3 @@ def write_decoding_export(
     }
     write_json_atomic(out / INFO_FILE, info)  # last: a folder with decoding.json is complete
     return out
-
-
-def _identity(path: pathlib.Path) -> str | None:
-    """The config decoding.json or the weights header records, as `export_identity` text (programs: None)."""
-    if path.suffix == ".jaxexport":
-        return None
-    try:
-        if path.name == INFO_FILE:
-            return export_identity(json.loads(path.read_text()).get("config"))
-        from safetensors import safe_open
-
-        from jaxnn.export import CONFIG_KEY
-
-        with safe_open(str(path), framework="np") as f:
-            header = (f.metadata() or {}).get(CONFIG_KEY)
-        return export_identity(json.loads(header) if header else None)
-    except Exception:  # noqa: BLE001 - a damaged file records no config this export could match
-        return "(unreadable)"

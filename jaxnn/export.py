@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jaxnn._src import pytree
-from jaxnn._src.ownership import check_export_dir, export_identity
+from jaxnn._src.ownership import check_export_dir
 from jaxnn._src.storage import check_writable, make_dirs, pid_alive, write_bytes_atomic, write_json_atomic
 
 if TYPE_CHECKING:
@@ -284,28 +284,12 @@ def check_out_dir(out: pathlib.Path, config: dict | None) -> None:
     temporary file a killed export left (`.<name>.tmp-<pid>` of a process that is gone) is removed."""
     check_writable(out)
     files = (EXPORT_FILE, WEIGHTS_FILE, INFO_FILE)
-    check_export_dir(out, export_identity(config), files, _recorded_identity)
+    check_export_dir(out, config, files, info_file=INFO_FILE, config_key=CONFIG_KEY)
     for name in files:
         for leftover in out.glob(f".{name}.tmp-*") if out.is_dir() else ():
             pid = leftover.name.rpartition("-")[2]
             if pid.isdigit() and not pid_alive(int(pid)):
                 leftover.unlink(missing_ok=True)
-
-
-def _recorded_identity(path: pathlib.Path) -> str | None:
-    """The config an export file records (export.json's, the weights header's), as `export_identity` text."""
-    if path.name == EXPORT_FILE:
-        return None
-    try:
-        if path.name == INFO_FILE:
-            return export_identity(json.loads(path.read_text()).get("config"))
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="np") as f:
-            header = (f.metadata() or {}).get(CONFIG_KEY)
-        return export_identity(json.loads(header) if header else None)
-    except Exception:  # noqa: BLE001 - a damaged file records no config this export could match
-        return "(unreadable)"
 
 
 def _aval_json(aval: Any) -> dict[str, Any]:

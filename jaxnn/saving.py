@@ -53,9 +53,21 @@ def _path_of(obj: Any) -> str | None:
         return None
 
 
+# Layer constructors and instances that moved to another module; folders saved before name them where they were.
+_MOVED = {
+    "jaxnn.layers.core.Lambda": "jaxnn.layers.combinators.Lambda",
+    "jaxnn.layers.core.serial": "jaxnn.layers.combinators.serial",
+    "jaxnn.layers.core.parallel": "jaxnn.layers.combinators.parallel",
+    "jaxnn.layers.core.residual": "jaxnn.layers.combinators.residual",
+    "jaxnn.layers.attention.SwiGLU": "jaxnn.layers.transformer.SwiGLU",
+    "jaxnn.layers.attention.TransformerBlock": "jaxnn.layers.transformer.TransformerBlock",
+    "jaxnn.layers.attention.HiddenGelu": "jaxnn.layers.transformer.HiddenGelu",
+}
+
+
 def _resolve(path: str) -> Any:
-    """The object at an import path "package.module.Attr.attr"."""
-    parts = path.split(".")
+    """The object at an import path "package.module.Attr.attr" (or where it moved to, `_MOVED`)."""
+    parts = _MOVED.get(path, path).split(".")
     for cut in range(len(parts), 0, -1):
         try:
             obj = importlib.import_module(".".join(parts[:cut]))
@@ -72,7 +84,7 @@ def _named_instances() -> dict[int, str]:
     import jaxnn.layers as layers_package
 
     found: dict[int, str] = {}
-    for module_name in ("jaxnn.layers.activation", "jaxnn.layers.attention", "jaxnn.layers"):
+    for module_name in ("jaxnn.layers.activation", "jaxnn.layers.transformer", "jaxnn.layers"):
         module = importlib.import_module(module_name)
         for attr, value in vars(module).items():
             if isinstance(value, Layer):

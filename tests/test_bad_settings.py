@@ -17,7 +17,7 @@ from jaxnn.augment import Augment, parse_augment
 from jaxnn.callbacks import Callback
 from jaxnn.config import ConfigError
 from jaxnn.data import DataError, detect_format, load_cifar10
-from jaxnn.data.datasets import read_idx
+from jaxnn.data.loaders import read_idx
 from jaxnn.layers import init_model
 from jaxnn.models import CNN
 from jaxnn.train import masked_classification_loss

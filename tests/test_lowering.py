@@ -13,7 +13,7 @@ import pytest
 
 from jaxnn import layers as L
 from jaxnn import train
-from jaxnn.layers import attention
+from jaxnn.layers import attention_kernels
 from jaxnn.layers.core import init_model, run
 from jaxnn.models import CNN, GPT, CNNConfig, GPTConfig
 from jaxnn.precision import BF16, FP32
@@ -109,15 +109,15 @@ def test_gpt_exported_for_cuda_has_mixed_precision_products():
     # jax traces cuDNN attention only where its CUDA plugin finds cuDNN; then "auto" takes it for CUDA, otherwise
     # (this CPU-only jax) the CUDA lowering gets the f32-accumulating path.
     has_cudnn = "__cudnn$fmha" in text
-    assert has_cudnn == attention._cudnn_traces(q, q, q, None, True)
+    assert has_cudnn == attention_kernels._cudnn_traces(q, q, q, None, True)
 
 
 def test_attention_auto_follows_the_lowering_platform(monkeypatch, key):
     """Stand jax's XLA attention in for cuDNN (which a CPU-only jax cannot trace): exported for CUDA, "auto" takes the
     CUDA branch (probs @ values in bf16, as jax's XLA path computes it); for the CPU, the f32acc path (f32 result)."""
-    real = attention._attention
-    monkeypatch.setattr(attention, "_cudnn_traces", lambda *_: True)
-    monkeypatch.setattr(attention, "_attention", lambda impl, *a: real("xla" if impl == "cudnn" else impl, *a))
+    real = attention_kernels._attention
+    monkeypatch.setattr(attention_kernels, "_cudnn_traces", lambda *_: True)
+    monkeypatch.setattr(attention_kernels, "_attention", lambda impl, *a: real("xla" if impl == "cudnn" else impl, *a))
     layer = L.MultiHeadAttention(2, causal=True)
     params = jax.eval_shape(lambda k: layer.init(k, (2, 6, 8))[1], key)
 

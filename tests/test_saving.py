@@ -129,6 +129,19 @@ def _schedule_adamw():
 
 
 @pytest.mark.slow
+def test_constructors_named_by_the_modules_they_moved_from_still_load():
+    from jaxnn.saving import decode, encode
+
+    old = {
+        "call": "jaxnn.layers.core.residual",
+        "args": [{"call": "jaxnn.layers.attention.TransformerBlock", "args": [2], "kwargs": {"mlp": "swiglu"}}],
+        "kwargs": {"name": "r"},
+    }
+    model = decode(old)
+    assert encode(model, "model")["call"] == "jaxnn.layers.combinators.residual"
+    assert model.children[0].spec.path == "jaxnn.layers.transformer.TransformerBlock"
+
+
 def test_fit_resumes_a_saved_model_in_a_fresh_process_bitwise(tmp_path):
     x, y = _data()
     np.savez(tmp_path / "data.npz", x=x, y=y)

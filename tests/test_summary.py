@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from jaxnn import layers as L
-from jaxnn.layers.core import splits_input
+from jaxnn.layers.combinators import splits_input
 from jaxnn.layers.tabulate import format_bytes
 from jaxnn.models import CNN, GPT, CNNConfig, GPTConfig
 

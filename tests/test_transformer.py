@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from jaxnn import layers as L
-from jaxnn.generate import compiled_programs, generate, generate_batch
+from jaxnn.decoding import compiled_programs
+from jaxnn.generate import generate, generate_batch
 from jaxnn.models import GPT, GPTConfig
 
 

@@ -62,6 +62,7 @@ MODULES = (
     "jaxnn.data.records",
     "jaxnn.export",
     "jaxnn.generate",
+    "jaxnn.decoding",
     "jaxnn.serve",
     "jaxnn.decoding_export",
     "jaxnn.interop",

@@ -17,7 +17,7 @@ import optax
 from benchmarks.peers.common import main
 from benchmarks.train_steps import LEARNING_RATE, jaxnn_model, synthetic_batch
 from jaxnn import train
-from jaxnn.layers.attention import cpu_implementation
+from jaxnn.layers.attention_kernels import cpu_implementation
 from jaxnn.profile.timing import stepper
 
 

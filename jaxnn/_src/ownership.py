@@ -17,7 +17,7 @@ import pathlib
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from jaxnn._src.storage import PathLike, RunDirError, write_json_atomic
 
@@ -107,15 +107,37 @@ def export_identity(config: dict | None) -> str:
     return json.dumps(config, sort_keys=True)
 
 
-def check_export_dir(out: pathlib.Path, identity: str, files: Iterable[str], read_identity: Callable) -> None:
-    """Refuses an export folder that holds another export or foreign files, before anything is written.
+def recorded_identity(path: pathlib.Path, info_file: str, config_key: str) -> str | None:
+    """The config an export file records, as `export_identity` text: the info file's (`info_file`, JSON with a
+    "config"), a safetensors weights header's (under `config_key`); None for a program (`.jaxexport`), which
+    records none; "(unreadable)" for a damaged file, which no export matches."""
+    if path.suffix == ".jaxexport":
+        return None
+    try:
+        if path.name == info_file:
+            return export_identity(json.loads(path.read_text()).get("config"))
+        from safetensors import safe_open
 
-    `files`: the names an export writes; `read_identity(path)` gives the identity one of them records, or None for
-    a file that records none (the program, which is judged by the files beside it). A set of this same export
-    cut short by a crash is completed, never refused.
+        with safe_open(str(path), framework="np") as f:
+            header = (f.metadata() or {}).get(config_key)
+        return export_identity(json.loads(header) if header else None)
+    except Exception:  # noqa: BLE001 - a damaged file records no config this export could match
+        return "(unreadable)"
+
+
+def check_export_dir(
+    out: pathlib.Path, config: dict | None, files: Iterable[str], *, info_file: str, config_key: str
+) -> None:
+    """Refuses an export folder that holds another export (of another `config`) or foreign files, before anything
+    is written.
+
+    `files`: the names an export writes; each records the config it was written from (`recorded_identity`), or
+    nothing (the program, which is judged by the files beside it). A set of this same export cut short by a crash
+    is completed, never refused.
     """
     if not out.is_dir():
         return
+    identity = export_identity(config)
     known = set(files)
     entries = [p for p in sorted(out.iterdir()) if not _is_temporary(p, known)]
     foreign = [p for p in entries if p.name not in known]
@@ -124,7 +146,7 @@ def check_export_dir(out: pathlib.Path, identity: str, files: Iterable[str], rea
             f"export folder {out} holds files that are not a jaxnn export ({_names(foreign)}); "
             "choose an empty or new --out"
         )
-    recorded = {p.name: read_identity(p) for p in entries}
+    recorded = {p.name: recorded_identity(p, info_file, config_key) for p in entries}
     if entries and all(v is None for v in recorded.values()):
         raise RunDirError(
             f"export folder {out} holds {_names(entries)} without the files that say which checkpoint it is "

@@ -1,11 +1,7 @@
 """Data: local data sets as numpy arrays, the seeded host pipeline, and device prefetch."""
 
-from jaxnn.data.datasets import (
-    FORMATS,
-    IMAGE_FORMATS,
-    DataError,
-    ImageDataset,
-    TextCorpus,
+from jaxnn.data.datasets import FORMATS, IMAGE_FORMATS, DataError, ImageDataset, TextCorpus, synthetic
+from jaxnn.data.loaders import (
     detect_format,
     load_cifar10,
     load_dataset,
@@ -15,7 +11,6 @@ from jaxnn.data.datasets import (
     read_cifar_batch,
     read_idx,
     read_idx_split,
-    synthetic,
     tokenize_corpus,
 )
 from jaxnn.data.pipeline import (

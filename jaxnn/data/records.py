@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxnn.data.datasets import TEXT_SUFFIXES, DataError, TextCorpus
+from jaxnn.data.datasets import DataError, TextCorpus
+from jaxnn.data.loaders import TEXT_SUFFIXES
 from jaxnn.interop.tokenizer import END_TOKENS, end_token
 
 RECORD_SUFFIX = ".jsonl"

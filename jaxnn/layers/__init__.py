@@ -13,14 +13,14 @@ from jaxnn.layers.activation import (
     Softplus,
     Tanh,
 )
-from jaxnn.layers.attention import MultiHeadAttention, SwiGLU, TransformerBlock, rotary_embedding
+from jaxnn.layers.attention import MultiHeadAttention, rotary_embedding
+from jaxnn.layers.combinators import Lambda, parallel, residual, serial
 from jaxnn.layers.conv import Conv, ConvTranspose
 from jaxnn.layers.core import (
     ApplyFn,
     Cache,
     InitFn,
     InitStateFn,
-    Lambda,
     Layer,
     LayerError,
     LayerTypeError,
@@ -31,11 +31,8 @@ from jaxnn.layers.core import (
     init_cache,
     init_model,
     output_shape,
-    parallel,
-    residual,
     run,
     run_cached,
-    serial,
 )
 from jaxnn.layers.linear import Dense, Embedding, Flatten, PositionEmbedding, Reshape
 from jaxnn.layers.norm import BatchNorm, GroupNorm, InstanceNorm, LayerNorm, RMSNorm
@@ -43,6 +40,7 @@ from jaxnn.layers.pool import AvgPool, GlobalAvgPool, MaxPool
 from jaxnn.layers.recurrent import RNN, Bidirectional, GRUCell, LSTMCell
 from jaxnn.layers.stack import REMAT_POLICIES, Repeat, remat, rematerialised
 from jaxnn.layers.tabulate import ModelSummary, SummaryRow, summary
+from jaxnn.layers.transformer import SwiGLU, TransformerBlock
 
 __all__ = [
     "Softplus",

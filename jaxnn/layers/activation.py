@@ -8,7 +8,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxnn.layers.core import Lambda, Layer, as_layer, check_keywords, describe, is_layer_constructor
+from jaxnn.layers.combinators import Lambda
+from jaxnn.layers.core import Layer, as_layer, check_keywords, describe, is_layer_constructor
 from jaxnn.precision import accumulation_dtype
 
 Relu = Lambda(jax.nn.relu, "relu")

@@ -67,7 +67,7 @@ def remat(layer: Layer, *, checkpoint_policy: Any = None) -> Layer:
 
 
 # Layers that take a `remat` policy themselves and apply it to each copy or block they hold.
-_TAKES_REMAT = ("jaxnn.layers.stack.Repeat", "jaxnn.layers.attention.TransformerBlock")
+_TAKES_REMAT = ("jaxnn.layers.stack.Repeat", "jaxnn.layers.transformer.TransformerBlock")
 
 
 def rematerialised(model: Layer, policy: str) -> Layer:
@@ -83,7 +83,7 @@ def rematerialised(model: Layer, policy: str) -> Layer:
     config: Any = spec.args[0] if len(spec.args) == 1 and not spec.kwargs else None
     if _has_remat_field(config):
         return _constructor(spec.path)(dataclasses.replace(config, remat=policy))
-    if spec.path == "jaxnn.layers.core.serial":
+    if spec.path == "jaxnn.layers.combinators.serial":
         layers = [_per_block(child, policy) for child in spec.args]
         return _constructor(spec.path)(*layers, **spec.kwargs)
     raise ValueError(

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 
 from jaxnn._src.xla_cost import cost_counts
-from jaxnn.layers.core import Layer, Params, State, child_keys, run, splits_input
+from jaxnn.layers.combinators import splits_input
+from jaxnn.layers.core import Layer, Params, State, child_keys, run
 from jaxnn.precision import Policy, get_policy
 
 _COLUMNS = ("Layer", "Output shape", "Params", "Param bytes", "FLOPs")

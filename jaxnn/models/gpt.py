@@ -17,9 +17,9 @@ from jaxnn.layers import (
     remat,
     serial,
 )
-from jaxnn.layers.attention import MLPS
 from jaxnn.layers.core import describe
 from jaxnn.layers.stack import REMAT_POLICIES
+from jaxnn.layers.transformer import MLPS
 
 POSITIONS = ("learned", "rope")
 

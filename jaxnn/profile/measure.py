@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxnn._src.cpu import cpu_info
-from jaxnn.layers.core import Layer, init_model, run, splits_input
+from jaxnn.layers.combinators import splits_input
+from jaxnn.layers.core import Layer, init_model, run
 from jaxnn.layers.tabulate import guess_input, named_children
 from jaxnn.precision import Policy, get_policy
 from jaxnn.profile.projection import Accelerator

@@ -38,7 +38,7 @@ TokenCallback = Callable[[int | None, str | None], None]
 @dataclasses.dataclass(eq=False)
 class Request:
     """One generation request: its prompt ids, its limit, end tokens and sampling settings (those of
-    `jaxnn.generate.Sampler`; top_k 0 and top_p 1 restrict nothing)."""
+    `jaxnn.decoding.Sampler`; top_k 0 and top_p 1 restrict nothing)."""
 
     prompt: list[int]
     max_tokens: int

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxnn.generate import decode_step, positions_of
+from jaxnn.decoding import decode_step, positions_of
 from jaxnn.layers import Layer, run, run_cached
 from jaxnn.precision import Policy
 
@@ -35,7 +35,7 @@ class RowSampling(NamedTuple):
 
 
 def sample_rows(logits_RV: jax.Array, rows: RowSampling) -> jax.Array:
-    """The next token of each row (R,) int32, each by its own settings (those of `jaxnn.generate.Sampler`)."""
+    """The next token of each row (R,) int32, each by its own settings (those of `jaxnn.decoding.Sampler`)."""
     logits_RV = logits_RV.astype(jnp.float32)
     greedy_R = jnp.argmax(logits_RV, axis=-1).astype(jnp.int32)
     scaled_RV = logits_RV / jnp.maximum(rows.temperature, 1e-6)[:, None]
