@@ -112,10 +112,9 @@ def test_the_package_keeps_few_root_modules_and_marks_its_internals():
     assert not [name for name in internal if f'"{name}"' in docs]
 
 
-# Sizes: a module a reader takes in whole. The target is at most 6 files over 400 lines; 8 are today (the loop's
-# run, set-up and run directory, the command line's train flags, train.py, checkpoint.py, saving.py, layers/conv.py),
-# so the limit is what holds, and may only come down.
-MAX_LINES, LONG_LINES, MAX_LONG_FILES = 600, 400, 8
+# Sizes: a module a reader takes in whole. No file over 600 lines, at most 6 over 400 (3 are today: the loop's run,
+# saving.py, layers/conv.py); the next feature in one of those goes to a new file.
+MAX_LINES, LONG_LINES, MAX_LONG_FILES = 600, 400, 6
 
 
 def test_no_module_is_too_long_and_few_are_long():
