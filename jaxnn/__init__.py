@@ -59,6 +59,7 @@ SUBMODULES = (
     "parallel",
     "precision",
     "profile",
+    "quantized",
     "saving",
     "scores",
     "serve",
