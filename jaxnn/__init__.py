@@ -60,6 +60,7 @@ SUBMODULES = (
     "parallel",
     "precision",
     "profile",
+    "quantized",
     "saving",
     "scores",
     "serve",

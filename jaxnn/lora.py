@@ -8,6 +8,9 @@
     save_adapters("adapters.safetensors", params, lora)        # a small file: the adapters and their settings
     merged = merge(params)                                     # w + alpha/rank * a @ b, adapters gone
 
+With `base="int8"` or `base="nf4"` the weights the adapters attach to are stored quantised (`jaxnn.quantized`):
+the frozen base takes a quarter or an eighth of its float32 memory, as in QLoRA.
+
 A matched Dense weight `w` (in, out) gains `lora_a` (in, r), `lora_b` (r, out, zeros: the model starts exactly
 where the base was) and `lora_scale` (alpha / r) in the same params dict; Dense adds `scale * (x @ a) @ b` to
 `x @ w`. Weights stacked by `Repeat` (leading layer axes) get stacked adapters. The adapters stay plain arrays in
@@ -28,10 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxnn import quantized
 from jaxnn._src.jaxpr import used_inputs
 from jaxnn._src.pytree import flatten, matches, unflatten
 from jaxnn.layers.core import Layer
 from jaxnn.layers.linear import adapter_dropout
+from jaxnn.quantized import check_base
 
 TRAINED = ("lora_a", "lora_b")
 ADAPTER_KEYS = (*TRAINED, "lora_scale")
@@ -51,6 +56,7 @@ class LoRA:
     alpha: float = 16.0
     dropout: float = 0.0
     targets: tuple[str, ...] = DEFAULT_TARGETS
+    base: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
@@ -63,6 +69,7 @@ class LoRA:
         if not targets or not all(isinstance(t, str) and t for t in targets):
             raise ValueError(f"LoRA: targets must be non-empty name patterns, got {self.targets!r}")
         object.__setattr__(self, "targets", targets)
+        check_base(self.base)
 
     @property
     def scale(self) -> float:
@@ -70,12 +77,13 @@ class LoRA:
 
     def record(self) -> dict[str, Any]:
         """The settings as JSON values (a run's record, an adapter file's header); `as_lora` reads them back."""
-        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets)}
+        record = {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets)}
+        return record if self.base is None else {**record, "base": self.base}
 
 
 def parse_lora(text: str) -> LoRA:
-    """`LoRA` from "r=8,alpha=16,dropout=0.05,targets=*qkv.w,*out.w" (`rank=` also works; every item after
-    `targets=` without an `=` is one more target pattern)."""
+    """`LoRA` from "r=8,alpha=16,dropout=0.05,base=nf4,targets=*qkv.w,*out.w" (`rank=` also works; every item
+    after `targets=` without an `=` is one more target pattern)."""
     fields: dict[str, Any] = {}
     targets: list[str] = []
     in_targets = False
@@ -92,8 +100,10 @@ def parse_lora(text: str) -> LoRA:
             targets.append(value.strip())
         elif key in ("rank", "alpha", "dropout") and sep:
             fields[key] = _number(key, value)
+        elif key == "base" and sep:
+            fields[key] = value.strip()
         else:
-            raise ValueError(f"LoRA: unknown setting {item!r} in {text!r}; give r=, alpha=, dropout=, targets=")
+            raise ValueError(f"LoRA: unknown setting {item!r} in {text!r}; give r=, alpha=, dropout=, base=, targets=")
     if targets:
         fields["targets"] = tuple(targets)
     return LoRA(**fields)
@@ -115,26 +125,28 @@ def as_lora(value: LoRA | str | Mapping[str, Any]) -> LoRA:
     if isinstance(value, Mapping):
         # The same settings as the text form, under the same names: "r" or "rank", and one pattern or several.
         fields = {{"r": "rank"}.get(str(k), str(k)): v for k, v in value.items()}
-        unknown = sorted(set(fields) - {"rank", "alpha", "dropout", "targets"})
+        unknown = sorted(set(fields) - {"rank", "alpha", "dropout", "targets", "base"})
         if unknown:
             raise ValueError(
-                f"LoRA: unknown setting {unknown[0]!r} in {dict(value)!r}; give rank, alpha, dropout, targets"
+                f"LoRA: unknown setting {unknown[0]!r} in {dict(value)!r}; give rank, alpha, dropout, targets, base"
             )
         return LoRA(**fields)  # LoRA takes a single pattern as one target, as the text form does
     raise TypeError(f"LoRA settings must be a jaxnn.lora.LoRA, its text or a dict, got {type(value).__name__}")
 
 
-def _is_weight(name: str, leaf: Any) -> bool:
-    return name.rsplit(".", 1)[-1] == "w" and np.ndim(leaf) >= 2
+def _weights(flat: Mapping[str, Any]) -> list[str]:
+    """The dotted names ("....w") of the 2-D (or stacked) weights in `flat`, stored plain or quantised."""
+    plain = [name for name, leaf in flat.items() if name.rsplit(".", 1)[-1] == "w" and np.ndim(leaf) >= 2]
+    return plain + [name[: -len("_q")] for name in flat if name.endswith(".w_q")]
 
 
 def target_names(params: Any, targets: Iterable[str]) -> list[str]:
-    """The dotted names of the weights `targets` select; none is a ValueError showing the names there are."""
+    """The dotted names of the weights `targets` select (a quantised weight by its plain name, "....w"); none is
+    a ValueError showing the names there are."""
     targets = tuple(targets)
-    flat = flatten(params)
-    names = [name for name, leaf in flat.items() if matches(name, targets) and _is_weight(name, leaf)]
+    weights = _weights(flatten(params))
+    names = [name for name in weights if matches(name, targets)]
     if not names:
-        weights = [name for name, leaf in flat.items() if _is_weight(name, leaf)]
         raise ValueError(
             f"LoRA: no Dense weight matches targets {list(targets)}; the weights are named like {weights[:4]}"
         )
@@ -153,14 +165,23 @@ def add_adapters(params: Any, lora: LoRA, key: jax.Array) -> Any:
         raise ValueError("LoRA: these params already hold adapters; merge them first (jaxnn.lora.merge)")
     flat = dict(flatten(params))
     for i, name in enumerate(target_names(params, lora.targets)):
-        w = flat[name]
-        *stack, fan_in, fan_out = np.shape(w)
         base = name[: -len(".w")]
+        *stack, fan_in, fan_out = _weight_shape(flat, base) or ()
         a = jax.random.normal(jax.random.fold_in(key, i), (*stack, fan_in, lora.rank), jnp.float32)
         flat[f"{base}.lora_a"] = a / math.sqrt(fan_in)
         flat[f"{base}.lora_b"] = jnp.zeros((*stack, lora.rank, fan_out), jnp.float32)
         flat[f"{base}.lora_scale"] = jnp.full(tuple(stack), lora.scale, jnp.float32)
     return unflatten(flat)
+
+
+def quantize_base(params: Any, lora: LoRA) -> Any:
+    """`params` with the weights `lora.targets` select stored as `lora.base` (int8 or nf4 codes and scales);
+    unchanged when `lora.base` is None. Adapters already beside them stay as they are."""
+    if lora.base is None:
+        return params
+    flat = flatten(params)
+    plain = [name for name in target_names(params, lora.targets) if name in flat]  # not those stored already
+    return quantized.quantize_params(params, plain, lora.base)
 
 
 def adapter_labels(params: Any) -> Any:
@@ -178,6 +199,7 @@ def train_adapters_only(tx: optax.GradientTransformation) -> optax.GradientTrans
 def merge(params: Any) -> Any:
     """`params` with every adapter folded into its weight (`w + scale * a @ b`, in float32, stored in `w`'s
     dtype) and the adapter arrays removed: a plain model that exports anywhere. Without adapters, `params`."""
+    params = quantized.dequantize_params(params)
     if not has_adapters(params):
         return params
     flat = dict(flatten(params))
@@ -204,10 +226,11 @@ def base_digest(params: Any, names: Any) -> str:
 
     flat = dict(flatten(params))
     digest = hashlib.sha256()
-    for weight in sorted({name.rsplit(".", 1)[0] + ".w" for name in names}):
-        array = np.ascontiguousarray(np.asarray(flat[weight]))
-        digest.update(f"{weight}|{array.dtype}|{array.shape}|".encode())
-        digest.update(array.tobytes())
+    for stem in sorted({name.rsplit(".", 1)[0] for name in names}):
+        for weight in (f"{stem}.w",) if f"{stem}.w" in flat else (f"{stem}.w_q", f"{stem}.w_scale"):
+            array = np.ascontiguousarray(np.asarray(flat[weight]))
+            digest.update(f"{weight}|{array.dtype}|{array.shape}|".encode())
+            digest.update(array.tobytes())
     return digest.hexdigest()
 
 
@@ -251,10 +274,12 @@ def load_adapters(path: str | os.PathLike, params: Any, *, check_base: bool = Tr
     lora = as_lora(json.loads(meta["lora"]))
     if has_adapters(params):
         raise ValueError("load_adapters: these params already hold adapters")
+    if lora.base is not None and not quantized.is_quantized(params):
+        params = quantize_base(params, lora)  # the base stored as the adapters were trained on it
     flat = dict(flatten(params))
     for name, array in arrays.items():
-        weight = flat.get(name.rsplit(".", 1)[0] + ".w")
-        if weight is None or not _fits(name.rsplit(".", 1)[-1], array.shape, tuple(np.shape(weight))):
+        shape = _weight_shape(flat, name.rsplit(".", 1)[0])
+        if shape is None or not _fits(name.rsplit(".", 1)[-1], array.shape, shape):
             raise ValueError(f"{path}: adapter {name} has no matching weight in the params (another base model?)")
         flat[name] = jnp.asarray(array)
     recorded = meta.get("base_sha256")
@@ -264,6 +289,13 @@ def load_adapters(path: str | os.PathLike, params: Any, *, check_base: bool = Tr
             f"recorded digest {recorded[:12]}); load the base they were trained on, or pass check_base=False"
         )
     return unflatten(flat), lora
+
+
+def _weight_shape(flat: dict[str, Any], stem: str) -> tuple[int, ...] | None:
+    """The (stack..., in, out) shape of the weight at `stem`, stored plain or quantised; None if there is none."""
+    if f"{stem}.w" in flat:
+        return tuple(np.shape(flat[f"{stem}.w"]))
+    return quantized.weight_shape(flat[f"{stem}.w_q"]) if f"{stem}.w_q" in flat else None
 
 
 def _fits(kind: str, shape: tuple[int, ...], weight: tuple[int, ...]) -> bool:
@@ -337,6 +369,7 @@ __all__ = [
     "lora_model",
     "merge",
     "parse_lora",
+    "quantize_base",
     "save_adapters",
     "target_names",
     "train_adapters_only",

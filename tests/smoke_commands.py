@@ -170,6 +170,10 @@ for _line in (
     "jaxnn export --run-dir ft --format hf --out ft-hf",
     "jaxnn export --run-dir ft --format lora --out ft-adapters",
     "jaxnn export --run-dir ft --format peft --out ft-peft",
+    "jaxnn train --init-from tiny-gpt2 --data qa.jsonl --lora r=8,alpha=16,base=nf4 --steps 30 --batch-size 8 "
+    "--seq-len 32 --lr 3e-3 --run-dir ft-nf4 --no-progress --no-plots",
+    'jaxnn generate --run-dir ft-nf4 --prompt "def f3(x):" --length 8 --temperature 0',
+    "jaxnn export --run-dir ft-nf4 --format hf --out ft-nf4-hf",
 ):
     DOC_COMMANDS[_line] = _WALKTHROUGH
 

@@ -58,6 +58,7 @@ MODULES = (
     "jaxnn.checkpoint",
     "jaxnn.finetune",
     "jaxnn.lora",
+    "jaxnn.quantized",
     "jaxnn.saving",
     "jaxnn.data.records",
     "jaxnn.export",

@@ -3,7 +3,8 @@
 jaxnn's core needs jax, optax, orbax-checkpoint, numpy and safetensors; what only some users need is an extra:
 `pip install 'jaxnn[plots]'` (matplotlib), `[progress]` (tqdm), `[tensorboard]` (tensorboardX), `[grain]` (Grain's
 worker processes), `[data]` (scikit-learn, for the bundled digits), `[augment]` (dm-pix, for augmentation in the
-step), or `[all]`; `[docs]` (pdoc) builds the documentation (`make docs`).
+step), `[quant]` (Qwix, for LoRA over an int8 or nf4 base), or `[all]`; `[docs]` (pdoc) builds the documentation
+(`make docs`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ EXTRAS = {
     "torchvision": "interop",
     "transformers": "interop",
     "tokenizers": "interop",
+    "qwix": "quant",
 }
 _warned: set[str] = set()
 

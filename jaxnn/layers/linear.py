@@ -28,6 +28,7 @@ from jaxnn.layers.core import (
     describe,
     shape_error,
 )
+from jaxnn.quantized import dense_product, weight_shape
 
 POSITIONS = frozenset({"positions"})
 
@@ -63,8 +64,14 @@ def Dense(
         check_float_input(name, x)
         if x.ndim < 1:
             raise shape_error(name, "of rank >= 1", x.shape)
-        check_params(name, params, {"w": (x.shape[-1], features), **({"b": (features,)} if use_bias else {})})
-        y = precision.dense(x, params["w"], policy)
+        bias = {"b": (features,)} if use_bias else {}
+        if "w_q" in params:  # a base stored quantised under LoRA (jaxnn.quantized): dequantised for the product
+            stored = {**params, "w": jax.ShapeDtypeStruct(weight_shape(params["w_q"]), jnp.float32)}
+            check_params(name, stored, {"w": (x.shape[-1], features), **bias})
+            y = dense_product(x, params["w_q"], params["w_scale"], policy)
+        else:
+            check_params(name, params, {"w": (x.shape[-1], features), **bias})
+            y = precision.dense(x, params["w"], policy)
         if "lora_a" in params:  # LoRA adapters (jaxnn.lora): the low-rank update on the input's path
             y = y + _low_rank_update(x, params, policy).astype(y.dtype)
         if use_bias:

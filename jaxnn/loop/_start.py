@@ -76,6 +76,10 @@ def lora_start(model: Layer, tx: Any, cfg: FitConfig, inputs: Any, x_spec: Any) 
     sizes = {name: int(np.size(leaf)) for name, leaf in lora_lib.adapters(params).items()}
     trained = sum(n for name, n in sizes.items() if not name.endswith("lora_scale"))
     total = sum(int(np.size(leaf)) for leaf in jax.tree.leaves(params)) - sum(sizes.values())
+    try:
+        params = lora_lib.quantize_base(params, settings)  # counted above as weights, stored from here as codes
+    except ValueError as err:
+        raise ConfigError(f"fit: {err}") from None
     log.info("fit: LoRA r=%d on %d weights: %s trainable parameters beside %s frozen (%.2f%%)", settings.rank,
              len(sizes) // 3, f"{trained:,}", f"{total:,}", 100 * trained / max(total, 1))  # fmt: skip
     inputs = inputs._replace(params=params, model_state=model_state, init_from=None)

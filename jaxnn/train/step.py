@@ -94,7 +94,7 @@ def train_step_fn(
             scaled = scale.scale_loss(loss) if scale is not None else loss
             return scaled, (loss, metrics, model_state)
 
-        grad_fn = jax.grad(scaled_loss, has_aux=True)
+        grad_fn = _frozen_integers(jax.grad(scaled_loss, has_aux=True, allow_int=True))
         if accumulate == 1:
             grads, (loss, metrics, model_state) = grad_fn(state.params, state.model_state, batch, key)
         else:
@@ -140,6 +140,19 @@ def micro_batches(batch: Batch, k: int) -> Batch:
     return jax.tree.map(split, batch)
 
 
+def _frozen_integers(grad_fn: Callable) -> Callable:
+    """`grad_fn` whose gradients for integer leaves (a base stored quantised under LoRA, `jaxnn.quantized`) are
+    zeros of the leaf's own dtype rather than jax's float0: the optimizer, accumulation and the loss scale then
+    handle one kind of tree. Such leaves are frozen by construction; nothing can differentiate an integer."""
+
+    def with_zeros(params: Params, *args: Any) -> tuple[Any, Any]:
+        grads, aux = grad_fn(params, *args)
+        frozen = jax.tree.map(lambda g, p: jnp.zeros_like(p) if g.dtype == jax.dtypes.float0 else g, grads, params)
+        return frozen, aux
+
+    return with_zeros
+
+
 def _accumulated(grad_fn: Callable, state: TrainState, batch: Batch, key: jax.Array, k: int) -> tuple[Any, Any]:
     """Mean gradient, loss and metrics over K micro-batches; the model state (BatchNorm) runs through them in order."""
 
@@ -153,7 +166,7 @@ def _accumulated(grad_fn: Callable, state: TrainState, batch: Batch, key: jax.Ar
     (grads_sum, model_state), (losses, metrics) = jax.lax.scan(
         body, (zeros, state.model_state), (jnp.arange(k), micro_batches(batch, k))
     )
-    grads = jax.tree.map(lambda g: g / k, grads_sum)
+    grads = jax.tree.map(lambda g: g / k if jnp.issubdtype(g.dtype, jnp.inexact) else g, grads_sum)
     return grads, (losses.mean(), jax.tree.map(lambda m: m.mean(axis=0), metrics), model_state)
 
 

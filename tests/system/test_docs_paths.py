@@ -57,3 +57,19 @@ def test_the_lora_walkthrough_runs_as_written(tmp_path):
     assert outputs[2].startswith("def f3(x):")
     assert "max |jaxnn - transformers|" in outputs[-1]
     assert (tmp_path / "ft-adapters" / "adapters.safetensors").is_file()
+
+
+@pytest.mark.system
+def test_the_quantised_base_walkthrough_runs_as_written(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("qwix")
+    setup = blocks(
+        "bring-a-checkpoint.md",
+        "### The whole path: a folder, a LoRA fine-tune on JSON Lines, generation, and back into transformers",
+    )[0]
+    found = blocks("bring-a-checkpoint.md", "### A quantised base")
+    assert [language for language, _ in found] == ["bash"]
+    outputs = run_blocks([setup, *found], tmp_path)
+    assert "gpt on qa-tokens" in outputs[1]
+    assert outputs[2].startswith("def f3(x):")
+    assert (tmp_path / "ft-nf4-hf" / "config.json").is_file()
