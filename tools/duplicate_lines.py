@@ -2,7 +2,7 @@
 limit where no outside duplicate finder is installed.
 
 Each file becomes its logical lines (a statement spread over several physical lines is one line) with comments,
-docstrings, blank lines, import statements and bare annotations (`name: type`, field lists) left out. A line is
+docstrings, blank lines and declarations (imports, class headers, annotated names: field lists) left out. A line is
 compared exactly (its tokens joined with single spaces) unless `shape=True`, where names, strings and numbers
 become placeholders (keywords and punctuation stay); `physical=True` compares physical lines instead, a line of
 punctuation alone left out. A run of `min_lines` or more consecutive lines that stands in two places, in one file
@@ -72,13 +72,14 @@ def logical_lines(source: str, shape: bool = False, physical: bool = False) -> l
 
 
 def _passed_over(words: list[tuple[int, int, str]]) -> bool:
-    """A docstring (only strings), an import, or a bare annotation (`name: type`, a dataclass's field list):
-    declarations, where a run of alike lines is no logic repeated."""
+    """Declarations, where a run of alike lines is no logic repeated: a docstring (a statement of strings alone),
+    an import, a class header (a list of exception classes) or an annotated name (`name: type` or
+    `name: type = default`, a dataclass's fields)."""
     texts = [w for _, _, w in words]
-    if all(k == tokenize.STRING for _, k, _ in words) or texts[0] in ("import", "from"):
+    if all(k == tokenize.STRING for _, k, _ in words) or texts[0] in ("import", "from", "class"):
         return True
-    is_name = words[0][1] == tokenize.NAME and not keyword.iskeyword(texts[0])
-    return is_name and len(texts) > 1 and texts[1] == ":" and "=" not in texts
+    is_name = words[0][1] == tokenize.NAME and not keyword.iskeyword(words[0][2])
+    return is_name and len(texts) > 1 and texts[1] == ":"
 
 
 def _cut(words: list[tuple[int, int, str]], physical: bool) -> list[Line]:
