@@ -10,7 +10,7 @@ or two, is a pair of places; runs between the same two places that overlap or to
 window of lines that stands in more than `too_common` places is passed over, as common idiom rather than
 repetition worth a helper.
 
-    python tools/duplicate_lines.py [folder] [--shape] [--physical]    # the pairs found in jaxnn/ (or the folder)
+    python tools/duplicate_lines.py [folder] [--exact] [--physical]    # the pairs in jaxnn/ (or the folder), by shape
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ def package_sources(folder: pathlib.Path) -> dict[str, str]:
 
 
 def main(argv: list[str]) -> None:
-    shape, physical = "--shape" in argv, "--physical" in argv
+    shape, physical = "--exact" not in argv, "--physical" in argv
     args = [a for a in argv if not a.startswith("--")]
     folder = pathlib.Path(args[0]) if args else pathlib.Path(__file__).resolve().parent.parent / "jaxnn"
     pairs = find_pairs(package_sources(folder), shape=shape, physical=physical)
