@@ -3,6 +3,7 @@ no private name crosses a file, each public submodule is reachable from `import 
 package starts without jax."""
 
 import ast
+import importlib.util
 import pathlib
 import subprocess
 import sys
@@ -247,3 +248,44 @@ def test_the_docs_layout_names_every_file_of_the_package():
     missing += [name for name in roots if f"`{name}`" not in top]
     assert missing == [], "docs/index.md's layout does not name: " + ", ".join(missing)
     assert f"holds {len(roots)} modules" in layout
+
+
+def load_duplicate_lines():
+    spec = importlib.util.spec_from_file_location("duplicate_lines", ROOT.parent / "tools" / "duplicate_lines.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_duplicate_scanner_finds_a_known_repeat_and_ignores_what_it_should():
+    dup = load_duplicate_lines()
+    body = "".join(f"    v{i} = w{i} + {i}\n" for i in range(7))
+    a = f'import os\n\n\ndef f(w):\n    """Doc."""\n{body}    return v6\n'
+    # the same lines with other names and numbers, a comment and a blank line among them, in another file
+    b = "x = 1\n\n\ndef g(u):\n" + body.replace("    v3", "    # why\n\n    v3").replace("w", "u") + "    return v6\n"
+    assert dup.find_pairs({"a.py": a, "b.py": b}) == []  # other names: not the same to the letter
+    pairs = dup.find_pairs({"a.py": a, "b.py": b}, shape=True)
+    assert pairs == [(dup.Place("a.py", 4, 13), dup.Place("b.py", 4, 14))]  # one pair, the comment passed over
+    changed = b.replace("v3 = u3 + 3", "v3 = u3 * 3")  # splits it into two runs of 4 and 4 logical lines
+    assert dup.find_pairs({"a.py": a, "b.py": changed}, shape=True) == []
+    same = dup.find_pairs({"a.py": a, "c.py": a.replace("import os", "from os import path")})
+    assert same == [(dup.Place("a.py", 4, 13), dup.Place("c.py", 4, 13))]
+    assert dup.find_pairs({"a.py": a}) == [] and dup.find_pairs({"a.py": a + a.replace("def f", "def h")}) != []
+    assert dup.find_pairs({"d.py": "".join(f"x{i}: int\n" for i in range(12)) * 2}, shape=True) == []
+
+
+# Pairs of places in jaxnn/ that share 6 or more logical lines of the same shape (tools/duplicate_lines.py: names,
+# strings and numbers as placeholders; docstrings, imports, class headers and annotated fields left out, so a
+# signature or a keyword call is one line and a list of declarations is not logic repeated). After the clean-up
+# that set this limit it finds none; the external `duplicates --repo jaxnn`, which compares physical lines and
+# counts declarations (signatures, argparse flags, dataclass fields), reported 31 pairs for the same tree.
+MAX_DUPLICATE_PAIRS = 0
+
+
+def test_repeated_code_stays_under_its_limit():
+    dup = load_duplicate_lines()
+    pairs = dup.find_pairs(dup.package_sources(ROOT), shape=True)
+    listed = "\n".join(f"{a.name}:{a.first}-{a.last} ~ {b.name}:{b.first}-{b.last}" for a, b in pairs)
+    assert len(pairs) <= MAX_DUPLICATE_PAIRS, (
+        f"{len(pairs)} pairs of repeated code (limit {MAX_DUPLICATE_PAIRS}); give the logic one function:\n{listed}"
+    )

@@ -178,21 +178,22 @@ def _as_mesh(value: Any) -> MeshShape | None:
 def _as_augment(value: Any) -> Augment | None:
     from jaxnn.augment import as_augment
 
-    if value is None or value == "":
-        return None
-    try:
-        return as_augment(value)
-    except (TypeError, ValueError) as err:
-        raise ConfigError(str(err)) from None
+    return _parsed_spec(value, as_augment)
 
 
 def _as_lora(value: Any) -> LoRA | None:
     from jaxnn.lora import as_lora
 
+    return _parsed_spec(value, as_lora)
+
+
+def _parsed_spec(value: Any, parse: Any) -> Any:
+    """`parse(value)` for a flag's spec (a string or an object); None or "" (the flag left out) is None, and the
+    parser's complaint becomes a ConfigError."""
     if value is None or value == "":
         return None
     try:
-        return as_lora(value)
+        return parse(value)
     except (TypeError, ValueError) as err:
         raise ConfigError(str(err)) from None
 

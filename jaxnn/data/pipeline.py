@@ -106,7 +106,30 @@ class CachedPermutations:
         return self._permutation(epoch)
 
 
-class TrainBatches(CachedPermutations):
+class NumberedBatches(CachedPermutations):
+    """Mixin for Grain's random-access source protocol over batches `start .. stop-1`: `len()` and `[i]` (the
+    batch `start + i`). Subclasses set `start` and `stop` and define `batch(step)`."""
+
+    start: int
+    stop: int
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        return self.batch(self.start + int(i))
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        """The batch of training step `step`."""
+        raise NotImplementedError
+
+
+def epoch_permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
+    """The order of the examples in `epoch`: a permutation seeded by `(seed, epoch)`."""
+    return np.random.default_rng([seed, 0, epoch]).permutation(num_examples)
+
+
+class TrainBatches(NumberedBatches):
     """Training batch number -> batch dict, for batches `start .. stop-1`; Grain's random-access source protocol.
 
     Image batches: `x` float32 (B, H, W, C) normalised and augmented, `y` int32 (B,), `mask` float32 (B,).
@@ -125,19 +148,13 @@ class TrainBatches(CachedPermutations):
         else:
             self.steps_per_epoch = steps_per_epoch(len(data.x_train), cfg.batch_size, cfg.ragged)
 
-    def __len__(self) -> int:
-        return self.stop - self.start
-
-    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        return self.batch(self.start + int(i))
-
     def __repr__(self) -> str:  # Grain logs its source; keep the arrays out of it
         return f"TrainBatches({self.data.name}, start={self.start}, stop={self.stop}, {self.cfg})"
 
     def _permutation_uncached(self, epoch: int) -> np.ndarray:
         if isinstance(self.data, TextCorpus):
             raise TypeError(f"TrainBatches: text corpus {self.data.name!r} has no example order to permute")
-        return np.random.default_rng([self.cfg.seed, 0, epoch]).permutation(len(self.data.x_train))
+        return epoch_permutation(self.cfg.seed, epoch, len(self.data.x_train))
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
         """Batch number `step` of the run (not of this slice), the same on every call and every machine."""

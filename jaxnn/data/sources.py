@@ -28,9 +28,10 @@ import numpy as np
 
 from jaxnn.data.datasets import DataError, ImageDataset, TextCorpus
 from jaxnn.data.pipeline import (
-    CachedPermutations,
+    NumberedBatches,
     PipelineConfig,
     TrainBatches,
+    epoch_permutation,
     eval_batches,
     host_iterator,
     iterator_state,
@@ -97,7 +98,7 @@ def _checked(batches: Iterator[dict[str, Any]], start: int) -> Iterator[dict[str
         yield batch
 
 
-class ArrayBatches(CachedPermutations):
+class ArrayBatches(NumberedBatches):
     """Training batches `start .. stop-1` drawn from in-memory arrays (random access, Grain's source protocol).
 
     Each epoch is a permutation seeded by `(seed, epoch)`; an epoch's last partial batch is dropped.
@@ -113,17 +114,11 @@ class ArrayBatches(CachedPermutations):
         self.steps_per_epoch = self.num_examples // batch_size
         self._init_permutations()
 
-    def __len__(self) -> int:
-        return self.stop - self.start
-
-    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        return self.batch(self.start + int(i))
-
     def __repr__(self) -> str:
         return f"ArrayBatches({self.num_examples} examples, batch {self.batch_size}, start={self.start})"
 
     def _permutation_uncached(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, 0, epoch]).permutation(self.num_examples)
+        return epoch_permutation(self.seed, epoch, self.num_examples)
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
         epoch, j = divmod(step, self.steps_per_epoch)

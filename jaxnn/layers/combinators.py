@@ -21,6 +21,7 @@ from jaxnn.layers.core import (
     Params,
     PRNGKey,
     Shape,
+    State,
     as_child,
     as_layers,
     check_keywords,
@@ -67,6 +68,33 @@ def _child_params(name: str, params: Params, child_name: str) -> Params:
     return params.get(child_name, {})
 
 
+def _children(kind: str, layers: tuple) -> tuple[tuple[Layer, ...], list[str], frozenset[str]]:
+    """A combinator's checked children, their params keys and the side inputs any of them reads."""
+    if not layers:
+        raise ValueError(f"{kind}: needs at least one layer")
+    checked = as_layers(layers)
+    return checked, child_keys(checked), side_inputs_of(checked)
+
+
+def _init_child(
+    params: dict[str, Params], child_name: str, layer: Layer, key: PRNGKey, i: int, in_shape: Shape
+) -> Shape:
+    """A child's output shape; its params, where it has any, go into `params` under its name."""
+    with as_child(child_name, layer):
+        out_shape, child_params = layer.init(jax.random.fold_in(key, i), in_shape)
+    if jax.tree.leaves(child_params):
+        params[child_name] = child_params
+    return out_shape
+
+
+def _apply_child(name, params, state, child_name, layer, i, x, key, train, policy, side) -> tuple[Any, State]:
+    """A child's output and new state inside the combinator `name`'s apply: its own params, state and key."""
+    child_state = state.get(child_name) if state is not None else None
+    p = _child_params(name, params, child_name)
+    with as_child(child_name, layer):
+        return run(layer, p, x, state=child_state, key=_fold(key, i), train=train, policy=policy, **side)
+
+
 def _cached_children(name, names, layers, params, x, cache, state, policy, side) -> tuple[Any, Cache]:
     """A serial pass in decoding mode: each child with a cache gets and returns its own; see the module docstring."""
     new_cache = {}
@@ -94,19 +122,13 @@ def _init_children_cache(names, layers, in_shape, max_len, dtype) -> Cache:
 def serial(*layers: Layer, name: str = "serial") -> Layer:
     """Composes layers left to right: `serial(f, g)(x) = g(f(x))`. Stateful when any child is; reads the side
     inputs any child reads, and decodes with a cache when any child does."""
-    if not layers:
-        raise ValueError("serial: needs at least one layer")
-    layers = as_layers(layers)
-    names = child_keys(layers)
-    side_inputs = side_inputs_of(layers)
+    layers, names, side_inputs = _children("serial", layers)
 
     def init(key, in_shape):
-        params, shape = {}, tuple(in_shape)
+        params: dict[str, Params] = {}
+        shape = tuple(in_shape)
         for i, (child_name, layer) in enumerate(zip(names, layers)):
-            with as_child(child_name, layer):
-                shape, child_params = layer.init(jax.random.fold_in(key, i), shape)
-            if jax.tree.leaves(child_params):
-                params[child_name] = child_params
+            shape = _init_child(params, child_name, layer, key, i, shape)
         return shape, params
 
     def init_state(in_shape):
@@ -123,12 +145,7 @@ def serial(*layers: Layer, name: str = "serial") -> Layer:
             return _cached_children(name, names, layers, params, x, cache, state, policy, side)
         new_state = {}
         for i, (child_name, layer) in enumerate(zip(names, layers)):
-            child_state = state.get(child_name) if state is not None else None
-            p = _child_params(name, params, child_name)
-            with as_child(child_name, layer):
-                x, child_state = run(
-                    layer, p, x, state=child_state, key=_fold(key, i), train=train, policy=policy, **side
-                )
+            x, child_state = _apply_child(name, params, state, child_name, layer, i, x, key, train, policy, side)
             if layer.stateful:
                 new_state[child_name] = child_state
         return (x, new_state) if stateful else x
@@ -152,22 +169,16 @@ def serial(*layers: Layer, name: str = "serial") -> Layer:
 @describe
 def parallel(*layers: Layer, name: str = "parallel") -> Layer:
     """Applies the i-th layer to the i-th element of a tuple input; returns the tuple of outputs."""
-    if not layers:
-        raise ValueError("parallel: needs at least one layer")
-    layers = as_layers(layers)
-    names = child_keys(layers)
-    side_inputs = side_inputs_of(layers)
+    layers, names, side_inputs = _children("parallel", layers)
 
     def init(key, in_shapes):
         if len(in_shapes) != len(layers) or not all(isinstance(s, (tuple, list)) for s in in_shapes):
             raise LayerError(name, f"expected a tuple of {len(layers)} input shapes, got {in_shapes!r}")
-        params, out_shapes = {}, []
-        for i, (child_name, layer, shape) in enumerate(zip(names, layers, in_shapes)):
-            with as_child(child_name, layer):
-                out_shape, child_params = layer.init(jax.random.fold_in(key, i), tuple(shape))
-            out_shapes.append(out_shape)
-            if jax.tree.leaves(child_params):
-                params[child_name] = child_params
+        params: dict[str, Params] = {}
+        out_shapes = [
+            _init_child(params, child_name, layer, key, i, tuple(shape))
+            for i, (child_name, layer, shape) in enumerate(zip(names, layers, in_shapes))
+        ]
         return tuple(out_shapes), params
 
     def init_state(in_shapes):
@@ -183,12 +194,7 @@ def parallel(*layers: Layer, name: str = "parallel") -> Layer:
             raise LayerError(name, f"expected a tuple of {len(layers)} inputs, got {type(xs).__name__}")
         outs, new_state = [], {}
         for i, (child_name, layer, x) in enumerate(zip(names, layers, xs)):
-            child_state = state.get(child_name) if state is not None else None
-            p = _child_params(name, params, child_name)
-            with as_child(child_name, layer):
-                y, child_state = run(
-                    layer, p, x, state=child_state, key=_fold(key, i), train=train, policy=policy, **side
-                )
+            y, child_state = _apply_child(name, params, state, child_name, layer, i, x, key, train, policy, side)
             outs.append(y)
             if layer.stateful:
                 new_state[child_name] = child_state
