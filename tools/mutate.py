@@ -122,9 +122,9 @@ MUTATIONS = (
     ),
     Mutation(
         "every epoch in the same order",
-        "jaxnn/data/sources.py",
-        "np.random.default_rng([self.seed, 0, epoch])",
-        "np.random.default_rng([self.seed, 0, 0])",
+        "jaxnn/data/pipeline.py",
+        "np.random.default_rng([seed, 0, epoch])",
+        "np.random.default_rng([seed, 0, 0])",
         ("tests/test_loop.py::test_array_batches_are_a_function_of_seed_and_step", "tests/test_data.py"),
     ),
     Mutation(
