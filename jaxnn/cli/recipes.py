@@ -49,14 +49,15 @@ def resolve_dataset(cfg: TrainConfig) -> str:
 def load_data(cfg: TrainConfig) -> ImageDataset | TextCorpus:
     """The data set the config names, checked against the format (a DataError names the file otherwise)."""
     from jaxnn.data import DataError, TextCorpus, detect_format, load_dataset, tokenize_corpus
+    from jaxnn.data.loaders import formats_in
     from jaxnn.data.records import is_record_source, load_text_records
     from jaxnn.interop.tokenizer import load_tokenizer
 
     name = resolve_dataset(cfg)
-    if cfg.data_dir and name in ("mnist", "fashion_mnist", "cifar10"):
-        found = detect_format(cfg.data_dir)
-        if found != ("cifar10" if name == "cifar10" else "mnist"):
-            raise DataError(f"{cfg.data_dir}: holds {found} files, not the {name} format")
+    # The format --dataset names must be there; another one beside it is fine, since --dataset chose.
+    wanted = "cifar10" if name == "cifar10" else "mnist"
+    if cfg.data_dir and name in ("mnist", "fashion_mnist", "cifar10") and wanted not in formats_in(cfg.data_dir):
+        raise DataError(f"{cfg.data_dir}: holds {detect_format(cfg.data_dir)} files, not the {name} format")
     tokenizer = _checkpoint_tokenizer(cfg)
     if name == "text" and cfg.data_dir and is_record_source(cfg.data_dir):  # JSONL: text, pairs, conversations
         from jaxnn.interop.chat import ChatTemplate
