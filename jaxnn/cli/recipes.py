@@ -170,7 +170,6 @@ def train(
         augment=cfg.augment,
         # The cosine schedule decays to 0 at the last step, so the step count is part of what the run computes.
         schedule_decays=cfg.schedule == "cosine",
-        lora=cfg.lora,
         **_starting_point(cfg, model, mcfg, example),
     )
     try:
@@ -245,17 +244,40 @@ def _tokenizer_keeper(folder: pathlib.Path | None) -> list[Callback]:
 
 def _starting_point(cfg: TrainConfig, model: Any, mcfg: Any, example_shape: tuple[int, ...]) -> dict[str, Any]:
     """fit's keywords for where training starts: another jaxnn run's state (`init_from`), the parameters of a
-    transformers folder or a torchvision ResNet (fine-tuning an imported checkpoint), or nothing (a fresh
-    initialisation)."""
+    transformers folder (with `--adapters`' LoRA adapters beside them) or a torchvision ResNet (fine-tuning an
+    imported checkpoint), or nothing (a fresh initialisation); and the LoRA settings to train with."""
     from jaxnn.interop.hf import is_hf_folder, load_hf
     from jaxnn.interop.tensors import is_tensor_file
 
+    if cfg.adapters is not None and (cfg.init_from is None or not is_hf_folder(cfg.init_from)):
+        raise ConfigError(f"--adapters {cfg.adapters} needs --init-from a transformers folder: the base they adapt")
     if cfg.init_from is not None and is_tensor_file(cfg.init_from):
-        return _torchvision_start(cfg.init_from, model, mcfg, example_shape, cfg.fit.seed)
+        return {**_torchvision_start(cfg.init_from, model, mcfg, example_shape, cfg.fit.seed), "lora": cfg.lora}
     if cfg.init_from is None or not is_hf_folder(cfg.init_from):
-        return {"init_from": cfg.init_from}
-    _, params = load_hf(cfg.init_from)
-    return {"params": params}
+        return {"init_from": cfg.init_from, "lora": cfg.lora}
+    hf_cfg, params = load_hf(cfg.init_from)
+    if cfg.adapters is None:
+        return {"params": params, "lora": cfg.lora}
+    params, settings = _given_adapters(cfg.adapters, hf_cfg, params)
+    if cfg.lora is not None and (cfg.lora.rank, cfg.lora.alpha) != (settings.rank, settings.alpha):
+        raise ConfigError(
+            f"--lora r={cfg.lora.rank},alpha={cfg.lora.alpha:g} differs from the settings of --adapters "
+            f"{cfg.adapters} (r={settings.rank},alpha={settings.alpha:g}); leave --lora out to train them as they are"
+        )
+    return {"params": params, "lora": settings}
+
+
+def _given_adapters(path: str, hf_cfg: Any, params: Any) -> tuple[Any, Any]:
+    """`params` with the adapters of a PEFT folder or a jaxnn adapter file, and their settings."""
+    from jaxnn.interop.peft import load_peft
+    from jaxnn.lora import load_adapters
+
+    try:
+        if pathlib.Path(path).is_dir():
+            return load_peft(path, hf_cfg, params)
+        return load_adapters(path, params)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--adapters {path}: {err}") from None
 
 
 def _torchvision_start(path: str, model: Any, mcfg: Any, example_shape: tuple[int, ...], seed: int) -> dict[str, Any]:
