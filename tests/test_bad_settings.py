@@ -126,7 +126,11 @@ def test_data_folders_that_hold_two_formats_images_or_half_a_data_set_are_one_li
     pngs = tmp_path / "pngs" / "cat"
     pngs.mkdir(parents=True)
     (pngs / "a.png").write_bytes(b"\x89PNG")
-    with pytest.raises(DataError, match=r"holds image files \(\.png\), which jaxnn train does not read"):
+    with pytest.raises(DataError, match=r"holds 1 image files \(\.png\), which jaxnn train does not read"):
+        detect_format(tmp_path / "pngs")
+    (pngs / "b.png").write_bytes(b"\x89PNG")
+    (tmp_path / "pngs" / "labels.txt").write_text("cat\n")  # a labels file beside the images is not a corpus
+    with pytest.raises(DataError, match=r"holds 2 image files \(\.png\) \(and 1 text file, e.g. labels.txt\)"):
         detect_format(tmp_path / "pngs")
     half = tmp_path / "half"
     half.mkdir()
@@ -145,7 +149,18 @@ def test_the_command_line_names_a_class_count_below_the_labels_and_a_png_folder(
     (tmp_path / "pngs").mkdir()
     (tmp_path / "pngs" / "a.png").write_bytes(b"\x89PNG")
     assert cli.main(["train", "--data", str(tmp_path / "pngs"), "--run-dir", str(tmp_path / "r")]) == 2
-    assert "holds image files" in capsys.readouterr().err and not (tmp_path / "r").exists()
+    assert "holds 1 image files" in capsys.readouterr().err and not (tmp_path / "r").exists()
+
+
+def test_a_named_dataset_is_read_from_a_folder_that_also_holds_another_format(tmp_path, capsys):
+    both = tmp_path / "both"
+    both.mkdir()
+    _idx(both / "train-images-idx3-ubyte", 0x08, (1, 2, 2), bytes(4))
+    (both / "data_batch_1.bin").write_bytes(bytes(3073))
+    argv = ["train", "--data", str(both), "--dataset", "cifar10", "--steps", "1", "--run-dir", str(tmp_path / "r")]
+    assert cli.main(argv) == 2  # a half CIFAR-10 set: refused for what it lacks, not for the IDX file beside it
+    err = capsys.readouterr().err
+    assert "no test_batch.bin" in err and "--dataset" not in err
 
 
 def test_a_ctrl_c_outside_a_run_is_one_line_and_exit_130(capsys, monkeypatch):

@@ -95,3 +95,32 @@ def test_what_jaxnn_cannot_read_is_refused_in_one_line(folders, tmp_path):
         load_peft(tmp_path / "dora", cfg, base)
     with pytest.raises(ValueError, match="not a PEFT adapter folder"):
         load_peft(tmp_path, cfg, base)
+
+
+def test_a_run_trains_on_the_adapters_of_a_peft_folder(tmp_path, capsys):
+    from serve_models import save_served_folder
+
+    from jaxnn import cli
+    from jaxnn.checkpoint import load_params
+
+    base = save_served_folder(tmp_path / "base")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], init_lora_weights=False)
+    peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base), config).save_pretrained(tmp_path / "p")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "t.txt").write_text("the cat sat on the mat and the dog sat on the log\n" * 40)
+    argv = ["train", "--init-from", str(base), "--adapters", str(tmp_path / "p"), "--data", str(tmp_path / "d"),
+            "--steps", "3", "--batch-size", "4", "--seq-len", "16", "--no-progress", "--no-plots",
+            "--no-summary"]  # fmt: skip
+    assert cli.main([*argv, "--run-dir", str(tmp_path / "run")]) == 0
+    cfg, plain = load_hf(base)
+    given, settings = load_peft(tmp_path / "p", cfg, jax.tree.map(jnp.asarray, plain))
+    trained = lora.adapters(load_params(str(tmp_path / "run")).params)
+    assert set(trained) == set(lora.adapters(given)) and settings.rank == 4
+    start = lora.adapters(given)
+    moved = [k for k in trained if k.endswith("lora_b") and not np.allclose(trained[k], start[k])]
+    assert moved and all(np.abs(trained[k] - start[k]).max() < 0.1 for k in moved)  # trained on from PEFT's values
+    capsys.readouterr()
+    assert cli.main([*argv, "--lora", "r=8", "--run-dir", str(tmp_path / "other")]) == 2
+    assert "differs from the settings of --adapters" in capsys.readouterr().err
+    assert cli.main(["train", "--adapters", str(tmp_path / "p"), "--steps", "1", "--run-dir", str(tmp_path / "x")]) == 2
+    assert "needs --init-from a transformers folder" in capsys.readouterr().err

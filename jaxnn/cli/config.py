@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # imported when a config is built, not with this module (see 
 
 # TrainConfig's own fields that do not change what a run computes: a checkpoint may be resumed with them changed
 # (the FitConfig's are its RUN_ONLY).
-RUN_ONLY_FIELDS = ("mesh", "sharding_rules", "backend", "workers", "sample_bytes", "init_from")
+RUN_ONLY_FIELDS = ("mesh", "sharding_rules", "backend", "workers", "sample_bytes", "init_from", "adapters")
 # Fields added after runs were saved, with the value those runs had: a field at it stays out of the record, so that
 # those runs still resume.
 LATER_DEFAULTS = {"schedule": "cosine", "label_smoothing": 0.0, "augment": "", "pack": False}
@@ -65,6 +65,8 @@ class TrainConfig:
     which lets a finished run be trained on with a larger `steps`.
     `init_from`: start from another run's parameters and optimizer state (`jaxnn.fit`'s `init_from`), or from
     the weights of a transformers GPT-2/Llama folder (its tokenizer.json, where it has one, tokenises the text).
+    `adapters`: with a transformers `init_from`, LoRA adapters trained on it (a PEFT folder, or a file of
+    `jaxnn.lora.save_adapters`), put back beside the weights and trained on with their own settings.
     `augment`: random augmentation in the train step on the device, a `jaxnn.augment.Augment` (or its text, as
     `jaxnn.augment.parse_augment` reads it: "crop,flip,mixup"); `crop_pad` and `flip` are the host pipeline's.
     `lora`: train LoRA adapters alone, a `jaxnn.lora.LoRA` (or its text, as `jaxnn.lora.parse_lora` reads it:
@@ -96,6 +98,7 @@ class TrainConfig:
     schedule: str = "cosine"
     label_smoothing: float = 0.0
     init_from: str | None = None
+    adapters: str | None = None
     augment: Augment | None = None
     lora: LoRA | None = None
     pack: bool = False

@@ -49,14 +49,15 @@ def resolve_dataset(cfg: TrainConfig) -> str:
 def load_data(cfg: TrainConfig) -> ImageDataset | TextCorpus:
     """The data set the config names, checked against the format (a DataError names the file otherwise)."""
     from jaxnn.data import DataError, TextCorpus, detect_format, load_dataset, tokenize_corpus
+    from jaxnn.data.loaders import formats_in
     from jaxnn.data.records import is_record_source, load_text_records
     from jaxnn.interop.tokenizer import load_tokenizer
 
     name = resolve_dataset(cfg)
-    if cfg.data_dir and name in ("mnist", "fashion_mnist", "cifar10"):
-        found = detect_format(cfg.data_dir)
-        if found != ("cifar10" if name == "cifar10" else "mnist"):
-            raise DataError(f"{cfg.data_dir}: holds {found} files, not the {name} format")
+    # The format --dataset names must be there; another one beside it is fine, since --dataset chose.
+    wanted = "cifar10" if name == "cifar10" else "mnist"
+    if cfg.data_dir and name in ("mnist", "fashion_mnist", "cifar10") and wanted not in formats_in(cfg.data_dir):
+        raise DataError(f"{cfg.data_dir}: holds {detect_format(cfg.data_dir)} files, not the {name} format")
     tokenizer = _checkpoint_tokenizer(cfg)
     if name == "text" and cfg.data_dir and is_record_source(cfg.data_dir):  # JSONL: text, pairs, conversations
         from jaxnn.interop.chat import ChatTemplate
@@ -169,7 +170,6 @@ def train(
         augment=cfg.augment,
         # The cosine schedule decays to 0 at the last step, so the step count is part of what the run computes.
         schedule_decays=cfg.schedule == "cosine",
-        lora=cfg.lora,
         **_starting_point(cfg, model, mcfg, example),
     )
     try:
@@ -244,17 +244,40 @@ def _tokenizer_keeper(folder: pathlib.Path | None) -> list[Callback]:
 
 def _starting_point(cfg: TrainConfig, model: Any, mcfg: Any, example_shape: tuple[int, ...]) -> dict[str, Any]:
     """fit's keywords for where training starts: another jaxnn run's state (`init_from`), the parameters of a
-    transformers folder or a torchvision ResNet (fine-tuning an imported checkpoint), or nothing (a fresh
-    initialisation)."""
+    transformers folder (with `--adapters`' LoRA adapters beside them) or a torchvision ResNet (fine-tuning an
+    imported checkpoint), or nothing (a fresh initialisation); and the LoRA settings to train with."""
     from jaxnn.interop.hf import is_hf_folder, load_hf
     from jaxnn.interop.tensors import is_tensor_file
 
+    if cfg.adapters is not None and (cfg.init_from is None or not is_hf_folder(cfg.init_from)):
+        raise ConfigError(f"--adapters {cfg.adapters} needs --init-from a transformers folder: the base they adapt")
     if cfg.init_from is not None and is_tensor_file(cfg.init_from):
-        return _torchvision_start(cfg.init_from, model, mcfg, example_shape, cfg.fit.seed)
+        return {**_torchvision_start(cfg.init_from, model, mcfg, example_shape, cfg.fit.seed), "lora": cfg.lora}
     if cfg.init_from is None or not is_hf_folder(cfg.init_from):
-        return {"init_from": cfg.init_from}
-    _, params = load_hf(cfg.init_from)
-    return {"params": params}
+        return {"init_from": cfg.init_from, "lora": cfg.lora}
+    hf_cfg, params = load_hf(cfg.init_from)
+    if cfg.adapters is None:
+        return {"params": params, "lora": cfg.lora}
+    params, settings = _given_adapters(cfg.adapters, hf_cfg, params)
+    if cfg.lora is not None and (cfg.lora.rank, cfg.lora.alpha) != (settings.rank, settings.alpha):
+        raise ConfigError(
+            f"--lora r={cfg.lora.rank},alpha={cfg.lora.alpha:g} differs from the settings of --adapters "
+            f"{cfg.adapters} (r={settings.rank},alpha={settings.alpha:g}); leave --lora out to train them as they are"
+        )
+    return {"params": params, "lora": settings}
+
+
+def _given_adapters(path: str, hf_cfg: Any, params: Any) -> tuple[Any, Any]:
+    """`params` with the adapters of a PEFT folder or a jaxnn adapter file, and their settings."""
+    from jaxnn.interop.peft import load_peft
+    from jaxnn.lora import load_adapters
+
+    try:
+        if pathlib.Path(path).is_dir():
+            return load_peft(path, hf_cfg, params)
+        return load_adapters(path, params)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--adapters {path}: {err}") from None
 
 
 def _torchvision_start(path: str, model: Any, mcfg: Any, example_shape: tuple[int, ...], seed: int) -> dict[str, Any]:

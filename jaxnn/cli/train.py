@@ -189,6 +189,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         schedule=args.schedule,
         label_smoothing=args.label_smoothing,
         init_from=args.init_from,
+        adapters=args.adapters,
         augment=args.augment,
         lora=args.lora,
         pack=args.pack,

@@ -135,6 +135,13 @@ def add_run_dir_flags(p: argparse.ArgumentParser) -> None:
         "tokenizer.json tokenises the text) or a torchvision ResNet .pth/.safetensors file",
     )
     a(
+        "--adapters",
+        default=None,
+        metavar="DIR",
+        help="with --init-from a transformers folder: LoRA adapters trained on it (a PEFT folder, or a jaxnn "
+        "adapters .safetensors file) to train on, with their own settings",
+    )
+    a(
         "--pack",
         action="store_true",
         help="gpt on JSON Lines records: pack records into windows with segment ids (attention and positions "

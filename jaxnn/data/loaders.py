@@ -308,17 +308,25 @@ def _check_dir(directory: StrPath) -> pathlib.Path:
     return path
 
 
-def detect_format(directory: StrPath) -> str:
-    """'mnist' for IDX files, 'cifar10' for CIFAR binary batches, 'text' for text files or JSON Lines records (a
-    .jsonl file too); else a DataError."""
-    if pathlib.Path(directory).is_file() and pathlib.Path(directory).suffix == ".jsonl":
-        return "text"
+def formats_in(directory: StrPath) -> list[str]:
+    """The image formats whose files `directory` holds: "mnist" for IDX files, "cifar10" for CIFAR binary batches
+    (none, one or both)."""
     directory = _check_dir(directory)
     found = []
     if _find_idx(directory, "t10k", "images") or _find_idx(directory, "train", "images"):
         found.append("mnist")
     if any(_cifar_dir(directory).glob("data_batch_[0-9].bin")) or any(_cifar_dir(directory).glob("test_batch.bin")):
         found.append("cifar10")
+    return found
+
+
+def detect_format(directory: StrPath) -> str:
+    """'mnist' for IDX files, 'cifar10' for CIFAR binary batches, 'text' for text files or JSON Lines records (a
+    .jsonl file too); else a DataError. A folder of image files is one too, even with a labels.txt beside them."""
+    if pathlib.Path(directory).is_file() and pathlib.Path(directory).suffix == ".jsonl":
+        return "text"
+    directory = _check_dir(directory)
+    found = formats_in(directory)
     if len(found) > 1:
         raise DataError(
             f"{directory}: holds both MNIST-format IDX files and CIFAR-10 batches; name one with --dataset "
@@ -326,14 +334,18 @@ def detect_format(directory: StrPath) -> str:
         )
     if found:
         return found[0]
-    if any(p.suffix in (*TEXT_SUFFIXES, ".jsonl") for p in directory.rglob("*")):
+    files = [p for p in directory.rglob("*") if p.is_file()]
+    texts = [p for p in files if p.suffix in (*TEXT_SUFFIXES, ".jsonl")]
+    images = [p for p in files if p.suffix.lower() in IMAGE_SUFFIXES]
+    if texts and len(texts) >= len(images):  # a corpus may hold a figure or two; a labels file is not a corpus
         return "text"
-    images = sorted({p.suffix.lower() for p in directory.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES})
     if images:
+        kinds = ", ".join(sorted({p.suffix.lower() for p in images}))
+        beside = f" (and {len(texts)} text file{'s' if len(texts) > 1 else ''}, e.g. {texts[0].name})" if texts else ""
         raise DataError(
-            f"{directory}: holds image files ({', '.join(images)}), which jaxnn train does not read; it reads "
-            "MNIST/Fashion-MNIST IDX files, CIFAR-10 binary batches or text. Load the images into arrays and pass "
-            "them to jaxnn.fit as (x, y)"
+            f"{directory}: holds {len(images)} image files ({kinds}){beside}, which jaxnn train does not read; it "
+            "reads MNIST/Fashion-MNIST IDX files, CIFAR-10 binary batches or text. Load the images into arrays and "
+            "pass them to jaxnn.fit as (x, y)"
         )
     raise DataError(f"{directory}: holds no MNIST/Fashion-MNIST IDX files, CIFAR-10 binary batches or text files")
 

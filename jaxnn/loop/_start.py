@@ -20,11 +20,13 @@ log = logging.getLogger("jaxnn.loop")
 
 
 def starting_point(model: Layer, in_shape: Any, params: Any, model_state: Any) -> dict:
-    """Checks given starting params/state against the model's own; their digest for the run's record."""
+    """Checks given starting params/state against the model's own (LoRA adapters given with the params aside:
+    the model has none of its own); their digest for the run's record."""
     if params is None and model_state is None:
         return {}
     from jaxnn._src.pytree import shapes
     from jaxnn.layers.core import init_model
+    from jaxnn.lora import ADAPTER_KEYS
 
     _, init_params, init_state = jax.eval_shape(lambda k: init_model(model, k, in_shape), jax.random.key(0))
     record = {}
@@ -32,6 +34,8 @@ def starting_point(model: Layer, in_shape: Any, params: Any, model_state: Any) -
         if given is None:
             continue
         theirs, ours = shapes(given), shapes(own)
+        if part == "params":
+            theirs = {k: v for k, v in theirs.items() if k.rsplit(".", 1)[-1] not in ADAPTER_KEYS}
         diffs = config_differences(theirs, ours, saved_as="given", now_as="model")
         if diffs:
             raise ConfigError(
@@ -62,7 +66,10 @@ def lora_start(model: Layer, tx: Any, cfg: FitConfig, inputs: Any, x_spec: Any) 
         params = fresh if params is None else params
         model_state = fresh_state if model_state is None else model_state
     try:
-        params = lora_lib.add_adapters(params, settings, jax.random.fold_in(jax.random.key(cfg.seed), 0x10AA))
+        if lora_lib.has_adapters(params):  # given with their adapters (a PEFT folder, saved adapters): trained on
+            _check_given_adapters(params, settings)
+        else:
+            params = lora_lib.add_adapters(params, settings, jax.random.fold_in(jax.random.key(cfg.seed), 0x10AA))
     except ValueError as err:
         raise ConfigError(f"fit: {err}") from None
     unused = lora_lib.unused_adapters(lambda p, x: run(model, p, x, state=model_state)[0], params, x_spec)
@@ -103,3 +110,16 @@ def state_from(path, state) -> tuple[Any, dict]:
     digest = state_digest((restored.params, restored.model_state, restored.opt_state))[:16]
     log.info("fit: starting from the state of %s (its step %d)", path, step)
     return restored, {"init_from": digest}
+
+
+def _check_given_adapters(params: Any, settings: Any) -> None:
+    """Adapters already in the starting params train on as they are: their rank must be the settings' (the
+    adapters' own settings, as `jaxnn.lora.load_adapters` and `jaxnn.interop.peft.load_peft` return them)."""
+    from jaxnn import lora as lora_lib
+
+    ranks = {int(np.shape(a)[-1]) for name, a in lora_lib.adapters(params).items() if name.endswith("lora_a")}
+    if ranks != {settings.rank}:
+        raise ValueError(
+            f"the params given hold adapters of rank {sorted(ranks)}, the LoRA settings say r={settings.rank}; "
+            "give the adapters' own settings (as load_adapters or load_peft return them)"
+        )
