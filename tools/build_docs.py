@@ -60,6 +60,8 @@ MODULES = (
     "jaxnn.lora",
     "jaxnn.saving",
     "jaxnn.data.records",
+    "jaxnn.data.preference",
+    "jaxnn.train.preference",
     "jaxnn.export",
     "jaxnn.generate",
     "jaxnn.decoding",
