@@ -220,3 +220,24 @@ def test_chat_pairs_take_the_template_and_count_the_assistant_turn_alone(tmp_pat
         assert bytes(ids[: asked + len(answer)].tolist()).decode() == "<user>hi?\n<assistant>" + answer
         assert train["loss_mask"][0, row].sum() == len(answer)
         assert train["loss_mask"][0, row, asked - 1] == 1 and train["loss_mask"][0, row, asked - 2] == 0
+
+
+@pytest.mark.parametrize(
+    "records, flags, match",
+    [
+        ([{"prompt": "q:", "completion": " yes"}] * 3, ["--objective", "dpo"], ":1: preference tuning needs"),
+        ([{"prompt": "q:", "chosen": " a", "rejected": " a"}] * 3, ["--objective", "dpo"], ":1: chosen and rejected"),
+        ([{"prompt": "x" * 40, "chosen": " a", "rejected": " b"}] * 3, ["--objective", "simpo"], ":1: the prompt is"),
+        ([{"prompt": "q:", "chosen": " a", "rejected": " b"}] * 3, ["--objective", "dpo", "--model", "cnn"], "gpt"),
+    ],
+)
+def test_the_command_refuses_bad_pairs_in_one_line_before_writing(tmp_path, capsys, records, flags, match):
+    from jaxnn import cli
+
+    data = _write(tmp_path / "pairs.jsonl", records)
+    run = tmp_path / "run"
+    argv = ["train", "--model", "gpt", "--data", str(data), "--seq-len", "16", "--steps", "2", "--run-dir", str(run)]
+    assert cli.main([*argv, "--no-progress", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("jaxnn: error: ") and "\n" not in err and match in err, err
+    assert not run.exists()

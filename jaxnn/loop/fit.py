@@ -213,4 +213,13 @@ def _saved_model_to_resume(path: Any) -> str:
     return os.fspath(path)
 
 
-__all__ = ["FitInputs", "FitInterrupted", "FitResult", "TrainData", "fit", "fresh_run_dir", "run_fit"]
+__all__ = [
+    "FitInputs",
+    "FitInterrupted",
+    "FitResult",
+    "TrainData",
+    "fit",
+    "fresh_run_dir",
+    "preference_start",
+    "run_fit",
+]
