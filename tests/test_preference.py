@@ -18,7 +18,7 @@ import jaxnn
 from jaxnn.config import ConfigError
 from jaxnn.data import DataError
 from jaxnn.data.preference import load_preference_records
-from jaxnn.layers import init_model
+from jaxnn.layers import init_model, run
 from jaxnn.lora import LoRA, add_adapters
 from jaxnn.models.gpt import GPT, GPTConfig
 from jaxnn.train.preference import adapters_off, preference_loss, preference_model
@@ -44,6 +44,24 @@ def _numpy_sequence_logps(logits, ids, mask):
     return ((picked - logz) * mask).sum(-1)
 
 
+def _with_reference(model, params, reference, x):
+    """The DPO preference model's output with a frozen reference, which it holds as its state."""
+    pm = preference_model(model, "dpo", reference=reference)
+    _, _, state = init_model(pm, jax.random.key(0), x.shape)
+    return jax.jit(lambda p, s, x: run(pm, p, x, state=s)[0])(params, state, x)
+
+
+def test_the_frozen_reference_is_state_not_a_constant_of_the_program():
+    model = GPT(GPTConfig(vocab_size=256, seq_len=24, d_model=128, num_layers=2, num_heads=2))
+    _, base, _ = init_model(model, jax.random.key(0), (1, CFG.seq_len))
+    pm = preference_model(model, "dpo", reference=base)
+    _, _, state = init_model(pm, jax.random.key(0), (2, 2, CFG.seq_len + 1))
+    assert jax.tree.leaves(state["reference"])[0] is jax.tree.leaves(base)[0]  # the same arrays, no copy made here
+    program = jax.jit(lambda p, s, x: run(pm, p, x, state=s)[0]).lower(base, state, np.zeros((2, 2, 25), np.int32))
+    weights = sum(np.size(leaf) for leaf in jax.tree.leaves(base))
+    assert len(program.as_text()) < weights / 2  # written in, the weights would take ~8 characters each
+
+
 def test_dpo_loss_matches_numpy_per_example(tmp_path):
     train, _ = _pairs(tmp_path)
     batch = {k: v[:6] for k, v in train.items()}
@@ -59,9 +77,8 @@ def test_dpo_loss_matches_numpy_per_example(tmp_path):
         (logps["policy"][:, 0] - logps["reference"][:, 0]) - (logps["policy"][:, 1] - logps["reference"][:, 1])
     )
     expected = np.log1p(np.exp(-margin))  # -log sigmoid(margin)
-    pm = preference_model(model, "dpo", reference=base)
     loss = jax.jit(preference_loss("dpo", beta=beta))
-    out = jax.jit(pm.apply)(policy, batch["x"])
+    out = _with_reference(model, policy, base, batch["x"])
     for i in range(6):  # the loss is the batch mean: one example at a time gives the per-example loss
         got, metrics = loss(out[i : i + 1], {"loss_mask": batch["loss_mask"][i : i + 1]})
         np.testing.assert_allclose(float(got), expected[i], rtol=1e-5, atol=1e-6)
@@ -96,7 +113,7 @@ def test_reference_under_lora_is_the_base_with_adapters_off(tmp_path):
     )
     assert jax.tree.structure(adapters_off(adapted)) == jax.tree.structure(base)
     out = jax.jit(preference_model(model, "dpo").apply)(adapted, train["x"][:3])
-    frozen = jax.jit(preference_model(model, "dpo", reference=base).apply)(adapted, train["x"][:3])
+    frozen = _with_reference(model, adapted, base, train["x"][:3])
     np.testing.assert_allclose(np.asarray(out), np.asarray(frozen), rtol=1e-6, atol=1e-6)
     assert not np.allclose(out[:, 0], out[:, 1])  # the policy differs from its reference
 
@@ -157,7 +174,7 @@ def test_dpo_loss_matches_trl(tmp_path):
     cfg, policy = load_hf(tmp_path / "policy")
     _, base = load_hf(tmp_path / "reference")
     model = GPT(cfg)
-    out = jax.jit(preference_model(model, "dpo", reference=base).apply)(policy, batch["x"])
+    out = _with_reference(model, policy, base, batch["x"])
     ours = np.array([
         float(preference_loss("dpo", beta=0.1)(out[i : i + 1], {"loss_mask": batch["loss_mask"][i : i + 1]})[0])
         for i in range(5)

@@ -11,10 +11,10 @@ response and compare.
 
 The reference under LoRA is the same params with the adapters taken out (under a stop-gradient): no second copy of
 the weights, and the reference pass multiplies by the frozen weights alone. For full fine-tuning it is a frozen copy
-of the starting params, held by the model function (`reference=`). SimPO (Meng et al., 2024) is the reference-free
-objective: the length-normalised log-probability as the reward, with a target margin `gamma`; it was chosen over
-ORPO because it is DPO's loss with the reference pass dropped (half the forward work, no frozen copy) and needs no
-second, supervised term whose weight must be tuned beside beta.
+of the starting params, held as the preference model's state (`reference=`). SimPO (Meng et al., 2024) is the
+reference-free objective: the length-normalised log-probability as the reward, with a target margin `gamma`; it was
+chosen over ORPO because it is DPO's loss with the reference pass dropped (half the forward work, no frozen copy)
+and needs no second, supervised term whose weight must be tuned beside beta.
 """
 
 from __future__ import annotations
@@ -62,7 +62,9 @@ def preference_model(model: Layer, objective: str, reference: Any = None) -> Lay
     """`model` (a language model: ids (N, T) -> logits (N, T, V)) made into a preference model: x (B, 2, T+1) ->
     the targets' log-probabilities (B, k, 2, T), k = 1 (the policy) or 2 (then the reference's, for DPO). The
     reference is `reference` (a frozen copy of the starting params, for full fine-tuning) or, when it is None, the
-    params with their LoRA adapters off. Its params are `model`'s."""
+    params with their LoRA adapters off. Its params are `model`'s; a `reference` is its model state (so the step
+    takes it as an argument, as it takes the params, rather than baking it into the program as a constant, and
+    checkpoints keep it)."""
     check_objective(objective)
     if model.stateful:
         raise ValueError(f"{objective}: the model keeps a state (BatchNorm?); preference tuning takes a language model")
@@ -72,22 +74,34 @@ def preference_model(model: Layer, objective: str, reference: Any = None) -> Lay
         _, params = model.init(key, (b * pair, length - 1))
         return (b, 2 if objective == "dpo" else 1, pair, length - 1), params
 
-    def apply(params, x, *, key=None, train=False, policy=None, **side):
+    def log_probs(params, x, frozen, key, train, policy, side):
         policy_lp = token_log_probs(model, params, x, key=key, train=train, policy=policy, **side)
         if objective != "dpo":
             return policy_lp[:, None]
-        if reference is None and not _has_adapters(params):
+        if frozen is None and not _has_adapters(params):
             raise ValueError(
                 "dpo: the params hold no LoRA adapters and no frozen reference was given (preference_model's "
                 "reference=): the reference policy would be the policy itself"
             )
-        frozen = adapters_off(params) if reference is None else jax.lax.stop_gradient(reference)
+        frozen = adapters_off(params) if frozen is None else jax.lax.stop_gradient(frozen)
         if policy is not None:
             frozen = policy.cast_to_compute(frozen)
         reference_lp = jax.lax.stop_gradient(token_log_probs(model, frozen, x, policy=policy, **side))
         return jnp.stack([policy_lp, reference_lp], axis=1)
 
-    return Layer(init, apply, f"{objective}({model.name})", side_inputs=model.side_inputs)
+    name, side_inputs = f"{objective}({model.name})", model.side_inputs
+    if reference is None or objective != "dpo":
+
+        def apply(params, x, *, key=None, train=False, policy=None, **side):
+            return log_probs(params, x, None, key, train, policy, side)
+
+        return Layer(init, apply, name, side_inputs=side_inputs)
+
+    def apply_with_reference(params, x, *, key=None, train=False, state=None, policy=None, **side):
+        return log_probs(params, x, state["reference"], key, train, policy, side), state
+
+    return Layer(init, apply_with_reference, name, init_state=lambda in_shape: {"reference": reference},
+                 side_inputs=side_inputs)  # fmt: skip
 
 
 def check_objective(objective: str) -> None:
