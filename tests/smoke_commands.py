@@ -176,6 +176,12 @@ for _line in (
     "jaxnn export --run-dir ft-nf4 --format hf --out ft-nf4-hf",
 ):
     DOC_COMMANDS[_line] = _WALKTHROUGH
+for _line in (
+    "jaxnn train --init-from tiny-gpt2 --data pairs.jsonl --objective dpo --beta 0.1 --lora r=8,alpha=16 --steps 40 "
+    "--batch-size 8 --seq-len 32 --lr 3e-3 --log-every 10 --run-dir dpo --no-progress --no-plots",
+    'jaxnn generate --run-dir dpo --prompt "def f3(x):" --length 8 --temperature 0',
+):
+    DOC_COMMANDS[_line] = _WALKTHROUGH
 
 _COMMAND = re.compile(r"^(?:\$ )?(?:[A-Z_]+=\S+ )*(?:jaxnn|python3?|make|\.venv/bin/python) ")
 

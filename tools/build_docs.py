@@ -61,6 +61,8 @@ MODULES = (
     "jaxnn.quantized",
     "jaxnn.saving",
     "jaxnn.data.records",
+    "jaxnn.data.preference",
+    "jaxnn.train.preference",
     "jaxnn.export",
     "jaxnn.generate",
     "jaxnn.decoding",

@@ -28,7 +28,14 @@ if TYPE_CHECKING:  # imported when a config is built, not with this module (see 
 RUN_ONLY_FIELDS = ("mesh", "sharding_rules", "backend", "workers", "sample_bytes", "init_from", "adapters")
 # Fields added after runs were saved, with the value those runs had: a field at it stays out of the record, so that
 # those runs still resume.
-LATER_DEFAULTS = {"schedule": "cosine", "label_smoothing": 0.0, "augment": "", "pack": False}
+LATER_DEFAULTS = {
+    "schedule": "cosine",
+    "label_smoothing": 0.0,
+    "augment": "",
+    "pack": False,
+    "objective": None,
+    "beta": 0.1,
+}
 
 
 def parse_model_config(items: list[str], flag: str = "--model-config") -> dict[str, Any]:
@@ -77,6 +84,8 @@ class TrainConfig:
     instead of cutting the joined stream into windows.
     `chat_template`: a Jinja file (or JSON holding `chat_template`) for `{"messages": ...}` records, replacing
     (or standing in for) the template of `init_from`'s tokenizer folder.
+    `objective`: "dpo" or "simpo", preference tuning of gpt on `{"prompt", "chosen", "rejected"}` records, with
+    `beta` (`jaxnn.fit`'s `objective` and `beta`).
     """
 
     model: str = "cnn"
@@ -103,6 +112,8 @@ class TrainConfig:
     lora: LoRA | None = None
     pack: bool = False
     chat_template: str | None = None
+    objective: str | None = None
+    beta: float = 0.1
     fit: FitConfig = dataclasses.field(default_factory=_quick_fit)
 
     def __post_init__(self):
@@ -159,6 +170,8 @@ def _validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"label_smoothing must be in [0, 1), got {cfg.label_smoothing!r}")
     if cfg.augment is not None and cfg.model == "gpt":
         raise ConfigError(f"augment: augmentation is for the image models, not {cfg.model!r}")
+    if cfg.objective is not None and (cfg.model != "gpt" or cfg.pack):
+        raise ConfigError(f"objective: preference tuning is for --model gpt, unpacked, not {cfg.model!r}")
     if cfg.pack and cfg.model != "gpt":
         raise ConfigError(f"pack: packing is for text (--model gpt), not {cfg.model!r}")
     if cfg.backend not in BACKENDS:

@@ -129,6 +129,8 @@ def train(
     from jaxnn.models import get_model
     from jaxnn.train import make_optimizer, make_schedule
 
+    if cfg.objective is not None:
+        return _train_preference(cfg, list(callbacks))
     data = load_data(cfg)
     is_text = isinstance(data, TextCorpus)
     tokenizer_folder = _tokenizer_folder(cfg) if is_text else None
@@ -185,6 +187,52 @@ def train(
         if jax.process_index() == 0 and run.run_dir:
             write_json_atomic(pathlib.Path(run.run_dir) / "summary.json", summary)
     return summary
+
+
+def _train_preference(cfg: TrainConfig, callbacks: list[Callback]) -> dict:
+    """`jaxnn train --objective`: gpt tuned on `{"prompt", "chosen", "rejected"}` records (jaxnn.data.preference),
+    evaluated on their test split; returns the run's summary dict."""
+    from jaxnn.data import DataError
+    from jaxnn.data.preference import load_preference_records
+    from jaxnn.data.records import is_record_source
+    from jaxnn.interop.chat import ChatTemplate
+    from jaxnn.interop.tokenizer import load_tokenizer
+    from jaxnn.loop import FitInputs, FitInterrupted, preference_start, run_fit
+    from jaxnn.models import get_model
+    from jaxnn.models.factory import model_config as built_in_config
+    from jaxnn.train import make_optimizer
+
+    if not (cfg.data_dir and is_record_source(cfg.data_dir)):
+        raise DataError(f'--objective {cfg.objective}: --data must be .jsonl {{"prompt", "chosen", "rejected"}} '
+                        f"records (a file or a folder of them), got {cfg.data_dir}")  # fmt: skip
+    tokenizer = _checkpoint_tokenizer(cfg)
+    folder = None if tokenizer is None else tokenizer.parent
+    template = ChatTemplate.from_folder(folder, cfg.chat_template)
+    train, test = load_preference_records(cfg.data_dir, None if tokenizer is None else load_tokenizer(tokenizer),
+                                          window=cfg.seq_len, chat_template=template)  # fmt: skip
+    mcfg = built_in_config(cfg.model, {"seq_len": cfg.seq_len, **dict(cfg.model_overrides)}, size=cfg.size)
+    if int(train["x"].max()) >= mcfg.vocab_size:
+        raise ConfigError(
+            f"the data's token ids reach {int(train['x'].max())}, past the vocabulary of {mcfg.vocab_size}"
+        )
+    run = cfg.fit.resolved(name=f"gpt/{pathlib.Path(cfg.data_dir).stem}")
+    per_epoch = max(1, len(train["x"]) // int(run.batch_size or 1))
+    total = run.steps if run.epochs is None else run.epochs * per_epoch
+    tx = make_optimizer(cfg.lr, total_steps=total, warmup_steps=cfg.warmup, weight_decay=cfg.weight_decay,
+                        decay=cfg.schedule)  # fmt: skip
+    model = get_model(cfg.model, mcfg)
+    inputs = FitInputs(
+        optimizer=tx, eval_data=test, callbacks=[*_tokenizer_keeper(folder), *callbacks],
+        config={**cfg.trajectory(), "model_config": dataclasses.asdict(mcfg), **_tokenizer_entry(folder)},
+        mesh=cfg.mesh, sharding_rules=cfg.sharding_rules, schedule_decays=cfg.schedule == "cosine", lora=cfg.lora,
+        **_starting_point(cfg, model, mcfg, (cfg.seq_len,)),
+    )  # fmt: skip
+    model, inputs = preference_start(model, train, str(cfg.objective), cfg.beta, 0.5, inputs)
+    try:
+        result = run_fit(model, train, run, inputs)
+    except FitInterrupted as stopped:
+        result = stopped.result
+    return {"model": cfg.model, "dataset": pathlib.Path(cfg.data_dir).stem, **result.summary}
 
 
 def _packed(cfg: TrainConfig, data: Any) -> tuple[dict, dict, list[Callback]]:

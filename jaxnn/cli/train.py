@@ -194,6 +194,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         lora=args.lora,
         pack=args.pack,
         chat_template=args.chat_template,
+        objective=args.objective,
+        beta=args.beta,
         fit=fit,
     )
 
@@ -206,6 +208,11 @@ def format_summary(s: dict) -> str:
     elif "eval_bits_per_token" in s:
         unit = "token" if str(s.get("dataset", "")).endswith("-tokens") else "byte"  # tokenize_corpus names it
         quality = f"test {s['eval_bits_per_token']:.3f} bits/{unit} (loss {s['eval_loss']:.4f})"
+    elif "eval_preference_accuracy" in s:
+        quality = (
+            f"test preference accuracy {100 * s['eval_preference_accuracy']:.1f}% "
+            f"(reward margin {s['eval_reward_margin']:.3f}, loss {s['eval_loss']:.4f})"
+        )
     else:
         quality = "no evaluation"
     stopped = f", stopped by signal {s['interrupted_by']}" if s.get("interrupted_by") else ""

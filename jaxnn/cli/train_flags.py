@@ -155,6 +155,10 @@ def add_run_dir_flags(p: argparse.ArgumentParser) -> None:
         help="train LoRA adapters alone, the weights frozen: r=RANK,alpha=A,dropout=P,targets=PATTERN,PATTERN... "
         "(default targets: every attention and MLP weight; see docs/bring-a-checkpoint.md)",
     )
+    a("--objective", choices=("dpo", "simpo"), default=None,
+      help='preference tuning on {"prompt", "chosen", "rejected"} records: dpo (the reference: the base with the '
+      "LoRA adapters off, or a frozen copy) or simpo (reference-free)")  # fmt: skip
+    a("--beta", type=float, default=0.1, help="--objective's beta: the reward's scale (default 0.1)")
 
 
 def add_optimizer_flags(p: argparse.ArgumentParser) -> None:

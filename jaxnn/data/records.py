@@ -40,7 +40,7 @@ def is_record_source(path: str | os.PathLike) -> bool:
     return path.is_dir() and any(path.rglob(f"*{RECORD_SUFFIX}"))
 
 
-def _files(path: pathlib.Path) -> list[pathlib.Path]:
+def files_of(path: pathlib.Path) -> list[pathlib.Path]:
     if path.is_file():
         return [path]
     if not path.is_dir():
@@ -59,7 +59,7 @@ def _files(path: pathlib.Path) -> list[pathlib.Path]:
 def read_records(path: str | os.PathLike) -> Iterator[tuple[str, str] | list[dict[str, str]]]:
     """(prompt, completion) per record in file order; a `text` record is ("", text); a conversation is its list of
     messages. Anything else is one DataError naming the file and line."""
-    for file in _files(pathlib.Path(path)):
+    for file in files_of(pathlib.Path(path)):
         with open(file, encoding="utf-8", errors="strict") as f:
             try:
                 lines = list(f)
@@ -84,7 +84,7 @@ def _record(obj: Any, file: pathlib.Path, number: int) -> tuple[str, str] | list
     if isinstance(obj, dict) and isinstance(obj.get("prompt"), str) and isinstance(obj.get("completion"), str):
         return obj["prompt"], obj["completion"]
     if isinstance(obj, dict) and "messages" in obj:
-        return _messages(obj["messages"], where)
+        return message_list(obj["messages"], where)
     keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
     raise DataError(
         f'{where}: expected {{"text": str}}, {{"prompt": str, "completion": str}} or {{"messages": [{{"role": str, '
@@ -95,26 +95,33 @@ def _record(obj: Any, file: pathlib.Path, number: int) -> tuple[str, str] | list
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def _messages(messages: Any, where: str) -> list[dict[str, str]]:
-    """A conversation's messages, checked: roles among ROLES, text content, at least one assistant turn."""
+def message_list(messages: Any, where: str, *, need_assistant: bool = True) -> list[dict[str, str]]:
+    """A conversation's messages, checked: roles among ROLES, text content, at least one assistant turn (unless
+    `need_assistant` is False); anything else is a DataError naming `where`."""
     if not isinstance(messages, list) or not messages:
         raise DataError(f'{where}: messages must be a non-empty list of {{"role", "content"}} objects')
     for i, m in enumerate(messages):
         if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
             raise DataError(f"{where}: messages[{i}] must have a role among {', '.join(ROLES)} and text content")
-    if not any(m["role"] == "assistant" for m in messages):
+    if need_assistant and not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{where}: a conversation with no assistant turn has nothing to learn")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-def _conversation(messages: list, encode: Any, template: Any, path: Any) -> tuple[np.ndarray, np.ndarray]:
-    """A conversation's ids and weights: 1 on each assistant turn (see the module docstring), 0 elsewhere."""
+def chat_ids(messages: list, encode: Any, template: Any, where: Any, *, opened: bool) -> list[int]:
+    """The ids of `messages` rendered with the chat template (`opened`: with the assistant's turn opened after
+    them); no template, or one that fails, is a DataError naming `where`."""
     if template is None:
         raise DataError(
-            f"{path}: chat records (messages), but the checkpoint's folder has no chat template; give one with "
+            f"{where}: chat records (messages), but the checkpoint's folder has no chat template; give one with "
             "--chat-template FILE (chat_template= in the API)"
         )
-    ids = encode(_render(template, messages, False, path))
+    return encode(_render(template, messages, opened, where))
+
+
+def _conversation(messages: list, encode: Any, template: Any, path: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A conversation's ids and weights: 1 on each assistant turn (see the module docstring), 0 elsewhere."""
+    ids = chat_ids(messages, encode, template, path, opened=False)
     weights = np.zeros(len(ids))
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -139,7 +146,7 @@ def _render(template: Any, messages: list, opened: bool, path: Any) -> str:
         raise DataError(f"{path}: {err}") from None
 
 
-def _encoder(tokenizer: Any, end_id: int | None) -> tuple[Any, list[int]]:
+def text_encoder(tokenizer: Any, end_id: int | None) -> tuple[Any, list[int]]:
     if tokenizer is None:
         return (lambda text: list(text.encode())), [ord("\n")]
     end = end_id if end_id is not None else end_token(tokenizer)
@@ -159,7 +166,7 @@ def load_text_records(
     `tokenizer`: a `tokenizers.Tokenizer` (None: UTF-8 bytes, vocabulary 256); `end_id`: the separator (default:
     the tokenizer's end-of-text token); `chat_template`: a `jaxnn.interop.chat.ChatTemplate`, needed for
     conversations."""
-    encode, separator = _encoder(tokenizer, end_id)
+    encode, separator = text_encoder(tokenizer, end_id)
     pieces = []
     for record in read_records(path):
         if isinstance(record, list):
@@ -188,10 +195,20 @@ def load_text_records(
     def starts(part: list) -> np.ndarray:
         return np.cumsum([0] + [len(p[0]) for p in part[:-1]]).astype(np.int64)
 
-    return TextCorpus(name, joined(train, 0), joined(test, 0), len(_files(pathlib.Path(path))), vocab,
+    return TextCorpus(name, joined(train, 0), joined(test, 0), len(files_of(pathlib.Path(path))), vocab,
                       train_targets=joined(train, 1).astype(np.float32),
                       test_targets=joined(test, 1).astype(np.float32),
                       train_starts=starts(train), test_starts=starts(test))  # fmt: skip
 
 
-__all__ = ["END_TOKENS", "end_token", "is_record_source", "load_text_records", "read_records"]
+__all__ = [
+    "END_TOKENS",
+    "chat_ids",
+    "end_token",
+    "files_of",
+    "is_record_source",
+    "load_text_records",
+    "message_list",
+    "read_records",
+    "text_encoder",
+]

@@ -7,10 +7,29 @@
 
 Internal to the package: `_run.py` (`run_fit` and the loop: steps, evaluation, checkpoints, signals),
 `_setup.py` (the checks made before anything is written, and the one probe of the model's output), `_start.py`
-(where a run starts: given params, LoRA adapters, another run's state) and
+(where a run starts: given params, LoRA adapters, another run's state),
+`_preference.py` (fit's `objective`: `preference_start`) and
 `_bookkeeping.py` (metrics one step late, the progress bar, callbacks, the summary).
 """
 
-from jaxnn.loop.fit import FitInputs, FitInterrupted, FitResult, TrainData, fit, fresh_run_dir, run_fit
+from jaxnn.loop.fit import (
+    FitInputs,
+    FitInterrupted,
+    FitResult,
+    TrainData,
+    fit,
+    fresh_run_dir,
+    preference_start,
+    run_fit,
+)
 
-__all__ = ["FitInputs", "FitInterrupted", "FitResult", "TrainData", "fit", "fresh_run_dir", "run_fit"]
+__all__ = [
+    "FitInputs",
+    "FitInterrupted",
+    "FitResult",
+    "TrainData",
+    "fit",
+    "fresh_run_dir",
+    "preference_start",
+    "run_fit",
+]

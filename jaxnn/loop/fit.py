@@ -24,6 +24,7 @@ from jaxnn.callbacks import Callback
 from jaxnn.config import ConfigError, FitConfig
 from jaxnn.data.pipeline import PipelineConfig
 from jaxnn.layers.core import Layer
+from jaxnn.loop._preference import preference_start
 from jaxnn.loop._run import FitInputs, FitInterrupted, FitResult, TrainData, run_fit
 from jaxnn.loop.rundir import fresh_run_dir
 from jaxnn.lora import LoRA, as_lora
@@ -50,6 +51,9 @@ def fit(
     model_state: Any = None,
     init_from: str | os.PathLike[str] | None = None,
     lora: LoRA | str | None = None,
+    objective: str | None = None,
+    beta: float = 0.1,
+    gamma: float = 0.5,
     steps: int | None = None,
     epochs: int | None = None,
     batch_size: int | None = 64,
@@ -115,6 +119,11 @@ def fit(
       ("r=8,alpha=16,targets=*attention*.w"). Adapters join the starting params (from `params`, `init_from`'s
       parameters, or the initialisation); the rest is frozen, with no optimizer state; `optimizer` then updates
       the adapters alone. The final state holds both (`jaxnn.lora.merge` folds them, `save_adapters` keeps them).
+    objective: "dpo" or "simpo": preference tuning of a language model on `{"prompt", "chosen", "rejected"}` pairs
+      (`jaxnn.data.preference.load_preference_records`); `loss` is then the objective's (`jaxnn.train.preference`):
+      DPO with `beta` against a reference (under `lora`, the base with the adapters off; otherwise a frozen copy of
+      `params` or `init_from`'s), or SimPO with `beta` and the margin `gamma`, reference-free. The metrics add the
+      reward margin, the preference accuracy and the chosen and rejected responses' log-probabilities.
     resume: True continues the run in `run_dir` from its newest checkpoint; a `jaxnn.save_model` folder saved
       from a train state (a FitResult) continues that state: its step, optimizer state and key, with the data
       order of `seed` from its step on, so the same data and settings give the run it would have been. With a
@@ -133,12 +142,14 @@ def fit(
     SIGTERM does the same and returns normally.
     """
     # Over 80 lines only through its signature and docstring, and kept whole: every FitConfig field is a keyword so
-    # that help() and editors list them. The body is five lines: one FitConfig, validated once here, and the
+    # that help() and editors list them. The body is seven lines: one FitConfig, validated once here, and the
     # objects (their text converted to typed values), handed to the loop (jaxnn.loop._run) whole.
     values = dict(locals())
     values.update(mesh=_as_mesh(mesh), augment=_as_augment(augment), lora=_as_lora(lora))  # text read once, here
     values["resume_from"] = None if isinstance(resume, bool) else _saved_model_to_resume(resume)
     inputs = FitInputs(**{name: values[name] for name in FitInputs._fields if name in values})
+    if objective is not None:
+        model, inputs = preference_start(model, data, objective, beta, gamma, inputs)
     return run_fit(model, data, _fit_config(values, unknown), inputs)
 
 
@@ -202,4 +213,13 @@ def _saved_model_to_resume(path: Any) -> str:
     return os.fspath(path)
 
 
-__all__ = ["FitInputs", "FitInterrupted", "FitResult", "TrainData", "fit", "fresh_run_dir", "run_fit"]
+__all__ = [
+    "FitInputs",
+    "FitInterrupted",
+    "FitResult",
+    "TrainData",
+    "fit",
+    "fresh_run_dir",
+    "preference_start",
+    "run_fit",
+]

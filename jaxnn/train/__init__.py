@@ -43,7 +43,7 @@ _LAZY = dict.fromkeys(
     ("FIT_FORMS", "FORMS", "DataParallelStep", "bn_axis_name", "data_parallel_train_step", "per_device_step_fn"),
     "jaxnn.train.data_parallel",
 )
-SUBMODULES = ("data_parallel", "losses", "optim", "state", "step")
+SUBMODULES = ("data_parallel", "losses", "optim", "preference", "state", "step")
 
 __getattr__, __dir__ = lazy_exports("jaxnn.train", _LAZY, SUBMODULES)
 

@@ -73,3 +73,16 @@ def test_the_quantised_base_walkthrough_runs_as_written(tmp_path):
     assert "gpt on qa-tokens" in outputs[1]
     assert outputs[2].startswith("def f3(x):")
     assert (tmp_path / "ft-nf4-hf" / "config.json").is_file()
+
+
+def test_the_preference_tuning_walkthrough_runs_as_written(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    found = blocks("bring-a-checkpoint.md", "## Preference tuning")
+    assert [language for language, _ in found] == ["python", "bash", "python"]
+    outputs = run_blocks(found, tmp_path)
+    assert "gpt on pairs: step 40/40, test preference accuracy" in outputs[1]
+    assert outputs[2].startswith("def f3(x):")
+    accuracy, margins = outputs[-1].strip().split("] [")
+    assert accuracy.startswith("[") and margins.endswith("]")
+    assert (tmp_path / "dpo" / "metrics.jsonl").is_file()
