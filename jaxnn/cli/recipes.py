@@ -151,7 +151,12 @@ def train(
     total = run.steps if run.epochs is None else run.epochs * TrainBatches(data, pipeline, 0, 1).steps_per_epoch
     schedule = make_schedule(cfg.lr, total_steps=total, warmup_steps=cfg.warmup, decay=cfg.schedule)
     tx = make_optimizer(
-        cfg.lr, total_steps=total, warmup_steps=cfg.warmup, weight_decay=cfg.weight_decay, decay=cfg.schedule
+        cfg.lr,
+        total_steps=total,
+        warmup_steps=cfg.warmup,
+        weight_decay=cfg.weight_decay,
+        decay=cfg.schedule,
+        clip_norm=run.clip_norm,
     )
     example = (cfg.seq_len,) if isinstance(data, TextCorpus) else data.image_shape
     if print_summary is not None and jax.process_index() == 0:

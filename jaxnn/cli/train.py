@@ -150,6 +150,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         accumulate=args.accumulate,
         batch_size=pick("batch_size", 64),
         precision=args.precision,
+        clip_norm=args.clip_norm,
         seed=args.seed,
         eval_every=args.eval_every,
         log_every=args.log_every,
@@ -258,6 +259,7 @@ def train_main(args: argparse.Namespace) -> int:
     set_cpu_devices(cfg.mesh.devices if cfg.mesh and one_process else args.devices)
     if cfg.mesh:  # the layout report (what each mesh axis splits) is printed before training, not only logged
         logging.getLogger("jaxnn.parallel.report").setLevel(logging.INFO)
+    logging.getLogger("jaxnn.levers").setLevel(logging.INFO)  # the run's start-of-run block (jaxnn.loop._levers)
     multi_process = start_processes(args)
     from jaxnn._src import compile_cache
 

@@ -165,6 +165,7 @@ def add_optimizer_flags(p: argparse.ArgumentParser) -> None:
     )
     a("--label-smoothing", type=float, default=0.0, help="classification: smooth the one-hot targets by this much")
     a("--weight-decay", type=float, default=0.0, help="AdamW weight decay on kernels")
+    a("--clip-norm", type=float, default=1.0, help="clip the gradients' global norm to this (0: no clipping)")
 
 
 def add_pipeline_and_output_flags(p: argparse.ArgumentParser) -> None:
