@@ -63,6 +63,10 @@ class FitConfig:
       name ("nothing", "dots", "dots_no_batch", "everything", "offload"; see `jaxnn.layers.rematerialised`).
     clip_norm: the default optimizer's clip of the gradients' global norm (`optax.clip_by_global_norm`), 1.0 by
       default; 0 or None clips nothing. An optimizer given to `fit` clips as it says (chain the clip into it).
+    ema: keep an exponential moving average of the weights with this decay (e.g. 0.999), from the starting
+      params on (`ema_t = ema * ema_(t-1) + (1 - ema) * params_t`, no bias correction): evaluations use it, and the
+      final state's params are it (what `jaxnn.save_model` then saves); the checkpoints keep the trained weights
+      and the average (in the optimizer state), so a resume continues both bitwise.
     seed: initialisation, shuffling and per-step randomness.
     eval_every: (run) evaluate every N steps; 0 means five times per run.
     log_every: (run) write a metrics row every N steps.
@@ -96,6 +100,7 @@ class FitConfig:
     precision: str = "fp32"
     remat: str | None = None
     clip_norm: float | None = 1.0
+    ema: float | None = None
     seed: int = 0
     eval_every: int = 0
     log_every: int = 50
@@ -168,6 +173,10 @@ class FitConfig:
         for name in ("eval_every", "ckpt_every", "prefetch"):
             non_negative(owner, name, getattr(self, name))
         check_seed(owner, self.seed)
+        if self.ema is not None and (
+            isinstance(self.ema, bool) or not isinstance(self.ema, (int, float)) or not 0 < self.ema < 1
+        ):
+            raise ConfigError(f"{owner}: ema must be a decay in (0, 1), e.g. 0.999, got {self.ema!r}")
         if self.clip_norm is not None and not (
             isinstance(self.clip_norm, (int, float)) and not isinstance(self.clip_norm, bool) and self.clip_norm >= 0
         ):
@@ -227,10 +236,10 @@ class FitConfig:
 
     def record(self) -> dict:
         """The fields that fix a run's results, as saved in config.json and compared on resume. A field added
-        after runs were saved (`remat`, `clip_norm`) joins only when not at its old value, so that those runs still
-        resume."""
+        after runs were saved (`remat`, `clip_norm`, `ema`) joins only when not at its old value, so that those
+        runs still resume."""
         fields = dataclasses.asdict(self).items()
-        later = {"remat": None, "clip_norm": 1.0}  # their values in the runs saved before them
+        later = {"remat": None, "clip_norm": 1.0, "ema": None}  # their values in the runs saved before them
         return {k: v for k, v in fields if k not in self.RUN_ONLY and not (k in later and v == later[k])}
 
     def eval_interval(self) -> int:

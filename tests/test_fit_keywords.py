@@ -75,3 +75,24 @@ def test_class_and_sample_weights_weight_each_examples_loss():
         jaxnn.fit(model, (x, y), class_weight={0: 1.0}, **kw)
     with pytest.raises(ConfigError, match="sample_weight must hold one finite weight >= 0 per example"):
         jaxnn.fit(model, (x, y), sample_weight=sample[:5], **kw)
+
+
+def test_ema_is_the_average_of_the_weights_evaluated_and_returned(tmp_path):
+    x, y = _data(48)
+    model, decay = L.Dense(2), 0.5
+    start = model.init(jax.random.key(0), (1, 5))[1]
+    kw = {**QUICK, "optimizer": optax.sgd(0.5), "params": start, "batch_size": 16}
+    # Reference: the raw weights after each step (runs of 1..4 steps share their data order), averaged in numpy.
+    raw = [start] + [jaxnn.fit(model, (x, y), steps=k, **kw).state.params for k in range(1, 5)]
+    average = jax.tree.map(np.asarray, start)
+    for params in raw[1:]:
+        average = jax.tree.map(lambda e, p: decay * e + (1 - decay) * np.asarray(p), average, params)
+    run = jaxnn.fit(model, (x, y), steps=4, ema=decay, eval_data=(x, y), eval_every=4, **kw)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), run.state.params, average)
+    assert not np.allclose(run.state.params["w"], raw[4]["w"])  # the average, not the last weights
+    evaluated = jaxnn.evaluate(model, run.state.params, (x, y), batch_size=16)
+    assert run.summary["eval_loss"] == pytest.approx(evaluated["loss"], rel=1e-6)
+    jaxnn.save_model(tmp_path / "saved", model, run)
+    np.testing.assert_array_equal(jaxnn.load_model(tmp_path / "saved")[1]["w"], run.state.params["w"])
+    with pytest.raises(ConfigError, match=r"ema must be a decay in \(0, 1\), e.g. 0.999, got 1.5"):
+        jaxnn.fit(model, (x, y), steps=1, ema=1.5, **kw)

@@ -10,7 +10,7 @@ Internal to the package: `_run.py` (`run_fit` and the loop: steps, evaluation, c
 (where a run starts: given params, LoRA adapters, another run's state) and
 `_bookkeeping.py` (metrics one step late, the progress bar, callbacks, the summary), `_levers.py` (the block a
 run starts with: what its levers do) and `_keywords.py` (fit's Keras-style data keywords: validation_split,
-class and sample weights).
+class and sample weights) and `_ema.py` (fit's `ema`: the weights' moving average).
 """
 
 from jaxnn.loop.fit import FitInputs, FitInterrupted, FitResult, TrainData, fit, fresh_run_dir, run_fit

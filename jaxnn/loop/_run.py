@@ -38,6 +38,7 @@ from jaxnn.evaluation import eval_sums_fn, mean_over, padded, round_up
 from jaxnn.layers.core import Layer, check_is_layer
 from jaxnn.layers.stack import rematerialised
 from jaxnn.loop._bookkeeping import Tracker
+from jaxnn.loop._ema import ema_params, with_ema, with_ema_params
 from jaxnn.loop._levers import Levers
 from jaxnn.loop._resume_checks import refuse_other_optimizer
 from jaxnn.loop._setup import (
@@ -142,6 +143,7 @@ def run_fit(model: Layer, data: TrainData, cfg: FitConfig, inputs: FitInputs | N
     )
     default_tx = inputs.optimizer is None  # AdamW with cosine decay, clipped at cfg.clip_norm
     tx = make_optimizer(1e-3, total_steps=cfg.steps, clip_norm=cfg.clip_norm) if default_tx else inputs.optimizer
+    tx = with_ema(tx, cfg.ema)  # the weights' moving average rides in the optimizer state (jaxnn.loop._ema)
     mesh = _mesh(inputs.mesh, cfg)
     check_batch_divisible(batch_size, mesh)
     check_accumulate(cfg, mesh)
@@ -187,6 +189,8 @@ def run_fit(model: Layer, data: TrainData, cfg: FitConfig, inputs: FitInputs | N
     finally:
         files.close()
     remember(result.state, trained_with)  # for save_model's record of this state
+    if cfg.ema is not None:  # the average is what was evaluated, and what the caller gets (and saves)
+        result = result._replace(state=with_ema_params(result.state))
     if interrupted:
         raise FitInterrupted(f"fit: interrupted (Ctrl-C) at step {result.summary['step']}; checkpoint saved", result)
     return result
@@ -357,7 +361,7 @@ def _evaluator(model, loss, cfg, mesh, dp, evals, scores=()):
     place = _placer(dp, mesh, size)
     sums = jax.jit(eval_sums_fn(model, loss, cfg.precision, scores))
     return lambda state: mean_over(
-        lambda b: sums(state.params, state.model_state, b), (place(padded(h, size)) for h in evals), scores
+        lambda b: sums(ema_params(state), state.model_state, b), (place(padded(h, size)) for h in evals), scores
     )
 
 

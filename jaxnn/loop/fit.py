@@ -58,6 +58,7 @@ def fit(
     precision: str = "fp32",
     remat: str | None = None,
     clip_norm: float | None = 1.0,
+    ema: float | None = None,
     seed: int = 0,
     eval_every: int = 0,
     log_every: int = 50,
