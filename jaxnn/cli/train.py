@@ -17,6 +17,7 @@ import pathlib
 from typing import TYPE_CHECKING, Any
 
 from jaxnn.cli.config import TrainConfig, parse_model_config
+from jaxnn.cli.replay import replayed
 from jaxnn.config import FitConfig
 from jaxnn.errors import ConfigError
 
@@ -253,6 +254,7 @@ def callbacks_from_args(args: argparse.Namespace, multi_process: bool) -> list[C
 
 def train_main(args: argparse.Namespace) -> int:
     """Runs `jaxnn train`; errors go to `jaxnn.cli.main`'s exit-status table."""
+    args = replayed(args) if args.config else args  # --config FILE: a run's config.json as the flags' values
     cfg = config_from_args(args)  # validated here, before jax starts
     # One process simulates the whole mesh; in a multi-process run each has --devices and the mesh spans all.
     one_process = not multi_process_asked(args)

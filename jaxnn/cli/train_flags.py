@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from jaxnn.cli.parsers import add_command
+from jaxnn.cli.replay import remember_given
 
 
 def add_train_parser(sub: Any) -> None:
@@ -71,6 +72,8 @@ def add_train_parser(sub: Any) -> None:
     )
     add_multiprocess_flags(p)
     add_pipeline_and_output_flags(p)
+    a("--config", default=None, metavar="FILE", help="replay a run's config.json; flags given beside it override it")
+    remember_given(p)  # which flags were given, so that they override --config's values
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
