@@ -268,6 +268,10 @@ def train_main(args: argparse.Namespace) -> int:
     compile_cache.enable(cfg.fit.compile_cache)  # before the model summary and data set-up compile anything
     from jaxnn.cli.recipes import train
 
+    if args.lr_find:  # the range test instead of the run (jaxnn.cli.lr_find)
+        from jaxnn.cli.lr_find import lr_find_main
+
+        return lr_find_main(cfg, callbacks_from_args(args, multi_process))
     summary = train(
         cfg, callbacks=callbacks_from_args(args, multi_process), print_summary=None if args.no_summary else print
     )

@@ -72,6 +72,7 @@ def add_train_parser(sub: Any) -> None:
     )
     add_multiprocess_flags(p)
     add_pipeline_and_output_flags(p)
+    a("--lr-find", action="store_true", help="run the learning-rate range test instead (plot in the run directory)")
     a("--config", default=None, metavar="FILE", help="replay a run's config.json; flags given beside it override it")
     remember_given(p)  # which flags were given, so that they override --config's values
 
