@@ -18,8 +18,8 @@ from jaxnn.loop import _levers
 from jaxnn.models.gpt import GPT, GPTConfig
 from jaxnn.train import lm_loss
 
-CFG = GPTConfig(vocab_size=48, seq_len=16, d_model=32, num_layers=2, num_heads=2)
-QUICK = {"steps": 2, "batch_size": 8, "progress": False, "plots": False}
+CFG = GPTConfig(vocab_size=48, seq_len=16, d_model=16, num_layers=1, num_heads=2)
+QUICK = {"steps": 1, "batch_size": 8, "progress": False, "plots": False}
 
 
 def _text(n=16):
@@ -35,15 +35,16 @@ def _numpy_count(tree) -> int:
     return sum(int(np.prod(np.shape(leaf))) for leaf in jax.tree.leaves(tree))
 
 
-def test_a_lora_run_starts_with_its_trainable_and_frozen_counts(caplog, tmp_path):
+def test_a_lora_run_starts_with_its_trainable_and_frozen_counts(caplog):
     caplog.set_level(logging.INFO, logger="jaxnn.levers")
-    result = jaxnn.fit(GPT(CFG), _text(), loss=lm_loss, lora="r=4", run_dir=str(tmp_path / "run"), **QUICK)
+    x = np.random.default_rng(0).normal(size=(32, 8)).astype(np.float32)
+    model = L.serial(L.Dense(16), L.Relu, L.Dense(2))  # a GPT's attention and MLP weights are Dense layers alike
+    result = jaxnn.fit(model, (x, (x[:, 0] > 0).astype(np.int32)), lora="r=4,targets=*.w", **QUICK)
     flat = jaxnn.lora.adapters(result.state.params)
     trained = sum(int(np.prod(np.shape(v))) for k, v in flat.items() if k.endswith(("lora_a", "lora_b")))
     frozen = _numpy_count(result.state.params) - trained
     levers = result.summary["levers"]
     assert (levers["trainable_params"], levers["frozen_params"]) == (trained, frozen)
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["levers"] == levers
     block = _block(caplog)
     assert len(block) == 5 and f"{trained:,} trainable, {frozen:,} frozen" in block[0]
     assert levers["clip_norm"] == 1.0 and "clip norm 1.0" in block[4]  # the default optimizer's clip
@@ -82,7 +83,9 @@ def test_a_remat_run_reports_its_policy_and_the_compiled_steps_memory(caplog):
 def test_an_fp8_run_on_a_cpu_warns_with_the_rule(caplog):
     caplog.set_level(logging.INFO, logger="jaxnn.levers")
     with pytest.warns(PrecisionWarning, match=r"fp8 on a CPU.*slower than bf16"):
-        result = jaxnn.fit(GPT(CFG), _text(), loss=lm_loss, precision="fp8", **QUICK)
+        x = np.random.default_rng(0).normal(size=(16, 8)).astype(np.float32)
+        result = jaxnn.fit(L.serial(L.Dense(16), L.Relu, L.Dense(2)), (x, (x[:, 0] > 0).astype(np.int32)),
+                           precision="fp8", **QUICK)  # fmt: skip
     levers = result.summary["levers"]
     assert levers["precision"] == "fp8" and levers["precision_pays"] is False
     assert "precision fp8: does NOT pay" in _block(caplog)[3]
@@ -118,3 +121,16 @@ def test_clip_norm_sets_the_default_optimizers_clip():
     assert "clip_by_global_norm" in jaxnn._src.optimizer_id.fingerprint(clipped, None)["transforms"]
     with pytest.raises(ConfigError, match="clip_norm must be a number >= 0"):
         jaxnn.fit(model, (x, y), clip_norm=-1, **QUICK)
+
+
+def test_jaxnn_train_prints_the_block_and_keeps_it_in_summary_json(tmp_path, caplog):
+    from jaxnn import cli
+
+    run = tmp_path / "run"
+    argv = ["train", "--model", "mlp", "--size", "small", "--steps", "2", "--batch-size", "16", "--clip-norm", "0",
+            "--run-dir", str(run), "--no-progress", "--no-plots", "--no-summary", "--no-compile-cache"]  # fmt: skip
+    assert cli.main(argv) == 0
+    block = _block(caplog)
+    levers = json.loads((run / "summary.json").read_text())["levers"]
+    assert len(block) == 5 and levers["clip_norm"] is None and "clip norm off" in block[4]
+    assert f"{levers['trainable_params']:,} trainable, 0 frozen" in block[0]
