@@ -96,3 +96,12 @@ def test_ema_is_the_average_of_the_weights_evaluated_and_returned(tmp_path):
     np.testing.assert_array_equal(jaxnn.load_model(tmp_path / "saved")[1]["w"], run.state.params["w"])
     with pytest.raises(ConfigError, match=r"ema must be a decay in \(0, 1\), e.g. 0.999, got 1.5"):
         jaxnn.fit(model, (x, y), steps=1, ema=1.5, **kw)
+
+
+def test_a_resumed_ema_run_continues_the_average_bitwise(tmp_path):
+    x, y = _data(48)
+    kw = {**QUICK, "optimizer": optax.sgd(0.5), "ema": 0.7}
+    whole = jaxnn.fit(L.Dense(2), (x, y), steps=4, run_dir=str(tmp_path / "whole"), **kw)
+    jaxnn.fit(L.Dense(2), (x, y), steps=2, run_dir=str(tmp_path / "parts"), **kw)
+    resumed = jaxnn.fit(L.Dense(2), (x, y), steps=4, run_dir=str(tmp_path / "parts"), resume=True, **kw)
+    jax.tree.map(np.testing.assert_array_equal, whole.state.params, resumed.state.params)
