@@ -122,12 +122,16 @@ class Levers:
             warn_at_caller(self.record["precision_warning"], PrecisionWarning)
 
 
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
 def lines(record: dict) -> list[str]:
     """The block's lines for a `Levers.record`."""
     r = record
     total = r["trainable_params"] + r["frozen_params"]
     packing = "n/a (not packed)" if r["packing_efficiency"] is None else f"{100 * r['packing_efficiency']:.1f}%"
-    memory = "n/a" if r["step_temp_bytes"] is None else f"{r['step_temp_bytes'] / 2**20:.1f} MiB"
+    memory = "n/a" if r["step_temp_bytes"] is None else _size(r["step_temp_bytes"])
     pays = "pays on this backend" if r["precision_pays"] else "does NOT pay on this backend (see the warning)"
     return [
         f"parameters {r['trainable_params']:,} trainable, {r['frozen_params']:,} frozen "
