@@ -1,7 +1,7 @@
 """bf16 against fp32 on the machine at hand: one training step of each model under both precision policies, timed
 side by side, with the CPU it ran on.
 
-    python examples/bf16_vs_fp32.py [--smoke] [--repeats 7]
+    python examples/bf16_vs_fp32.py [--smoke] [--repeats 7] [--fp8]
 
 Whether bf16 is faster depends on the hardware, not on jaxnn: a bf16 x bf16 -> f32 product runs on GPU tensor
 cores and on Intel's AMX units fast, while a CPU without them (no `amx_bf16` or `avx512_bf16` in /proc/cpuinfo)
@@ -53,10 +53,10 @@ def workloads(smoke: bool) -> dict:
     return found
 
 
-def time_policies(model, loss, batch, repeats: int) -> dict:
-    """Seconds per train step (median) for each policy, measured in the same windows so machine load hits both."""
+def time_policies(model, loss, batch, repeats: int, policies=("fp32", "bf16")) -> dict:
+    """Seconds per train step (median) for each policy, measured in the same windows so machine load hits all."""
     steps = {}
-    for policy in ("fp32", "bf16"):
+    for policy in policies:
         tx = optax.adam(1e-3)
         state = create_train_state(model, tx, jax.random.key(1), batch["x"].shape, policy=policy)
         steps[policy] = stepper(make_train_step(model, loss, tx, policy), state, batch)
@@ -68,15 +68,21 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true", help="a tiny MLP and few repeats, to check the example runs")
     parser.add_argument("--repeats", type=int, default=None, help="timing windows per policy (default 7; smoke 2)")
+    parser.add_argument("--fp8", action="store_true", help="time fp8 too (emulated on a CPU: no CPU has fp8 units)")
     args = parser.parse_args()
+    policies = ("fp32", "bf16", "fp8") if args.fp8 else ("fp32", "bf16")
     repeats = args.repeats or (2 if args.smoke else 7)
     device = jax.devices()[0]
     print(f"CPU: {cpu_description()}")
     print(f"jax {jax.__version__} on {device.platform} ({device.device_kind}), medians of {repeats} windows")
-    print(f"{'model':32} {'fp32 ms':>9} {'bf16 ms':>9} {'fp32/bf16':>10}")
+    print(
+        f"{'model':32} {'fp32 ms':>9} {'bf16 ms':>9} {'fp32/bf16':>10}"
+        + (f" {'fp8 ms':>9} {'fp32/fp8':>9}" if args.fp8 else "")
+    )
     for name, (model, loss, batch) in workloads(args.smoke).items():
-        ms = {policy: 1e3 * s for policy, s in time_policies(model, loss, batch, repeats).items()}
-        print(f"{name:32} {ms['fp32']:9.2f} {ms['bf16']:9.2f} {ms['fp32'] / ms['bf16']:9.2f}x")
+        ms = {policy: 1e3 * s for policy, s in time_policies(model, loss, batch, repeats, policies).items()}
+        fp8 = f" {ms['fp8']:9.2f} {ms['fp32'] / ms['fp8']:8.2f}x" if args.fp8 else ""
+        print(f"{name:32} {ms['fp32']:9.2f} {ms['bf16']:9.2f} {ms['fp32'] / ms['bf16']:9.2f}x{fp8}")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ _NAMES = {
     "FitResult": "jaxnn.loop",
     "FitInterrupted": "jaxnn.loop",
     "fresh_run_dir": "jaxnn.loop",
+    "lr_find": "jaxnn.loop.lr_range",
     "FitConfig": "jaxnn.config",
     "evaluate": "jaxnn.evaluation",
     "predict": "jaxnn.evaluation",
@@ -79,6 +80,7 @@ __all__ = [
     "fresh_run_dir",
     "keep_host_memory",
     "load_model",
+    "lr_find",
     "predict",
     "save_model",
 ]

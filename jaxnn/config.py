@@ -61,6 +61,12 @@ class FitConfig:
     precision: a `jaxnn.precision` preset name ("fp32", "tf32", "bf16", "fp16", "fp8").
     remat: recompute activations in the backward pass, layer by layer, under this `jaxnn.layers.REMAT_POLICIES`
       name ("nothing", "dots", "dots_no_batch", "everything", "offload"; see `jaxnn.layers.rematerialised`).
+    clip_norm: the default optimizer's clip of the gradients' global norm (`optax.clip_by_global_norm`), 1.0 by
+      default; 0 or None clips nothing. An optimizer given to `fit` clips as it says (chain the clip into it).
+    ema: keep an exponential moving average of the weights with this decay (e.g. 0.999), from the starting
+      params on (`ema_t = ema * ema_(t-1) + (1 - ema) * params_t`, no bias correction): evaluations use it, and the
+      final state's params are it (what `jaxnn.save_model` then saves); the checkpoints keep the trained weights
+      and the average (in the optimizer state), so a resume continues both bitwise.
     seed: initialisation, shuffling and per-step randomness.
     eval_every: (run) evaluate every N steps; 0 means five times per run.
     log_every: (run) write a metrics row every N steps.
@@ -93,6 +99,8 @@ class FitConfig:
     accumulate: int = 1
     precision: str = "fp32"
     remat: str | None = None
+    clip_norm: float | None = 1.0
+    ema: float | None = None
     seed: int = 0
     eval_every: int = 0
     log_every: int = 50
@@ -165,6 +173,16 @@ class FitConfig:
         for name in ("eval_every", "ckpt_every", "prefetch"):
             non_negative(owner, name, getattr(self, name))
         check_seed(owner, self.seed)
+        if self.ema is not None and (
+            isinstance(self.ema, bool) or not isinstance(self.ema, (int, float)) or not 0 < self.ema < 1
+        ):
+            raise ConfigError(f"{owner}: ema must be a decay in (0, 1), e.g. 0.999, got {self.ema!r}")
+        if self.clip_norm is not None and not (
+            isinstance(self.clip_norm, (int, float)) and not isinstance(self.clip_norm, bool) and self.clip_norm >= 0
+        ):
+            raise ConfigError(
+                f"{owner}: clip_norm must be a number >= 0 (0 or None: no clipping), got {self.clip_norm!r}"
+            )
         if not isinstance(self.precision, str) or self.precision not in PRESETS:
             raise ConfigError(f"{owner}: unknown precision {self.precision!r}; choose one of {sorted(PRESETS)}")
         if self.remat is not None and (not isinstance(self.remat, str) or self.remat not in REMAT_POLICIES):
@@ -218,9 +236,11 @@ class FitConfig:
 
     def record(self) -> dict:
         """The fields that fix a run's results, as saved in config.json and compared on resume. A field added
-        after runs were saved (`remat`) joins only when set, so that those runs still resume."""
+        after runs were saved (`remat`, `clip_norm`, `ema`) joins only when not at its old value, so that those
+        runs still resume."""
         fields = dataclasses.asdict(self).items()
-        return {k: v for k, v in fields if k not in self.RUN_ONLY and not (k == "remat" and v is None)}
+        later = {"remat": None, "clip_norm": 1.0, "ema": None}  # their values in the runs saved before them
+        return {k: v for k, v in fields if k not in self.RUN_ONLY and not (k in later and v == later[k])}
 
     def eval_interval(self) -> int:
         """Steps between evaluations: `eval_every`, or a fifth of the run when it is 0."""

@@ -28,6 +28,7 @@ __all__ = [
     "StorageError",
     "TensorMismatchError",
     "TokenizerError",
+    "PrecisionWarning",
     "UnusedDevicesWarning",
 ]
 
@@ -123,3 +124,8 @@ class ShardingWarning(UserWarning):
 
 class UnusedDevicesWarning(UserWarning):
     """fit trains on fewer devices than the process has (said once per process)."""
+
+
+class PrecisionWarning(UserWarning):
+    """The run's precision does not pay on this backend (bf16 on a CPU without bf16 instructions, fp8 on any
+    CPU): it runs slower than fp32 there."""

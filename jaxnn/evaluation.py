@@ -256,8 +256,12 @@ def predict(
     precision: str = "fp32",
     mesh: Mesh | str | None = None,
     devices: int = 1,
+    probabilities: bool = False,
 ) -> Any:
     """The model's outputs (eval mode) for every example of `data`, in order, as numpy arrays with one row each.
+
+    probabilities: the outputs as class probabilities (float32): a softmax over the last axis, or a sigmoid where
+    it has one unit (a binary classifier's one logit). For a model whose output is one array of logits.
 
     data: an input array `x` or anything numpy reads as one (a list of examples, a nested list), `(x, y)`, a dict
     of arrays with "x", a jaxnn data set (its test split, padding rows dropped) or an iterable of batch dicts.
@@ -273,7 +277,9 @@ def predict(
     mesh = _mesh_for(mesh, devices)
     _, split = _placement(mesh)
     policy = get_policy(precision)
-    forward = jax.jit(lambda p, s, x: forward_batch(model, policy, p, s, {"x": x}, key=None, train=False)[0])
+    forward: Callable = jax.jit(lambda p, s, x: forward_batch(model, policy, p, s, {"x": x}, key=None, train=False)[0])
+    if probabilities:
+        forward = _as_probabilities(forward)
     if isinstance(data, np.ndarray):
         _check_batch_axis(forward, params, state, data)
     params, state = replicate((params, state), mesh)
@@ -289,6 +295,22 @@ def predict(
         total = len(data.x_test)
         return jax.tree.map(lambda *parts: np.concatenate(parts)[:total], *outputs)
     return jax.tree.map(lambda *parts: np.concatenate(parts), *outputs)
+
+
+def _as_probabilities(forward: Callable) -> Callable:
+    """`forward`, whose output is logits, giving probabilities: softmax over the last axis, sigmoid for one unit."""
+
+    def probabilities(*args):
+        logits = forward(*args)
+        if not hasattr(logits, "shape") or logits.ndim < 1:
+            raise ValueError(
+                f"predict: probabilities=True needs a model whose output is one array of logits, got "
+                f"{type(logits).__name__}"
+            )
+        logits = logits.astype(jnp.float32)
+        return jax.nn.sigmoid(logits) if logits.shape[-1] == 1 else jax.nn.softmax(logits, axis=-1)
+
+    return jax.jit(probabilities)
 
 
 def _check_batch_axis(forward: Callable, params: Any, state: Any, x: np.ndarray) -> None:

@@ -44,6 +44,7 @@ MODULES = (
     "jaxnn.models.factory",
     "jaxnn.models.presets",
     "jaxnn.loop",
+    "jaxnn.loop.lr_range",
     "jaxnn.evaluation",
     "jaxnn.scores",
     "jaxnn.config",

@@ -113,11 +113,16 @@ def model_config(cfg: TrainConfig, data: ImageDataset | TextCorpus) -> Any:
 
 
 def train(
-    cfg: TrainConfig, *, callbacks: Iterable[Callback] = (), print_summary: Callable[[str], Any] | None = None
+    cfg: TrainConfig,
+    *,
+    callbacks: Iterable[Callback] = (),
+    print_summary: Callable[[str], Any] | None = None,
+    optimizer: Any = None,
 ) -> dict:
     """Trains the built-in model `cfg` names through `jaxnn.fit`; returns the run's summary dict.
 
-    `print_summary`, when given (e.g. `print`), receives the model's per-layer table before training.
+    `print_summary`, when given (e.g. `print`), receives the model's per-layer table before training; `optimizer`
+    replaces the flags' (`jaxnn train --lr-find`'s sweep).
     """
     import jax
 
@@ -153,8 +158,13 @@ def train(
     )
     total = run.steps if run.epochs is None else run.epochs * TrainBatches(data, pipeline, 0, 1).steps_per_epoch
     schedule = make_schedule(cfg.lr, total_steps=total, warmup_steps=cfg.warmup, decay=cfg.schedule)
-    tx = make_optimizer(
-        cfg.lr, total_steps=total, warmup_steps=cfg.warmup, weight_decay=cfg.weight_decay, decay=cfg.schedule
+    tx = optimizer or make_optimizer(
+        cfg.lr,
+        total_steps=total,
+        warmup_steps=cfg.warmup,
+        weight_decay=cfg.weight_decay,
+        decay=cfg.schedule,
+        clip_norm=run.clip_norm,
     )
     example = (cfg.seq_len,) if isinstance(data, TextCorpus) else data.image_shape
     if print_summary is not None and jax.process_index() == 0:
@@ -165,7 +175,12 @@ def train(
         optimizer=tx,
         eval_data=eval_data,
         pipeline=pipeline,
-        callbacks=[LearningRateLogger(schedule), *_tokenizer_keeper(tokenizer_folder), *packing, *callbacks],
+        callbacks=[
+            *([LearningRateLogger(schedule)] if optimizer is None else []),
+            *_tokenizer_keeper(tokenizer_folder),
+            *packing,
+            *callbacks,
+        ],
         config={**cfg.trajectory(), "model_config": dataclasses.asdict(mcfg), **_tokenizer_entry(tokenizer_folder)},
         mesh=cfg.mesh,
         sharding_rules=cfg.sharding_rules,

@@ -17,6 +17,7 @@ import pathlib
 from typing import TYPE_CHECKING, Any
 
 from jaxnn.cli.config import TrainConfig, parse_model_config
+from jaxnn.cli.replay import replayed
 from jaxnn.config import FitConfig
 from jaxnn.errors import ConfigError
 
@@ -150,6 +151,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         accumulate=args.accumulate,
         batch_size=pick("batch_size", 64),
         precision=args.precision,
+        clip_norm=args.clip_norm,
         seed=args.seed,
         eval_every=args.eval_every,
         log_every=args.log_every,
@@ -260,18 +262,24 @@ def callbacks_from_args(args: argparse.Namespace, multi_process: bool) -> list[C
 
 def train_main(args: argparse.Namespace) -> int:
     """Runs `jaxnn train`; errors go to `jaxnn.cli.main`'s exit-status table."""
+    args = replayed(args) if args.config else args  # --config FILE: a run's config.json as the flags' values
     cfg = config_from_args(args)  # validated here, before jax starts
     # One process simulates the whole mesh; in a multi-process run each has --devices and the mesh spans all.
     one_process = not multi_process_asked(args)
     set_cpu_devices(cfg.mesh.devices if cfg.mesh and one_process else args.devices)
     if cfg.mesh:  # the layout report (what each mesh axis splits) is printed before training, not only logged
         logging.getLogger("jaxnn.parallel.report").setLevel(logging.INFO)
+    logging.getLogger("jaxnn.levers").setLevel(logging.INFO)  # the run's start-of-run block (jaxnn.loop._levers)
     multi_process = start_processes(args)
     from jaxnn._src import compile_cache
 
     compile_cache.enable(cfg.fit.compile_cache)  # before the model summary and data set-up compile anything
     from jaxnn.cli.recipes import train
 
+    if args.lr_find:  # the range test instead of the run (jaxnn.cli.lr_find)
+        from jaxnn.cli.lr_find import lr_find_main
+
+        return lr_find_main(cfg, callbacks_from_args(args, multi_process))
     summary = train(
         cfg, callbacks=callbacks_from_args(args, multi_process), print_summary=None if args.no_summary else print
     )

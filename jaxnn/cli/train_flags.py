@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from jaxnn.cli.parsers import add_command
+from jaxnn.cli.replay import remember_given
 
 
 def add_train_parser(sub: Any) -> None:
@@ -71,6 +72,9 @@ def add_train_parser(sub: Any) -> None:
     )
     add_multiprocess_flags(p)
     add_pipeline_and_output_flags(p)
+    a("--lr-find", action="store_true", help="run the learning-rate range test instead (plot in the run directory)")
+    a("--config", default=None, metavar="FILE", help="replay a run's config.json; flags given beside it override it")
+    remember_given(p)  # which flags were given, so that they override --config's values
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -176,6 +180,7 @@ def add_optimizer_flags(p: argparse.ArgumentParser) -> None:
     )
     a("--label-smoothing", type=float, default=0.0, help="classification: smooth the one-hot targets by this much")
     a("--weight-decay", type=float, default=0.0, help="AdamW weight decay on kernels")
+    a("--clip-norm", type=float, default=1.0, help="clip the gradients' global norm to this (0: no clipping)")
 
 
 def add_pipeline_and_output_flags(p: argparse.ArgumentParser) -> None:

@@ -38,6 +38,8 @@ from jaxnn.evaluation import eval_sums_fn, mean_over, padded, round_up
 from jaxnn.layers.core import Layer, check_is_layer
 from jaxnn.layers.stack import rematerialised
 from jaxnn.loop._bookkeeping import Tracker
+from jaxnn.loop._ema import ema_params, with_ema, with_ema_params
+from jaxnn.loop._levers import Levers
 from jaxnn.loop._resume_checks import refuse_other_optimizer
 from jaxnn.loop._setup import (
     augment_fn,
@@ -139,7 +141,9 @@ def run_fit(model: Layer, data: TrainData, cfg: FitConfig, inputs: FitInputs | N
     evals = as_eval_batches(
         inputs.eval_data, batch_size, seq_len=getattr(pipeline, "seq_len", 128), seed=cfg.seed, check=cfg.check_data
     )
-    tx = inputs.optimizer if inputs.optimizer is not None else make_optimizer(1e-3, total_steps=cfg.steps)
+    default_tx = inputs.optimizer is None  # AdamW with cosine decay, clipped at cfg.clip_norm
+    tx = make_optimizer(1e-3, total_steps=cfg.steps, clip_norm=cfg.clip_norm) if default_tx else inputs.optimizer
+    tx = with_ema(tx, cfg.ema)  # the weights' moving average rides in the optimizer state (jaxnn.loop._ema)
     mesh = _mesh(inputs.mesh, cfg)
     check_batch_divisible(batch_size, mesh)
     check_accumulate(cfg, mesh)
@@ -176,14 +180,17 @@ def run_fit(model: Layer, data: TrainData, cfg: FitConfig, inputs: FitInputs | N
     check_monitors(callbacks, cfg, evals, model, inputs.loss, state, scores)
     # The record: config.json's one serialisation, of which the precheck saw the part known then.
     files.record = {**files.record, **model_record(state.params), **start_from, FIELD: trained_with[FIELD]}
+    evaluation = (evals, scores, Levers(cfg, model, abstract.params, data, inputs, trained_with[FIELD]))
     files.open()  # the run dir is checked and locked here; nothing was written before
     try:
         result, interrupted = _train(
-            model, inputs.loss, tx, cfg, source, (evals, scores), mesh, state, files.record, files, callbacks, aug
+            model, inputs.loss, tx, cfg, source, evaluation, mesh, state, files.record, files, callbacks, aug
         )
     finally:
         files.close()
     remember(result.state, trained_with)  # for save_model's record of this state
+    if cfg.ema is not None:  # the average is what was evaluated, and what the caller gets (and saves)
+        result = result._replace(state=with_ema_params(result.state))
     if interrupted:
         raise FitInterrupted(f"fit: interrupted (Ctrl-C) at step {result.summary['step']}; checkpoint saved", result)
     return result
@@ -247,7 +254,7 @@ def _say_unused_devices(used: int, present: int, platform: str) -> None:
 def _train(
     model, loss, tx, cfg, source, evaluation, mesh, state, record, files, callbacks, aug
 ) -> tuple[FitResult, bool]:
-    evals, scores = evaluation  # the evaluation batches and the whole-set metrics asked for
+    evals, scores, levers = evaluation  # the evaluation batches, the whole-set metrics, the start-of-run block
     dp = data_parallel_train_step(
         model,
         loss,
@@ -275,6 +282,7 @@ def _train(
     if start >= cfg.steps:
         return _already_finished(ckpt, state, start, files), False
     place = _placer(dp, mesh, cfg.batch_size)
+    levers.announce(dp, state, place(source.example()))
     batches = DevicePrefetch(source.iterator(start, cfg.steps), place=place, size=cfg.prefetch)
     evaluate = _evaluator(model, loss, cfg, mesh, dp, evals, scores)
     run = RunInfo(cfg.steps, cfg.run_dir, files.is_main, start, start, state, get_policy(cfg.precision).loss_scaling)
@@ -319,7 +327,7 @@ def _train(
         except NonFiniteError as err:
             failure = err
     summary = tracker.summary(step, start, state, eval_metrics, stop, failure, batches.take_wait())
-    summary["input"] = input_record(source)
+    summary["input"], summary["levers"] = input_record(source), levers.record
     files.finish(summary, plots=cfg.plots and failure is None)
     if failure is not None:
         raise failure
@@ -353,7 +361,7 @@ def _evaluator(model, loss, cfg, mesh, dp, evals, scores=()):
     place = _placer(dp, mesh, size)
     sums = jax.jit(eval_sums_fn(model, loss, cfg.precision, scores))
     return lambda state: mean_over(
-        lambda b: sums(state.params, state.model_state, b), (place(padded(h, size)) for h in evals), scores
+        lambda b: sums(ema_params(state), state.model_state, b), (place(padded(h, size)) for h in evals), scores
     )
 
 

@@ -25,6 +25,7 @@ from jaxnn.config import ConfigError, FitConfig
 from jaxnn.data.pipeline import PipelineConfig
 from jaxnn.layers.core import Layer
 from jaxnn.loop._preference import preference_start
+from jaxnn.loop._keywords import keras_data
 from jaxnn.loop._run import FitInputs, FitInterrupted, FitResult, TrainData, run_fit
 from jaxnn.loop.rundir import fresh_run_dir
 from jaxnn.lora import LoRA, as_lora
@@ -60,6 +61,8 @@ def fit(
     accumulate: int = 1,
     precision: str = "fp32",
     remat: str | None = None,
+    clip_norm: float | None = 1.0,
+    ema: float | None = None,
     seed: int = 0,
     eval_every: int = 0,
     log_every: int = 50,
@@ -84,6 +87,9 @@ def fit(
     profile_dir: str | None = None,
     compile_cache: str = "auto",
     check_data: str = "arrays",
+    validation_split: float | None = None,
+    class_weight: dict | None = None,
+    sample_weight: Any = None,
     **unknown: Any,
 ) -> FitResult:
     """Trains `model` on `data` and returns `FitResult(state, history, summary)`.
@@ -96,7 +102,8 @@ def fit(
       `EarlyStopping` and `keep_best` can watch them.
     loss: `(logits, batch) -> (loss, metrics)`, a mean over the batch's examples; a `count` metric, if
       returned, weights each example in evaluation.
-    optimizer: any optax `GradientTransformation` (default: `make_optimizer(1e-3, total_steps=steps)`); one that
+    optimizer: any optax `GradientTransformation` (default: `make_optimizer(1e-3, total_steps=steps,
+      clip_norm=clip_norm)`: AdamW, cosine decay to 0 at `steps`, gradients clipped to global norm 1.0); one that
       takes `value` (`optax.contrib.reduce_on_plateau`) gets the step's training loss.
     callbacks: `jaxnn.callbacks.Callback` instances; a `NonFiniteGuard` is added unless `guard_nonfinite=False`.
     mesh: a `jax.sharding.Mesh` with a `data` axis and optionally `fsdp` and `tensor` axes, or its sizes: a
@@ -132,6 +139,12 @@ def fit(
       (its transformations, their settings such as the learning rate, a schedule's length), or that changes
       `steps` under the default optimizer, whose schedule decays to 0 at `steps`, is refused naming the difference;
       False continues anyway, with this call's optimizer on the saved optimizer state.
+    validation_split: hold out the last fraction of `data`'s arrays (before any shuffling) as `eval_data`, as
+      Keras does; with `eval_data` it is refused.
+    class_weight, sample_weight: weight each training example's loss by `class_weight[y]` (a dict {class: weight})
+      times its `sample_weight` (one number per example of `data`'s arrays): they become `batch["mask"]`, which the
+      classification losses read as a weighted mean (sum of w * loss over sum of w; Keras divides by the batch
+      size instead) and your own loss reads as it likes. The evaluation is not weighted.
     steps, epochs, batch_size, ...: the fields of `jaxnn.config.FitConfig`, which documents and validates them;
       give `steps` or `epochs`, not both. Any other keyword is refused with the list of known ones.
 
@@ -142,8 +155,10 @@ def fit(
     SIGTERM does the same and returns normally.
     """
     # Over 80 lines only through its signature and docstring, and kept whole: every FitConfig field is a keyword so
-    # that help() and editors list them. The body is seven lines: one FitConfig, validated once here, and the
+    # that help() and editors list them. The body is ten lines: one FitConfig, validated once here, and the
     # objects (their text converted to typed values), handed to the loop (jaxnn.loop._run) whole.
+    data, eval_data, facts = keras_data(data, eval_data, validation_split, class_weight, sample_weight)
+    config = {**(config or {}), **facts} if facts else config
     values = dict(locals())
     values.update(mesh=_as_mesh(mesh), augment=_as_augment(augment), lora=_as_lora(lora))  # text read once, here
     values["resume_from"] = None if isinstance(resume, bool) else _saved_model_to_resume(resume)

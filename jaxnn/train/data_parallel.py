@@ -196,6 +196,9 @@ class DataParallelStep(NamedTuple):
     unreplicate: Callable[[TrainState], TrainState]
     mesh: Mesh
     form: str
+    # The compiled step's temporary bytes on (state, batch), XLA's memory analysis (form "jit" only); the compile
+    # is the one the step itself then runs.
+    temp_bytes: Callable[[TrainState, Any], int] | None = None
 
 
 def data_parallel_train_step(
@@ -275,8 +278,7 @@ def _jit_step(body: StepFn, mesh: Mesh, form: str, donate: bool) -> DataParallel
     # parallelism needs none, and its tiny models' steps keep their dispatch time.
     context = (lambda: jax.set_mesh(mesh)) if shards_state(mesh) else contextlib.nullcontext
 
-    def step(state, batch):
-        check_batch_divisible(leading_size(batch), mesh)
+    def jitted(state):
         if not compiled:  # compiled once: reading the shardings every step would cost tiny models' dispatch time
             shardings = jax.tree.map(lambda x: x.sharding, state)
             compiled.append(
@@ -287,11 +289,19 @@ def _jit_step(body: StepFn, mesh: Mesh, form: str, donate: bool) -> DataParallel
                     out_shardings=(shardings, replicated(mesh)),
                 )
             )
+        return compiled[0]
+
+    def step(state, batch):
+        check_batch_divisible(leading_size(batch), mesh)
         with context():
-            return compiled[0](state, batch)
+            return jitted(state)(state, batch)
+
+    def temp_bytes(state, batch) -> int:
+        with context():
+            return int(jitted(state).lower(state, batch).compile().memory_analysis().temp_size_in_bytes)
 
     return DataParallelStep(
-        step, lambda s: place_state(s, mesh), lambda b: shard_batch(b, mesh), lambda s: s, mesh, form
+        step, lambda s: place_state(s, mesh), lambda b: shard_batch(b, mesh), lambda s: s, mesh, form, temp_bytes
     )
 
 
