@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from benchmarks.isa import add_isa_flag, restart_capped
 from benchmarks.machine import cpu_label
 from jaxnn import precision, train
 from jaxnn.profile.timing import stepper, time_interleaved
@@ -60,7 +61,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["gpt", "cnn"])
     parser.add_argument("--repeats", type=int, default=9)
+    add_isa_flag(parser)
     args = parser.parse_args()
+    restart_capped(args.isa)
     print(f"bf16 train step, ms (median of {args.repeats} interleaved windows); {cpu_label()}, jax {jax.__version__}")
     for name in args.models:
         model, loss_fn = jaxnn_model(name)

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from benchmarks.isa import add_isa_flag, restart_capped
+from benchmarks.machine import cpu_label
 from jaxnn.layers import conv as conv_module
 from jaxnn.profile.timing import time_interleaved
 
@@ -91,7 +93,10 @@ def scan_cliff():
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7, help="timing windows per case (1: a smoke run)")
+    add_isa_flag(parser)
     args = parser.parse_args()
+    restart_capped(args.isa)
+    print(f"median ms of {args.repeats} interleaved windows; {cpu_label()}, jax {jax.__version__}")
     for group in (per_layer(), scan_cliff()):
         for name, t in time_interleaved(group, warmup=2, repeats=args.repeats).items():
             print(f"{name:45s} {t.median * 1e3:8.2f} ms")

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from benchmarks.isa import add_isa_flag, restart_capped
+from benchmarks.machine import cpu_label
 from jaxnn import layers as L
 from jaxnn import train
 from jaxnn.profile.timing import time_interleaved
@@ -57,7 +59,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("precision", nargs="?", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--repeats", type=int, default=9, help="timing windows per case (1: a smoke run)")
+    add_isa_flag(parser)
     args = parser.parse_args()
+    restart_capped(args.isa)
+    print(f"median ms of {args.repeats} interleaved windows; {cpu_label()}, jax {jax.__version__}")
     timings = time_interleaved({**pool_gradients(), **cnn_steps(args.precision)}, warmup=2, repeats=args.repeats)
     for name, t in timings.items():
         print(f"{name:40s} {t.median * 1e3:8.2f} ms")

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from benchmarks.isa import add_isa_flag, restart_capped
+from benchmarks.machine import cpu_label
 from benchmarks.peers import peer_linen
 from benchmarks.peers.jax_common import adam_step, cross_entropy, device_batch
 from benchmarks.train_steps import LEARNING_RATE, jaxnn_model
@@ -72,7 +74,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", default="tiny", choices=["tiny", "mlp"])
     parser.add_argument("--rounds", type=int, default=2)
+    add_isa_flag(parser)
     args = parser.parse_args()
+    restart_capped(args.isa)
+    print(f"median ms of 21 interleaved windows, ratio to flax linen; {cpu_label()}, jax {jax.__version__}")
     fns = variants(args.model)
     for r in range(args.rounds):
         timings = time_interleaved(fns, warmup=20, repeats=21)

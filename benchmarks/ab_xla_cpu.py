@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from benchmarks.isa import add_isa_flag, restart_capped
 from benchmarks.machine import cpu_label
 from jaxnn.profile.timing import stepper, time_interleaved
 
@@ -119,7 +120,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["cnn", "gpt"])
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
     parser.add_argument("--repeats", type=int, default=7)
+    add_isa_flag(parser)
     args = parser.parse_args()
+    restart_capped(args.isa)
     if "default" not in args.sets:
         args.sets = ["default", *args.sets]
     if args.what == "dots":

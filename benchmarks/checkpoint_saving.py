@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 import jaxnn
-from benchmarks.output import add_json_flags, refuse_existing
+from benchmarks.output import add_json_flags, params_label, refuse_existing
 from jaxnn import layers as L
 from jaxnn.callbacks import Callback
 
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
             rows.setdefault(arrangement, []).append(run_once(arrangement, args, data))
     params = 64 * args.width + 2 * args.width * args.width + 10 * args.width
     print(
-        f"MLP 64-{args.width}x3-10 ({params / 1e6:.1f} M params, state {params * 12 / 2**20:.0f} MiB with Adam), "
+        f"MLP 64-{args.width}x3-10 ({params_label(params)} params, state {params * 12 / 2**20:.0f} MiB with Adam), "
         f"{args.steps} steps, checkpoint every {args.every}, medians of {args.rounds} rounds"
     )
     result = []

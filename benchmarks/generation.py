@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from benchmarks.output import add_json_flags, refuse_existing
+from benchmarks.output import add_json_flags, params_label, refuse_existing
 from jaxnn.generate import generate_batch
 from jaxnn.models import GPT, GPTConfig
 
@@ -196,7 +196,7 @@ def main() -> None:
 
         threads = torch.get_num_threads()
     print(
-        f"{args.size} ({cfg.num_params() / 1e6:.0f}M params), fp32, greedy; prompt {args.prompt}, {args.new_tokens} "
+        f"{args.size} ({params_label(cfg.num_params())} params), fp32, greedy; prompt {args.prompt}, {args.new_tokens} "
         f"new tokens; {cpu_name()}, {os.cpu_count()} CPUs, jax {jax.__version__}"
         + (f", torch threads {threads}; prompt logits |jaxnn - transformers| / max = {gap:.1e}" if hf else "")
     )

@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import re
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -249,6 +250,34 @@ def write_results(out: str | Path, name: str, size: str, figures: dict, budget: 
     return path
 
 
+def committed(path: str | Path) -> bool:
+    """Whether git tracks `path` (a committed result the report and the docs cite); False outside a checkout."""
+    path = Path(path).resolve()
+    if not path.exists():
+        return False
+    try:
+        proc = subprocess.run(
+            ["git", "-C", str(path.parent), "ls-files", "--error-unmatch", path.name], capture_output=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return proc.returncode == 0
+
+
+def refuse_committed(*paths: str | Path, overwrite: bool) -> None:
+    """Exits (status 1, one line on stderr) before anything runs when a results file to be written is committed
+    and `overwrite` is not set: a rerun here must not silently replace another machine's (or an earlier
+    run's) committed figures."""
+    if overwrite:
+        return
+    taken = next((p for p in paths if committed(p)), None)
+    if taken is not None:
+        raise SystemExit(
+            f"error: {taken} is a committed result; pass --out DIR to write a new results folder, or --overwrite "
+            "(make ... OVERWRITE=1) to replace it"
+        )
+
+
 def load_results(root: str | Path) -> dict[str, dict[str, dict]]:
     """`{machine_tag: {experiment_name: record}}` for every results file under `root`."""
     found: dict[str, dict[str, dict]] = {}
@@ -275,6 +304,35 @@ def pyplot():
     return plt
 
 
+# Line style and marker per curve: curves that coincide (three precisions training to the same loss) must still be
+# told apart, which colour alone does not do once one line is drawn over the others.
+CURVE_STYLES = (("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1, 1, 1)), "v"), ((0, (1, 3)), "x"))
+
+
+def curve_style(i: int, points: int) -> dict:
+    """Matplotlib keywords for the `i`-th curve of a plot: its own line style and marker, markers thinned to about
+    ten per curve and set off from the other curves' so that stacked curves show every marker."""
+    line, marker = CURVE_STYLES[i % len(CURVE_STYLES)]
+    every = max(points // 10, 1)
+    return {"ls": line, "marker": marker, "markevery": (i * every // len(CURVE_STYLES) % every, every), "ms": 4}
+
+
+def coincide_note(curves: dict[str, list[float]], tolerance: float = 0.03) -> str | None:
+    """A note for the plot when some curves lie within `tolerance` (relative, at every shared point) of the first
+    one: "bf16, fp16 lie within 0.4% of fp32 throughout"; None when none do."""
+    items = [(k, np.asarray(v, dtype=float)) for k, v in curves.items() if len(v)]
+    if len(items) < 2:
+        return None
+    (first, ref), close, worst = items[0], [], 0.0
+    for label, values in items[1:]:
+        n = min(len(ref), len(values))
+        gap = float(np.nanmax(np.abs(values[:n] - ref[:n]) / np.maximum(np.abs(ref[:n]), 1e-12)))
+        if gap <= tolerance:
+            close.append(label)
+            worst = max(worst, gap)
+    return f"{', '.join(close)} lie within {worst:.1%} of {first} throughout" if close else None
+
+
 def save_figure(fig, json_path: Path) -> Path:
     png = json_path.with_suffix(".png")
     fig.tight_layout()
@@ -295,7 +353,13 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--out", default="results", help="results folder (a subfolder per machine tag)")
     parser.add_argument("--budget", type=float, default=None, help="soft time budget in seconds")
+    add_overwrite_flag(parser)
     return parser
+
+
+def add_overwrite_flag(parser: argparse.ArgumentParser) -> None:
+    """`--overwrite`: replace results files that git tracks (refused otherwise, `refuse_committed`)."""
+    parser.add_argument("--overwrite", action="store_true", help="replace committed results files (refused otherwise)")
 
 
 def run_and_save(
@@ -314,6 +378,7 @@ def main(name: str, run: Callable, plot: Callable, summarize: Callable, argv=Non
     """The `python -m experiments.<name>` entry point shared by every experiment."""
     parser = add_args(argparse.ArgumentParser(prog=f"python -m experiments.{name}", description=run.__doc__))
     args = parser.parse_args(argv)
+    refuse_committed(results_path(args.out, name), overwrite=args.overwrite)
     try:
         path, record = run_and_save(name, run, plot, args.size, args.out, args.budget)
     except KeyboardInterrupt:

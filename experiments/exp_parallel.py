@@ -109,11 +109,13 @@ def run(size: str = "quick", budget: common.Budget | None = None) -> dict:
 
 
 def summary(record: dict) -> dict:
-    """Scaling from 1 device to the most measured, per form; the forms' loss agreement; the batch-size gain."""
+    """Scaling from 1 device to the most measured, per form (a form measured on one device count only has no
+    speed-up: a budget skipped the rest, and 1.00x would read as a finding); the forms' loss agreement; the
+    batch-size gain."""
     out = {"scaling": {}, "loss_spread": None}
     for form in {r["form"] for r in record["rows"]}:
         rows = sorted((r for r in record["rows"] if r["form"] == form), key=lambda r: r["devices"])
-        if rows:
+        if rows and rows[-1]["devices"] > rows[0]["devices"]:
             out["scaling"][form] = {
                 "devices": rows[-1]["devices"],
                 "speedup": rows[-1]["samples_per_s"] / rows[0]["samples_per_s"],
@@ -136,10 +138,11 @@ def summary(record: dict) -> dict:
 def plot(record: dict, path) -> None:
     plt = common.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for form in FORMS:
+    for i, form in enumerate(FORMS):
         rows = sorted((r for r in record["rows"] if r["form"] == form), key=lambda r: r["devices"])
         if rows:
-            axes[0].plot([r["devices"] for r in rows], [r["samples_per_s"] for r in rows], "-o", label=form)
+            style = {**common.curve_style(i, len(rows)), "markevery": None}
+            axes[0].plot([r["devices"] for r in rows], [r["samples_per_s"] for r in rows], label=form, **style)
     sim = " (simulated CPU devices)" if record.get("simulated_devices") else ""
     axes[0].set(xlabel="devices" + sim, ylabel="samples/s", title=f"Data parallel — {record['machine']['tag']}")
     sweep = sorted(record.get("sweep", []), key=lambda r: r["global_batch"])

@@ -200,12 +200,13 @@ def summary(record: dict) -> dict:
 def plot(record: dict, path) -> None:
     plt = common.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for arrangement in ("sync", "overlapped", "device"):
+    for i, arrangement in enumerate(("sync", "overlapped", "device")):
         rows = sorted((r for r in record["rows"] if r["arrangement"] == arrangement), key=lambda r: r["cost"])
         if rows:
             costs = [r["cost"] for r in rows]
-            axes[0].plot(costs, [r["samples_per_s"] for r in rows], "-o", label=arrangement)
-            axes[1].plot(costs, [r["device_idle"] for r in rows], "-o", label=arrangement)
+            style = {**common.curve_style(i, len(rows)), "markevery": None}
+            axes[0].plot(costs, [r["samples_per_s"] for r in rows], label=arrangement, **style)
+            axes[1].plot(costs, [r["device_idle"] for r in rows], label=arrangement, **style)
     axes[0].set(xlabel="augmentation cost (blur passes)", ylabel="samples/s", title=record["machine"]["tag"])
     axes[1].set(xlabel="augmentation cost (blur passes)", ylabel="device-idle fraction", ylim=(0, 1))
     for ax in axes:

@@ -213,14 +213,20 @@ def plot(record: dict, path) -> None:
     models = sorted({r["model"] for r in record["rows"]})
     fig, axes = plt.subplots(1, max(len(models), 1), figsize=(5.5 * max(len(models), 1), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
-        for r in (r for r in record["rows"] if r["model"] == model):
+        rows = [r for r in record["rows"] if r["model"] == model]
+        for i, r in enumerate(rows):
             ax.plot(
                 np.arange(1, len(r["losses"]) + 1),
                 r["losses"],
                 label=f"{r['precision']} ({r['step_ms']:.1f} ms/step)",
                 lw=1,
+                **common.curve_style(i, len(r["losses"])),
             )
         ax.set(xlabel="step", ylabel="training loss", title=f"{model} — {record['machine']['tag']}", yscale="log")
+        by_precision = {r["precision"]: r["losses"] for r in sorted(rows, key=lambda r: r["precision"] != "fp32")}
+        note = common.coincide_note(by_precision)
+        if note:  # the curves are drawn over each other: say so, where a reader would otherwise see one line
+            ax.text(0.02, 0.02, note, transform=ax.transAxes, fontsize=7, va="bottom")
         ax.legend(fontsize=8)
     common.save_figure(fig, path)
 

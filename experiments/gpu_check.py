@@ -20,6 +20,7 @@ import time
 import traceback
 from pathlib import Path
 
+from benchmarks.output import params_label
 from experiments.archive import pack as pack_archive
 from experiments.archive import target as archive_target
 
@@ -404,7 +405,7 @@ def mfu_headline(mfu: dict | None, ended: str) -> str:
         notes = "; ".join((mfu or {}).get("notes", []))
         return f"no MFU ({ended}){': ' + notes if notes else ''}"[:200]
     return (
-        f"GPT {mfu.get('num_params', 0) / 1e6:.3g}M bf16 attention {mfu.get('attention')}: "
+        f"GPT {params_label(mfu.get('num_params', 0))} bf16 attention {mfu.get('attention')}: "
         f"{mfu['step_s'] * 1e3:.1f} ms/step, MFU {100 * mfu['mfu']:.1f}% of the run's "
         f"{mfu['peak']['gflops'] / 1e3:.3g} TFLOP/s bf16 GEMM peak, {100 * mfu['mfu_datasheet']:.1f}% of the "
         f"datasheet's {H200_DENSE_BF16_TFLOPS:.0f} TFLOP/s dense bf16{_fp8_clause(mfu.get('fp8'))}"

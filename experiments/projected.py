@@ -180,9 +180,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m experiments.projected", description=__doc__)
     parser.add_argument("--size", choices=common.SIZES, default="quick", help="the preset the CPU runs measured")
     parser.add_argument("--out", default="results", help="results folder; writes <out>/projected/costs.json")
+    common.add_overwrite_flag(parser)
     args = parser.parse_args(argv)
-    costs = collect(args.size)
     path = Path(args.out) / FOLDER / "costs.json"
+    common.refuse_committed(path, overwrite=args.overwrite)
+    costs = collect(args.size)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(costs, indent=1) + "\n")
     print(f"projected: wrote {path} ({sum(len(v) for v in costs['programs'].values())} programs, {args.size} sizes)")

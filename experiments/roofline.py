@@ -13,6 +13,7 @@ import argparse
 import os
 from pathlib import Path
 
+from benchmarks.peaks import Ceiling, ceiling
 from experiments import common
 from jaxnn.cli.profile import IMAGE_SHAPE  # the input `jaxnn profile` and `jaxnn train` use by default
 from jaxnn.models.factory import train_default_model
@@ -115,12 +116,29 @@ def _by_layer(record: dict, pass_: str) -> dict[str, dict[str, dict]]:
     return table
 
 
-def _measured_cells(by: dict[str, dict]) -> list[str]:
+def ceilings(record: dict) -> dict[str, Ceiling]:
+    """{policy: the matmul peak of its compute dtype, or the fastest layer of the run where one beat it}: what
+    "% peak" divides by, so that no layer reads above 100% (`benchmarks.peaks`)."""
+    out = {}
+    for prof in record["profiles"]:
+        rates = [
+            (f"{row['layer']} ({row['pass_']})", row["flops_per_s"] / 1e9 if row.get("flops_per_s") else None)
+            for row in (*prof["rows"], *prof["whole"])
+        ]
+        found = ceiling(prof["peaks"]["matmul_flops"].get(prof["dtype"], 0) / 1e9 or None, rates)
+        if found is not None:
+            out[prof["policy"]] = found
+    return out
+
+
+def _measured_cells(by: dict[str, dict], tops: dict[str, Ceiling]) -> list[str]:
     cells = []
     for p in POLICIES:
         r = by.get(p, {})
         rate, intensity = r.get("flops_per_s"), r.get("intensity")
-        cells += [_ms(r.get("seconds")), "-" if rate is None else f"{rate / 1e9:.3g}", _pct(r.get("peak_fraction"))]
+        top = tops.get(p)
+        fraction = rate / (top.gflops * 1e9) if rate is not None and top is not None else None
+        cells += [_ms(r.get("seconds")), "-" if rate is None else f"{rate / 1e9:.3g}", _pct(fraction)]
         cells += ["-" if intensity is None else f"{intensity:.3g}", r.get("bound") or "-"]
     return cells
 
@@ -130,13 +148,15 @@ def _measured_table(record: dict) -> list[str]:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     rows = _by_layer(record, "forward+backward")
     whole = rows.pop(WHOLE, {})
+    tops = ceilings(record)
     for layer, by in rows.items():
-        lines.append("| " + " | ".join([layer, *_measured_cells(by)]) + " |")
+        lines.append("| " + " | ".join([layer, *_measured_cells(by, tops)]) + " |")
     sums = {p["policy"]: p["layer_sum_s"]["forward+backward"] for p in record["profiles"]}
     cells = [c for p in POLICIES for c in (_ms(sums.get(p)), "", "", "", "")]
     lines.append("| " + " | ".join(["**sum of the layers**", *cells]) + " |")
-    lines.append("| " + " | ".join(["**whole model** (compiled as one)", *_measured_cells(whole)]) + " |")
-    return lines
+    lines.append("| " + " | ".join(["**whole model** (compiled as one)", *_measured_cells(whole, tops)]) + " |")
+    raised = [f"{p} % peak: the peak {top.note}" for p, top in tops.items() if top.note]
+    return lines + ([""] + [f"{'; '.join(raised)}."] if raised else [])
 
 
 def _projected_table(record: dict, gpu: dict | None) -> list[str]:
@@ -203,6 +223,7 @@ def section(results: dict[str, dict[str, dict]], report_dir: Path, results_root:
     if not tags:
         return []
     gpu_tags = [t for t in tags if t.startswith("gpu")]
+    gpu_runs = [t for t in sorted(results) if t.startswith("gpu")]  # GPU results of any kind, roofline or not
     out = [
         "",
         "## Where the time goes: per-layer roofline",
@@ -218,11 +239,19 @@ def section(results: dict[str, dict[str, dict]], report_dir: Path, results_root:
         "profiled 28x28x1: see each machine's table title). Measured figures and projections are separate tables.",
         "",
     ]
-    if not gpu_tags:
+    if not gpu_runs:
         out += [
             "No GPU run yet: the accelerator columns are projections only. Once `make gpu-check` writes "
-            "results/gpu-*/, its measured matmul peaks replace the defaults here, and a roofline run on the GPU "
-            "puts its measured times next to the projections.",
+            "results/gpu-*/, its measured matmul peaks replace the defaults in later roofline runs, and a roofline "
+            "run on the GPU puts its measured times next to the projections.",
+            "",
+        ]
+    elif not gpu_tags:
+        runs = ", ".join(f"`{t}`" for t in gpu_runs)
+        out += [
+            f"The GPU results ({runs}) hold no roofline run, so no layer has a measured GPU time here: the "
+            "accelerator columns are projections, with the peaks each CPU run recorded when it ran (named under "
+            "each table). `make exp-roofline` on the GPU would put measured times next to them.",
             "",
         ]
     for tag in [t for t in tags if not t.startswith("gpu")] + gpu_tags:
@@ -238,7 +267,10 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m experiments.roofline", description=__doc__)
     parser.add_argument("--size", choices=common.SIZES, default="quick", help="tiny: tests; gpu: one H200")
     parser.add_argument("--out", default="results", help="results folder (a subfolder per machine tag)")
+    common.add_overwrite_flag(parser)
     args = parser.parse_args(argv)
+    paths = [common.results_path(args.out, f"roofline_{name}") for name in MODELS]
+    common.refuse_committed(*paths, overwrite=args.overwrite)
     for path in run(args.size, args.out):
         print(f"roofline: wrote {path}")
 

@@ -15,6 +15,7 @@ import time
 
 from tqdm import tqdm
 
+from experiments import common
 from experiments.gpu_check import BUDGETS as GPU_BUDGETS
 
 ORDER = ["exp_matmul", "exp_precision", "exp_sequential", "exp_pipeline", "exp_inference", "exp_parallel", "exp_train"]
@@ -40,8 +41,11 @@ def main(argv=None) -> int:
     parser.add_argument("--size", choices=list(BUDGETS), default="quick")
     parser.add_argument("--out", default="results")
     parser.add_argument("--only", nargs="*", default=None, choices=ORDER, help="run only these experiments")
+    common.add_overwrite_flag(parser)
     args = parser.parse_args(argv)
     names = [n for n in ORDER if args.only is None or n in args.only]
+    # All refused at once, before the first experiment spends its budget.
+    common.refuse_committed(*(common.results_path(args.out, n) for n in names), overwrite=args.overwrite)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
     failures = []
     start = time.perf_counter()
@@ -59,6 +63,7 @@ def main(argv=None) -> int:
             args.out,
             "--budget",
             str(budget),
+            *(["--overwrite"] if args.overwrite else []),
         ]
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=2 * budget + 120)

@@ -6,6 +6,8 @@ BENCH_STAMP := $(VENV)/.installed-bench
 # A fresh name for each run's results: results/bench/ holds committed measurements, which a rerun must not replace
 # (the benchmarks refuse an existing --json file; ARGS='--json results/bench/x.json --overwrite' replaces one).
 BENCH_TIME := $(shell date -u +%Y%m%dT%H%M%SZ)
+# ISA=avx2 caps every library's instruction set the same way (XLA, oneDNN, PyTorch; benchmarks/isa.py).
+ISA ?=
 
 # torch is pinned (the interop extra, installed by `make install`): an unpinned torch would pull a newer CUDA build.
 $(BENCH_STAMP): $(STAMP) pyproject.toml
@@ -14,8 +16,8 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 
 install-bench: $(BENCH_STAMP) ## install the peer libraries (Flax, Equinox, Haiku, PyTorch) for bench-peers
 
-bench-peers: $(STAMP) $(BENCH_STAMP) ## jaxnn vs Flax Linen/NNX, Equinox, Haiku, PyTorch: one table + JSON (ARGS='--rounds 3')
-	$(PY) -m benchmarks.peers $(ARGS)
+bench-peers: $(STAMP) $(BENCH_STAMP) ## jaxnn vs Flax Linen/NNX, Equinox, Haiku, PyTorch: one table + JSON (ARGS='--rounds 3', ISA=avx2)
+	$(PY) -m benchmarks.peers $(if $(ISA),--isa $(ISA)) $(ARGS)
 
 bench-generation: $(STAMP) $(BENCH_STAMP) ## greedy decoding, GPT-2-small shape: jaxnn cache / no cache vs transformers (ARGS='--batch 1 8')
 	$(PY) -m benchmarks.generation --json results/bench/generation-$(BENCH_TIME).json $(ARGS)

@@ -3,6 +3,10 @@
 # (not OUT: the GPU machine exports OUT for its own use, and make would read it).
 SIZE ?= quick
 RESULTS ?= results
+# The experiments refuse to replace results files git tracks (another machine's, or figures the docs cite):
+# RESULTS=elsewhere writes a new folder, OVERWRITE=1 replaces them.
+OVERWRITE ?=
+EXP_OUT = --out $(RESULTS)$(if $(OVERWRITE), --overwrite)
 # gpu-check runs on a machine without network, from a plain checkout: the venv when one exists, else python3.
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 GPU_ARGS ?=
@@ -14,35 +18,35 @@ GPU_ARCHIVE ?= $(if $(OUT),$(OUT)/)
 	experiments gpu-check gpu-check-dry project-gpu
 
 exp-matmul: $(STAMP) ## matmul GFLOP/s vs size (64..8192) per backend, next to the measured peak
-	$(PY) -m experiments.exp_matmul --size $(SIZE) --out $(RESULTS)
+	$(PY) -m experiments.exp_matmul --size $(SIZE) $(EXP_OUT)
 
 exp-precision: $(STAMP) ## fp32/tf32/bf16/fp16 matmul and conv: speedup over fp32 and error vs float64
-	$(PY) -m experiments.exp_precision --size $(SIZE) --out $(RESULTS)
+	$(PY) -m experiments.exp_precision --size $(SIZE) $(EXP_OUT)
 
 exp-sequential: $(STAMP) ## dependent lax.scan chains and an RNN vs one equal-FLOP parallel product
-	$(PY) -m experiments.exp_sequential --size $(SIZE) --out $(RESULTS)
+	$(PY) -m experiments.exp_sequential --size $(SIZE) $(EXP_OUT)
 
 exp-pipeline: $(STAMP) ## host augmentation: synchronous vs overlapped vs on-device, as its cost grows
-	$(PY) -m experiments.exp_pipeline --size $(SIZE) --out $(RESULTS)
+	$(PY) -m experiments.exp_pipeline --size $(SIZE) $(EXP_OUT)
 
 exp-inference: $(STAMP) ## CNN and GPT latency (p50/p99) and throughput vs batch size 1..4096
-	$(PY) -m experiments.exp_inference --size $(SIZE) --out $(RESULTS)
+	$(PY) -m experiments.exp_inference --size $(SIZE) $(EXP_OUT)
 
 exp-parallel: $(STAMP) ## training throughput vs device count (jit, shard_map, pmap) and vs batch size
-	$(PY) -m experiments.exp_parallel --size $(SIZE) --out $(RESULTS)
+	$(PY) -m experiments.exp_parallel --size $(SIZE) $(EXP_OUT)
 
 exp-train: $(STAMP) ## CNN and GPT training in fp32, bf16, fp16 (loss scaling): curves, quality, speed
-	$(PY) -m experiments.exp_train --size $(SIZE) --out $(RESULTS)
+	$(PY) -m experiments.exp_train --size $(SIZE) $(EXP_OUT)
 
 project-gpu: $(STAMP) ## compile every experiment's programs here: costs for REPORT.md's projected H200 column
-	$(PY) -m experiments.projected --size $(SIZE) --out $(RESULTS)
+	$(PY) -m experiments.projected --size $(SIZE) $(EXP_OUT)
 
 report: $(STAMP) ## REPORT.md from every results/<machine-tag>/ present: per-claim tables, plots, verdicts
 	$(PY) -m experiments.report --results $(RESULTS) --out REPORT.md
 
 experiments: $(STAMP) ## all experiments at quick size (<10 min on 2 cores, progress bar), the projected column's costs, then the report
-	$(PY) -m experiments.run_all --size $(SIZE) --out $(RESULTS)
-	$(PY) -m experiments.projected --size $(SIZE) --out $(RESULTS)
+	$(PY) -m experiments.run_all --size $(SIZE) $(EXP_OUT)
+	$(PY) -m experiments.projected --size $(SIZE) $(EXP_OUT)
 	$(PY) -m experiments.report --results $(RESULTS) --out REPORT.md
 
 gpu-check: ## on a GPU machine (no venv needed): check tensor cores, run every experiment at GPU size in <8 min

@@ -6,4 +6,4 @@ profile: $(STAMP) ## per-layer roofline of MODEL (cnn, gpt, mlp, resnet), fp32 a
 	$(PY) -m jaxnn.cli profile --model $(MODEL) $(ARGS)
 
 exp-roofline: $(STAMP) ## the CNN's and GPT's per-layer roofline and projected GPU column for REPORT.md
-	$(PY) -m experiments.roofline --size $(SIZE) --out $(RESULTS)
+	$(PY) -m experiments.roofline --size $(SIZE) $(EXP_OUT)

@@ -142,6 +142,11 @@ DOC_COMMANDS: dict[str, str] = {
     'make train-multihost PARALLEL_ARGS="--devices-per-process 2 -- --model cnn --steps 500 --no-progress"': (
         'make train-multihost PARALLEL_ARGS="--devices-per-process 2 -- --model cnn --steps 2 --no-progress"'
     ),
+    # docs/performance.md
+    "make bench-peers ISA=avx2": (
+        "make bench-peers ISA=avx2 ARGS='--quick --models tiny --precisions fp32 --repeats 1 --json peers-avx2.json'"
+    ),
+    "python -m benchmarks.ab_conv --isa avx2": "python -m benchmarks.ab_conv --isa avx2 --repeats 1",
     # docs/precision.md
     "python examples/bf16_vs_fp32.py": "python examples/bf16_vs_fp32.py",
     "make exp-precision": "make exp-precision SIZE=tiny",

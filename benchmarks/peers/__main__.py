@@ -1,6 +1,9 @@
 """`make bench-peers`: runs jaxnn and every peer, each in its own process, and prints one table of step times
 with each peer's ratio to jaxnn (peer ms / jaxnn ms: above 1 means jaxnn is faster); writes the JSON.
 
+`--isa avx2` (`make bench-peers ISA=avx2`) caps every library's instruction set the same way, through each
+child process's environment (benchmarks/isa.py); the table header and the JSON say so.
+
 With `--rounds N` the whole sequence runs N times, interleaved, and each figure is the median over rounds, so a
 burst of load from other processes on this shared machine does not land on one library only.
 """
@@ -16,6 +19,7 @@ import sys
 import tempfile
 import time
 
+from benchmarks.isa import NATIVE, add_isa_flag, cap_label, capped_env
 from benchmarks.machine import cpu_label
 from benchmarks.output import add_json_flags, refuse_existing
 from benchmarks.train_steps import PRECISIONS, SPECS
@@ -37,7 +41,8 @@ PEERS = {
 JAX_PEERS = ("flax_linen", "flax_nnx", "equinox", "haiku")
 
 
-def run_peer(library: str, models, precisions, repeats: int) -> dict:
+def run_peer(library: str, models, precisions, repeats: int, isa: str = NATIVE) -> dict:
+    """One library's rows, measured in a child process started with `isa`'s caps in its environment."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     cmd = [
@@ -53,7 +58,7 @@ def run_peer(library: str, models, precisions, repeats: int) -> dict:
         "--precisions",
         *precisions,
     ]
-    proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True, env=capped_env(isa))
     try:
         if proc.returncode:
             return {"library": library, "rows": [], "error": proc.stderr.strip().splitlines()[-1:]}
@@ -75,9 +80,13 @@ def collect(results: list[dict]) -> dict:
     }
 
 
-def format_table(times: dict, libraries, models, precisions) -> str:
+def format_table(times: dict, libraries, models, precisions, isa: str = NATIVE) -> str:
     head = f"{'model':6} {'prec':5} {'jaxnn ms':>9} " + " ".join(f"{lib:>19}" for lib in libraries if lib != "jaxnn")
-    lines = ["step time, median ms per step; in brackets the ratio peer/jaxnn (> 1: jaxnn is faster)", head]
+    title = "step time, median ms per step; in brackets the ratio peer/jaxnn (> 1: jaxnn is faster)"
+    capped = cap_label(isa)
+    if capped:
+        title = f"{capped.upper()} (XLA, oneDNN and PyTorch alike), {title}"
+    lines = [title, head]
     for model in models:
         for prec in precisions:
             ref = times.get(("jaxnn", model, prec))
@@ -111,7 +120,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=7, help="timing windows per configuration")
     parser.add_argument("--quick", action="store_true", help="3 windows, tiny and mlp only unless --models is given")
-    add_json_flags(parser, "default: results/bench/peers-<UTC time>.json")
+    add_isa_flag(parser)
+    add_json_flags(parser, "default: results/bench/peers[-avx2]-<UTC time>.json")
     args = parser.parse_args(argv)
     refuse_existing(args.json, overwrite=args.overwrite)
     if args.quick:
@@ -123,7 +133,7 @@ def main(argv=None) -> int:
     for r in range(args.rounds):
         for lib in libraries:
             t0 = time.perf_counter()
-            res = run_peer(lib, args.models, args.precisions, args.repeats)
+            res = run_peer(lib, args.models, args.precisions, args.repeats, args.isa)
             res["round"] = r
             results.append(res)
             print(
@@ -132,16 +142,19 @@ def main(argv=None) -> int:
                 file=sys.stderr,
             )
     times = collect(results)
-    print(format_table(times, libraries, args.models, args.precisions))
+    print(format_table(times, libraries, args.models, args.precisions, args.isa))
     print(format_kernels(results))
-    print(f"measured on {cpu_label()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    path = args.json or os.path.join("results", "bench", time.strftime("peers-%Y%m%dT%H%M%SZ.json", time.gmtime()))
+    print(f"measured on {cpu_label(args.isa)}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    name = "peers" + ("" if args.isa == NATIVE else f"-{args.isa}")
+    path = args.json or os.path.join("results", "bench", time.strftime(f"{name}-%Y%m%dT%H%M%SZ.json", time.gmtime()))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(
             {
                 "cpu_count": os.cpu_count(),
-                "cpu": cpu_label(),
+                "cpu": cpu_label(args.isa),
+                "isa": args.isa,
+                "capped": cap_label(args.isa) or None,
                 "rounds": args.rounds,
                 "repeats": args.repeats,
                 "median_ms": [

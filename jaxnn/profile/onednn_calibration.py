@@ -18,12 +18,13 @@ import time
 from typing import Any
 
 from jaxnn.kernels.onednn import library
-from jaxnn.kernels.onednn.choice import KINDS, MARGIN, cache_path, cpu_signature
+from jaxnn.kernels.onednn.choice import KINDS, MARGIN, cache_path, cpu_signature, isa_caps
 
 
 def measure(repeats: int = 7) -> dict[str, Any]:
     """Times each kind of kernel against XLA's path in this process (not inside a trace) and returns the record
-    `default_choices` caches: the medians in ms, the ratio oneDNN / XLA and the choice per kind."""
+    `default_choices` caches: the medians in ms, the ratio oneDNN / XLA and the choice per kind, and the
+    instruction set caps it ran under."""
     from jaxnn.profile.timing import time_interleaved
 
     if not library.available():
@@ -38,7 +39,8 @@ def measure(repeats: int = 7) -> dict[str, Any]:
         xla_ms, onednn_ms = timing["xla"].median * 1e3, timing["onednn"].median * 1e3
         rows[kind] = {"xla_ms": xla_ms, "onednn_ms": onednn_ms, "ratio": onednn_ms / xla_ms}
     choices = {kind: "ratio" in row and row["ratio"] < MARGIN for kind, row in rows.items()}
-    return {"cpu": cpu_signature(), "onednn": library.version(), "margin": MARGIN, "rows": rows, "choices": choices}
+    record = {"cpu": cpu_signature(), "onednn": library.version(), "margin": MARGIN, "rows": rows, "choices": choices}
+    return {**record, "isa_caps": isa_caps()}
 
 
 def _case(kind: str, on: bool):

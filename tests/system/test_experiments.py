@@ -1,6 +1,7 @@
 """Experiments: the machine tag, the HLO library-call reader, the float64 references, every experiment's code path
 (through `gpu_check --dry-run` at tiny sizes), and the report builder on a fixture of results files."""
 
+import io
 import json
 import os
 import re
@@ -667,17 +668,51 @@ def test_report_sets_each_projection_beside_its_measurement(gpu_fixture):
     assert "- kernel launch: 5 -> 1.25 µs (exp_sequential chain, hidden 16: 10 ms measured for 4002 kernels)" in text
 
 
-REPO_RESULTS = Path(__file__).resolve().parents[2] / "results"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def committed_results(dest: Path, keep=lambda folder: folder.startswith("cpu-") or folder == "projected") -> list[str]:
+    """Extracts the results/<folder>/ folders that `keep` names, as committed (git HEAD), into `dest`: never the
+    files a user's own runs left in the checkout's results/ (a new machine's folder, a rerun that replaced a
+    committed file). Returns the folders extracted."""
+    cmd = ["git", "-C", str(REPO), "archive", "--format=tar", "HEAD", "--", "results"]
+    archive = subprocess.run(cmd, capture_output=True)
+    if archive.returncode:
+        pytest.skip(f"the committed results are read from git HEAD: {archive.stderr.decode().strip()[:200]}")
+    found = set()
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        for member in tar.getmembers():
+            parts = Path(member.name).parts
+            if member.isfile() and len(parts) > 2 and keep(parts[1]):
+                found.add(parts[1])
+                target = dest.joinpath(*parts[1:])
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(tar.extractfile(member).read())
+    return sorted(found)
 
 
 @pytest.fixture
 def committed_plus_gpu(gpu_fixture):
-    """The committed CPU results of this repository beside the synthetic GPU run."""
-    for folder in REPO_RESULTS.glob("cpu-*"):
-        shutil.copytree(folder, gpu_fixture / folder.name)
-    if (REPO_RESULTS / "projected").is_dir():
-        shutil.copytree(REPO_RESULTS / "projected", gpu_fixture / "projected")
+    """The committed CPU results of this repository (and its projected costs) beside the synthetic GPU run."""
+    assert any(name.startswith("cpu-") for name in committed_results(gpu_fixture))
     return gpu_fixture
+
+
+def test_the_committed_results_fixture_ignores_a_users_own_results(tmp_path):
+    """A results folder or a changed file only in the working tree (a user's `make experiments`) never reaches the
+    fixture: what it extracts is byte for byte what HEAD holds."""
+    stray = REPO / "results" / "cpu-stray-test-machine"
+    stray.mkdir()
+    try:
+        (stray / "exp_matmul.json").write_text("{}")
+        names = committed_results(tmp_path)
+    finally:
+        shutil.rmtree(stray)
+    assert "cpu-stray-test-machine" not in names and names
+    for path in tmp_path.rglob("*.json"):
+        rel = path.relative_to(tmp_path).as_posix()
+        head = subprocess.run(["git", "-C", str(REPO), "show", f"HEAD:results/{rel}"], capture_output=True, check=True)
+        assert path.read_bytes() == head.stdout, rel
 
 
 def _sections(text):

@@ -6,7 +6,8 @@ its float32 products gained on some shapes only (docs/performance.md, "Defaults 
 (`KINDS`: convolutions and matrix products, float32 and bfloat16 apart) is timed against XLA's path on shapes of
 the benchmark models, in a child process (`python -m jaxnn.profile.onednn_calibration`; a trace must not
 run programs), and taken where it takes at most `MARGIN` of XLA's time. The answer is cached under
-~/.cache/jaxnn/onednn/, one file per CPU model and features, core count, oneDNN and jax version;
+~/.cache/jaxnn/onednn/, one file per CPU model and features, core count, oneDNN and jax version, and instruction
+set cap (`ONEDNN_MAX_CPU_ISA`, XLA's `--xla_cpu_max_isa`: a capped process measures, and keeps, its own answer);
 `JAXNN_ONEDNN=0/1` (or `jaxnn.kernels.onednn.use`) overrides it, and `JAXNN_ONEDNN_CALIBRATE=0` skips the
 measurement (XLA's kernels then stay the default).
 """
@@ -32,8 +33,24 @@ MARGIN = 0.8
 ENV_CALIBRATE = "JAXNN_ONEDNN_CALIBRATE"
 TIMEOUT_S = 300
 # Environment a measurement must not inherit: the switch itself and XLA flags that change what is compiled (the
-# test suite's optimisation level 0, simulated devices).
+# test suite's optimisation level 0, simulated devices). XLA's instruction set cap is kept (`isa_caps`).
 _SCRUBBED = ("JAXNN_ONEDNN", "XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "JAX_PLATFORMS")
+XLA_ISA_FLAG = "--xla_cpu_max_isa"
+ONEDNN_ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+
+
+def isa_caps(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The instruction set caps this process runs under, by library ({} natively): {"xla": "AVX2", "onednn":
+    "AVX2"}, from XLA_FLAGS' `--xla_cpu_max_isa` and oneDNN's `ONEDNN_MAX_CPU_ISA` (or its older name)."""
+    env = dict(os.environ) if env is None else env
+    caps = {}
+    for flag in env.get("XLA_FLAGS", "").split():
+        if flag.startswith(XLA_ISA_FLAG + "="):
+            caps["xla"] = flag.split("=", 1)[1].upper()  # the last one given wins, as in XLA's parser
+    onednn = next((env[name] for name in ONEDNN_ISA_ENV if env.get(name)), None)
+    if onednn:
+        caps["onednn"] = onednn.upper()
+    return caps
 
 
 def cpu_signature() -> dict[str, Any]:
@@ -44,10 +61,13 @@ def cpu_signature() -> dict[str, Any]:
 
 
 def cache_path(onednn_version: str | None) -> str:
-    """This machine's cache file for the kernels of `onednn_version`."""
+    """This machine's cache file for the kernels of `onednn_version`, under this process's instruction set caps."""
     import jax
 
     sig = {**cpu_signature(), "onednn": onednn_version, "jax": jax.__version__}
+    caps = isa_caps()
+    if caps:  # only then: an uncapped machine keeps the file it measured before caps were part of the key
+        sig["isa_caps"] = caps
     digest = hashlib.sha256(json.dumps(sig, sort_keys=True).encode()).hexdigest()[:16]
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(root, "jaxnn", "onednn", f"choice-{digest}.json")
@@ -69,6 +89,8 @@ def default_choices(onednn_version: str | None = None) -> dict[str, bool]:
     if record is None:
         print(f"jaxnn: timing oneDNN's kernels against XLA's on this CPU, once (cached in {path})", file=sys.stderr)
         env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED}
+        if "xla" in isa_caps():  # the measurement compares kernels under the caps the caller runs with
+            env["XLA_FLAGS"] = f"{XLA_ISA_FLAG}={isa_caps()['xla']}"
         # By module name, not imported: the measurement times the layers and products above this package.
         cmd = [sys.executable, "-m", "jaxnn.profile.onednn_calibration", "--write", path]
         try:
