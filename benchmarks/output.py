@@ -9,15 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-
-def params_label(count: float) -> str:
-    """A parameter count in the unit that keeps its figure readable: "8.1k", "412k", "1.3M", "124M", "7B" (a
-    fixed "M" prints a model under half a million parameters as "0M")."""
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if count >= scale:
-            value = count / scale
-            return f"{value:.2g}{unit}" if value < 10 else f"{value:.0f}{unit}"
-    return f"{count:.0f}"
+from experiments.common import params_label  # noqa: F401 (the benchmarks' tables use it from here too)
 
 
 def add_json_flags(parser: argparse.ArgumentParser, help: str = "also write the results here as JSON") -> None:

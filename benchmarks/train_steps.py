@@ -22,7 +22,7 @@ import numpy as np
 
 from benchmarks.machine import cpu_label
 from benchmarks.output import add_json_flags, params_label, refuse_existing
-from benchmarks.peaks import Ceiling, ceiling
+from experiments.peaks import Ceiling, ceiling
 from jaxnn.profile.timing import flops_of, measure_matmul_peak, stepper, time_fn
 
 # The benchmark models, shared with the peers in benchmarks/peers so that every library builds the same network.

@@ -93,6 +93,16 @@ def device_tag(device) -> str:
     return f"{device.platform}-{kind}"
 
 
+def params_label(count: float) -> str:
+    """A parameter count in the unit that keeps its figure readable: "8.1k", "412k", "1.3M", "124M", "7B" (a
+    fixed "M" prints a model under half a million parameters as "0M")."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if count >= scale:
+            value = count / scale
+            return f"{value:.2g}{unit}" if value < 10 else f"{value:.0f}{unit}"
+    return f"{count:.0f}"
+
+
 def machine_tag() -> str:
     """The tag of the default backend's first device; results from this process go under it."""
     return device_tag(jax.devices()[0])
@@ -232,8 +242,9 @@ def _jsonable(value):
 
 
 def write_results(out: str | Path, name: str, size: str, figures: dict, budget: Budget | None = None) -> Path:
-    """Writes `<out>/<tag>/<name>.json` and returns its path."""
-    path = results_path(out, name)
+    """Writes `<out>/<tag>/<name>.json` (or beside it, where that one is committed: `output_path`) and returns
+    the path written."""
+    path = output_path(results_path(out, name))
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "schema": SCHEMA_VERSION,
@@ -264,24 +275,35 @@ def committed(path: str | Path) -> bool:
     return proc.returncode == 0
 
 
-def refuse_committed(*paths: str | Path, overwrite: bool) -> None:
-    """Exits (status 1, one line on stderr) before anything runs when a results file to be written is committed
-    and `overwrite` is not set: a rerun here must not silently replace another machine's (or an earlier
-    run's) committed figures."""
-    if overwrite:
-        return
-    taken = next((p for p in paths if committed(p)), None)
-    if taken is not None:
-        raise SystemExit(
-            f"error: {taken} is a committed result; pass --out DIR to write a new results folder, or --overwrite "
-            "(make ... OVERWRITE=1) to replace it"
-        )
+LOCAL = "-local"  # the suffix of a file written beside a committed one, which it stands in for when read back
+_overwrite = False  # --overwrite of this process (`set_overwrite`): replace committed results files
+
+
+def set_overwrite(overwrite: bool) -> None:
+    """Whether this process may replace results files git tracks (`--overwrite`); without it they stay as they are
+    and the new figures go beside them (`output_path`)."""
+    global _overwrite
+    _overwrite = bool(overwrite)
+
+
+def output_path(path: str | Path) -> Path:
+    """Where a results file meant for `path` is written: `path` itself, or, where git tracks `path` (another
+    machine's or an earlier run's committed figures) and `--overwrite` was not given, `<stem>-local<suffix>` beside
+    it, which the readers (`load_results`, `experiments.projected.load`) prefer. A rerun writes new files; the
+    committed ones are replaced only when told to."""
+    path = Path(path)
+    if _overwrite or not committed(path):
+        return path
+    local = path.with_name(f"{path.stem}{LOCAL}{path.suffix}")
+    print(f"note: {path} is a committed result; writing {local.name} beside it (--overwrite replaces it)")
+    return local
 
 
 def load_results(root: str | Path) -> dict[str, dict[str, dict]]:
     """`{machine_tag: {experiment_name: record}}` for every results file under `root`."""
     found: dict[str, dict[str, dict]] = {}
-    for path in sorted(Path(root).glob("*/*.json")):
+    # A "-local" file (a rerun beside a committed one, `output_path`) is read last, so it stands in for that one.
+    for path in sorted(Path(root).glob("*/*.json"), key=lambda p: (p.parent.name, p.stem.endswith(LOCAL), p.name)):
         try:
             record = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as err:
@@ -358,8 +380,10 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def add_overwrite_flag(parser: argparse.ArgumentParser) -> None:
-    """`--overwrite`: replace results files that git tracks (refused otherwise, `refuse_committed`)."""
-    parser.add_argument("--overwrite", action="store_true", help="replace committed results files (refused otherwise)")
+    """`--overwrite`: replace results files that git tracks (otherwise written beside them, `output_path`)."""
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace committed results files (else new ones go beside them)"
+    )
 
 
 def run_and_save(
@@ -378,7 +402,7 @@ def main(name: str, run: Callable, plot: Callable, summarize: Callable, argv=Non
     """The `python -m experiments.<name>` entry point shared by every experiment."""
     parser = add_args(argparse.ArgumentParser(prog=f"python -m experiments.{name}", description=run.__doc__))
     args = parser.parse_args(argv)
-    refuse_committed(results_path(args.out, name), overwrite=args.overwrite)
+    set_overwrite(args.overwrite)
     try:
         path, record = run_and_save(name, run, plot, args.size, args.out, args.budget)
     except KeyboardInterrupt:

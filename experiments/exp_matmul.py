@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from benchmarks.peaks import Ceiling, ceiling
 from experiments import common
+from experiments.peaks import Ceiling, ceiling
 from jaxnn.profile.timing import matmul_flops, measure_matmul_peak, time_fn
 
 NAME = "exp_matmul"

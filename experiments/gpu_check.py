@@ -20,9 +20,9 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks.output import params_label
 from experiments.archive import pack as pack_archive
 from experiments.archive import target as archive_target
+from experiments.common import params_label
 
 # Seconds each experiment may take at GPU size, in the order they run: the claims a GPU decides first (tensor
 # cores, then matrix throughput, training, inference), the CPU-side claims last. Each budget is soft (a measurement

@@ -172,8 +172,11 @@ def collect(size: str = "quick", only: list[str] | None = None) -> dict:
 
 
 def load(results_root: str | Path) -> dict | None:
-    path = Path(results_root) / FOLDER / "costs.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    """The program costs under `results_root`: a rerun's `costs-local.json` where one was written beside the
+    committed file (`experiments.common.output_path`), else `costs.json`, else None."""
+    folder = Path(results_root) / FOLDER
+    path = next((p for p in (folder / f"costs{common.LOCAL}.json", folder / "costs.json") if p.is_file()), None)
+    return json.loads(path.read_text()) if path is not None else None
 
 
 def main(argv=None) -> None:
@@ -182,8 +185,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="results", help="results folder; writes <out>/projected/costs.json")
     common.add_overwrite_flag(parser)
     args = parser.parse_args(argv)
-    path = Path(args.out) / FOLDER / "costs.json"
-    common.refuse_committed(path, overwrite=args.overwrite)
+    common.set_overwrite(args.overwrite)
+    path = common.output_path(Path(args.out) / FOLDER / "costs.json")
     costs = collect(args.size)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(costs, indent=1) + "\n")

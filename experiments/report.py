@@ -178,7 +178,7 @@ def _best(rec, key):
 
 
 def _ceiling_cell(top) -> str:
-    """A peak no rate of its run exceeds; where one did, the cell says which (`benchmarks.peaks`)."""
+    """A peak no rate of its run exceeds; where one did, the cell says which (`experiments.peaks`)."""
     if top.raised_by is None:
         return _fmt(top.gflops, " GFLOP/s")
     was = "" if top.measured is None else f"; the peak measurement read {_fmt(top.measured)}"

@@ -13,8 +13,8 @@ import argparse
 import os
 from pathlib import Path
 
-from benchmarks.peaks import Ceiling, ceiling
 from experiments import common
+from experiments.peaks import Ceiling, ceiling
 from jaxnn.cli.profile import IMAGE_SHAPE  # the input `jaxnn profile` and `jaxnn train` use by default
 from jaxnn.models.factory import train_default_model
 from jaxnn.precision import get_policy
@@ -89,7 +89,7 @@ def run(size: str, out: str | Path) -> list[Path]:
         figures |= {"peaks": peaks.as_dict(), "accelerator": accel.as_dict()}
         path = common.write_results(out, f"roofline_{name}", size, figures, budget)
         written += [path, roofline_png(profiles, path.with_suffix(".png"))]
-        written.append(time_png(profiles, path.with_name(f"roofline_{name}_time.png")))
+        written.append(time_png(profiles, path.with_name(f"{path.stem}_time.png")))
         for p in profiles:
             print(p)
     return written
@@ -118,7 +118,7 @@ def _by_layer(record: dict, pass_: str) -> dict[str, dict[str, dict]]:
 
 def ceilings(record: dict) -> dict[str, Ceiling]:
     """{policy: the matmul peak of its compute dtype, or the fastest layer of the run where one beat it}: what
-    "% peak" divides by, so that no layer reads above 100% (`benchmarks.peaks`)."""
+    "% peak" divides by, so that no layer reads above 100% (`experiments.peaks`)."""
     out = {}
     for prof in record["profiles"]:
         rates = [
@@ -269,8 +269,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="results", help="results folder (a subfolder per machine tag)")
     common.add_overwrite_flag(parser)
     args = parser.parse_args(argv)
-    paths = [common.results_path(args.out, f"roofline_{name}") for name in MODELS]
-    common.refuse_committed(*paths, overwrite=args.overwrite)
+    common.set_overwrite(args.overwrite)
     for path in run(args.size, args.out):
         print(f"roofline: wrote {path}")
 

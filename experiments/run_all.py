@@ -44,8 +44,6 @@ def main(argv=None) -> int:
     common.add_overwrite_flag(parser)
     args = parser.parse_args(argv)
     names = [n for n in ORDER if args.only is None or n in args.only]
-    # All refused at once, before the first experiment spends its budget.
-    common.refuse_committed(*(common.results_path(args.out, n) for n in names), overwrite=args.overwrite)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
     failures = []
     start = time.perf_counter()

@@ -3,8 +3,9 @@
 # (not OUT: the GPU machine exports OUT for its own use, and make would read it).
 SIZE ?= quick
 RESULTS ?= results
-# The experiments refuse to replace results files git tracks (another machine's, or figures the docs cite):
-# RESULTS=elsewhere writes a new folder, OVERWRITE=1 replaces them.
+# The experiments never replace results files git tracks (another machine's, or figures the docs cite): a rerun
+# writes <name>-local.json beside them, which the report reads instead; RESULTS=elsewhere writes a new folder,
+# OVERWRITE=1 replaces them.
 OVERWRITE ?=
 EXP_OUT = --out $(RESULTS)$(if $(OVERWRITE), --overwrite)
 # gpu-check runs on a machine without network, from a plain checkout: the venv when one exists, else python3.

@@ -4,16 +4,16 @@ parameter counts in a unit that keeps them readable. Synthetic records; no exper
 
 from __future__ import annotations
 
+import json
 import subprocess
-import types
 from pathlib import Path
 
 import pytest
 
 from benchmarks import train_steps
-from benchmarks.output import params_label
-from benchmarks.peaks import ceiling
-from experiments import common, exp_matmul, exp_parallel, report, roofline, run_all
+from experiments import common, exp_matmul, exp_parallel, report, roofline
+from experiments.common import params_label
+from experiments.peaks import ceiling
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -102,7 +102,7 @@ def test_the_roofline_section_never_says_no_gpu_run_beside_one():
     assert "No GPU run yet" not in lines and "The GPU results (`gpu-h200`) hold no roofline run" in lines
 
 
-def test_a_committed_results_file_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
+def test_a_rerun_writes_beside_a_committed_results_file_and_the_report_reads_the_new_one(tmp_path, monkeypatch):
     tracked = subprocess.run(
         ["git", "-C", str(REPO), "ls-files", "results/*/exp_matmul.json"], capture_output=True, text=True
     ).stdout.split()
@@ -110,17 +110,20 @@ def test_a_committed_results_file_is_refused_before_anything_runs(tmp_path, monk
         pytest.skip("needs the git checkout and its committed results")
     committed = REPO / tracked[0]
     assert common.committed(committed) and not common.committed(tmp_path / "exp_matmul.json")
-    with pytest.raises(SystemExit) as stop:
-        common.refuse_committed(tmp_path / "new.json", committed, overwrite=False)
-    assert str(stop.value).startswith(f"error: {committed} is a committed result; pass --out DIR")
-    common.refuse_committed(committed, overwrite=True)  # told to
-
-    # make experiments: every file checked first, no experiment started.
-    monkeypatch.setattr(common, "machine_tag", lambda: committed.parent.name)
-    started = types.SimpleNamespace(run=lambda *a, **k: pytest.fail("an experiment was started"))
-    monkeypatch.setattr(run_all, "subprocess", started)
-    with pytest.raises(SystemExit, match="is a committed result"):
-        run_all.main(["--size", "tiny", "--out", str(REPO / "results"), "--only", "exp_matmul"])
+    before = committed.read_bytes()
+    common.set_overwrite(False)
+    local = common.output_path(committed)
+    assert local == committed.with_name("exp_matmul-local.json")
+    assert common.output_path(tmp_path / "exp_matmul.json") == tmp_path / "exp_matmul.json"
+    common.set_overwrite(True)  # told to
+    assert common.output_path(committed) == committed
+    common.set_overwrite(False)
+    # The report prefers the rerun: a -local record stands in for the committed one of its name.
+    (tmp_path / "cpu-x").mkdir()
+    (tmp_path / "cpu-x" / "exp_matmul.json").write_text(json.dumps({"name": "exp_matmul", "run": "committed"}))
+    (tmp_path / "cpu-x" / "exp_matmul-local.json").write_text(json.dumps({"name": "exp_matmul", "run": "rerun"}))
+    assert common.load_results(tmp_path)["cpu-x"]["exp_matmul"]["run"] == "rerun"
+    assert committed.read_bytes() == before
 
 
 def test_coinciding_curves_get_their_own_styles_and_a_note():

@@ -24,8 +24,8 @@ from jaxnn.callbacks import Callback
 from jaxnn.config import ConfigError, FitConfig
 from jaxnn.data.pipeline import PipelineConfig
 from jaxnn.layers.core import Layer
-from jaxnn.loop._preference import preference_start
 from jaxnn.loop._keywords import keras_data
+from jaxnn.loop._preference import preference_start
 from jaxnn.loop._run import FitInputs, FitInterrupted, FitResult, TrainData, run_fit
 from jaxnn.loop.rundir import fresh_run_dir
 from jaxnn.lora import LoRA, as_lora
