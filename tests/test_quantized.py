@@ -78,7 +78,8 @@ def test_a_dense_product_with_a_stored_base_equals_the_product_with_its_dequanti
     np.testing.assert_allclose(grad, np.broadcast_to(dense.sum(-1), x.shape), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("scan", [False, True])
 def test_a_quantised_base_keeps_the_model_s_logits_within_its_error_and_merges_to_plain_weights(scan):
     model = GPT(dataclasses.replace(CFG, scan_layers=scan))
     _, params = model.init(jax.random.key(0), (1, 8))

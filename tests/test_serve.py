@@ -45,7 +45,7 @@ def _serve_all(engine: Engine, requests: list[dict], stagger: float = 0.0) -> li
     return outs
 
 
-@pytest.mark.parametrize("position", ["learned", "rope"])
+@pytest.mark.parametrize("position", [pytest.param("learned", marks=pytest.mark.slow), "rope"])
 def test_continuous_batching_equals_generate_batch(position):
     # 12 prompts of 1-19 tokens over 4 slots, joining while others decode: each row's greedy tokens (stop token
     # included) are generate_batch's for the same prompts.
