@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -370,7 +371,10 @@ def run_lora(out_dir: Path, dry_run: bool, timeout_s: float, progress: Progress)
     path.unlink(missing_ok=True)
     size = ["--models", "tiny", "--batch", "2", "--seq-len", "16", "--steps", "1"] if dry_run else [
         "--models", "gpt2-small", "--batch", "8", "--seq-len", "512", "--steps", "5"]  # fmt: skip
-    cmd = [sys.executable, "-m", "benchmarks.lora_memory", "--ranks", "8", "--json", str(path), *size]
+    # The int8 and nf4 bases' rows where Qwix is installed (the GPU machine has no network: it may lack it).
+    bases = ["int8", "nf4"] if importlib.util.find_spec("qwix") else []
+    cmd = [sys.executable, "-m", "benchmarks.lora_memory", "--ranks", "8", "--bases", *bases, "--json", str(path)]
+    cmd += size
     root = str(Path(__file__).resolve().parents[1])
     pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONPATH": pythonpath}

@@ -239,8 +239,8 @@ def _train_preference(cfg: TrainConfig, callbacks: list[Callback]) -> dict:
     inputs = FitInputs(
         optimizer=tx, eval_data=test, callbacks=[*_tokenizer_keeper(folder), *callbacks],
         config={**cfg.trajectory(), "model_config": dataclasses.asdict(mcfg), **_tokenizer_entry(folder)},
-        mesh=cfg.mesh, sharding_rules=cfg.sharding_rules, schedule_decays=cfg.schedule == "cosine", lora=cfg.lora,
-        **_starting_point(cfg, model, mcfg, (cfg.seq_len,)),
+        mesh=cfg.mesh, sharding_rules=cfg.sharding_rules, schedule_decays=cfg.schedule == "cosine",
+        **_starting_point(cfg, model, mcfg, (cfg.seq_len,)),  # with the LoRA settings (--adapters' own, if given)
     )  # fmt: skip
     model, inputs = preference_start(model, train, str(cfg.objective), cfg.beta, 0.5, inputs)
     try:

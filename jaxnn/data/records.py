@@ -41,6 +41,7 @@ def is_record_source(path: str | os.PathLike) -> bool:
 
 
 def files_of(path: pathlib.Path) -> list[pathlib.Path]:
+    """The record files `path` names: itself, or the files of the folder (a DataError if neither exists)."""
     if path.is_file():
         return [path]
     if not path.is_dir():
@@ -147,6 +148,7 @@ def _render(template: Any, messages: list, opened: bool, path: Any) -> str:
 
 
 def text_encoder(tokenizer: Any, end_id: int | None) -> tuple[Any, list[int]]:
+    """(text -> ids, the ids that end a document): the tokenizer's, or bytes and a newline without one."""
     if tokenizer is None:
         return (lambda text: list(text.encode())), [ord("\n")]
     end = end_id if end_id is not None else end_token(tokenizer)

@@ -1,6 +1,7 @@
 """Experiments: the machine tag, the HLO library-call reader, the float64 references, every experiment's code path
 (through `gpu_check --dry-run` at tiny sizes), and the report builder on a fixture of results files."""
 
+import importlib.util
 import io
 import json
 import os
@@ -336,7 +337,8 @@ def test_gpu_check_dry_run_runs_every_experiment(dry_run):
         "bench_lora",
         "bench_gpu_mfu",
     ]
-    assert [row["method"] for row in check["lora"]] == ["full", "lora r=8"]
+    quantised = ["lora r=8 int8", "lora r=8 nf4"] if importlib.util.find_spec("qwix") else []
+    assert [row["method"] for row in check["lora"]] == ["full", "lora r=8", *quantised]
     assert check["dry_run"] is True and check["check"]["backend"] == jax.default_backend()
     mfu = json.loads((folder / "gpu_mfu.json").read_text())
     assert mfu["dry_run"] is True and mfu["mfu"] > 0 and mfu["num_params"] > 0
