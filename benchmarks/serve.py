@@ -3,7 +3,7 @@ several concurrencies; the same server holding one request at a time (`--slots 1
 on the same prompts, side by side.
 
     python -m benchmarks.serve [--size gpt2-small|small] [--concurrency 1 4 16 64] [--prompt 64] [--new-tokens 64]
-        [--json out.json]
+        [--in-process] [--no-transformers] [--json out.json]
 
 The model is GPT-2-small-shaped by default (random weights, fp32, `benchmarks.generation`'s), written as a
 transformers folder with a word-level tokenizer of its 50257 ids and no end token, so every request produces
@@ -11,7 +11,8 @@ exactly `--new-tokens` tokens. Each concurrency runs one untimed round (compilin
 then a timed round of 2 x concurrency streamed requests sent by that many client threads over loopback HTTP; a
 request's time to first token runs from its sending to its first text, its time per output token from there to
 its last over the tokens between. transformers' `generate` runs the same prompts one at a time (batch 1, greedy,
-with its cache), its usual use, and as one padded batch of 16.
+with its cache), its usual use, and as one padded batch of 16. `--in-process` drives the engine in this process
+without HTTP (no server stack needed: the GPU row of `make gpu-check`).
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ def write_folder(folder: pathlib.Path, cfg: GPTConfig, params: Any) -> pathlib.P
 class Server:
     """A `jaxnn serve` process on a free loopback port."""
 
-    def __init__(self, folder: pathlib.Path, slots: int, context: int):
+    def __init__(self, folder: pathlib.Path, slots: int, context: int, prompt_tokens: int):
         argv = [sys.executable, "-m", "jaxnn.cli", "serve", str(folder), "--port", "0", "--slots", str(slots),
-                "--context", str(context), "--max-queue", "1024", "--log-level", "warning"]  # fmt: skip
+                "--context", str(context), "--max-queue", "1024", "--warm-up", str(prompt_tokens),
+                "--log-level", "warning"]  # fmt: skip
         self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
         for line in self.proc.stderr:  # type: ignore[union-attr]
             found = re.search(r" on http://127\.0\.0\.1:(\d+)/v1 ", line)
@@ -98,7 +100,42 @@ class Server:
         self.proc.wait(120)
 
 
-def load_round(server: Server, prompts: list[list[int]], new_tokens: int, concurrency: int) -> dict[str, float]:
+class InProcess:
+    """The same load on `jaxnn.serve`'s engine in this process, without HTTP: what the device and the batching
+    give on their own (the GPU machine has no server stack installed, and this is the row `make gpu-check` adds)."""
+
+    def __init__(self, cfg: GPTConfig, params: Any, slots: int, context: int, prompt_tokens: int):
+        from jaxnn.serve.engine import Engine
+
+        self.engine = Engine(GPT(cfg), params, context=context, slots=slots, max_queue=1024)
+        self.engine.warm_up([prompt_tokens])
+        self.engine.start()
+
+    def stream(self, prompt: list[int], new_tokens: int) -> dict[str, float]:
+        """One request: its time to first token, time per output token, and token count."""
+        from jaxnn.serve.engine import Request
+
+        times: list[float] = []
+        done = threading.Event()
+
+        def on_token(token: int | None, finish: str | None) -> None:
+            times.append(time.perf_counter())
+            if finish is not None:
+                done.set()
+
+        start = time.perf_counter()
+        self.engine.submit(Request(prompt, new_tokens, on_token))
+        done.wait()
+        return {"ttft": times[0] - start, "tpot": (times[-1] - times[0]) / max(len(times) - 1, 1),
+                "tokens": len(times)}  # fmt: skip
+
+    def stop(self) -> None:
+        self.engine.stop()
+
+
+def load_round(
+    server: Server | InProcess, prompts: list[list[int]], new_tokens: int, concurrency: int
+) -> dict[str, float]:
     """`prompts` sent by `concurrency` client threads; throughput and latency percentiles (ms)."""
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
@@ -120,18 +157,18 @@ def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q))
 
 
-def serve_rows(folder, prompts_for, concurrencies, new_tokens, context, slots: int | None) -> list[dict]:
-    """One row per concurrency against one server (`slots`: None gives it as many slots as the concurrency)."""
+def serve_rows(start_server, prompts_for, concurrencies, new_tokens, slots: int | None, name: str) -> list[dict]:
+    """One row per concurrency against a fresh `start_server(slots)` (`slots`: None gives it as many slots as the
+    concurrency)."""
     rows = []
     for c in concurrencies:
-        server = Server(folder, slots or c, context)
+        server = start_server(slots or c)
         try:
             load_round(server, prompts_for(c), new_tokens, c)  # compiles this concurrency's programs
             row = load_round(server, prompts_for(2 * c), new_tokens, c)
         finally:
             server.stop()
-        rows.append({"server": "jaxnn serve" if slots is None else f"jaxnn serve --slots {slots}",
-                     "concurrency": c, **row})  # fmt: skip
+        rows.append({"server": name if slots is None else f"{name} --slots {slots}", "concurrency": c, **row})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -168,6 +205,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--in-process", action="store_true", help="drive the engine directly, without HTTP")
     add_json_flags(parser)
     args = parser.parse_args()
     refuse_existing(args.json, overwrite=args.overwrite)
@@ -179,14 +217,19 @@ def main() -> None:
     rng = np.random.default_rng(0)
     pool = [[int(t) for t in rng.integers(1, cfg.vocab_size, args.prompt)] for _ in range(2 * max(args.concurrency))]
     prompts_for = lambda n: pool[:n]  # noqa: E731
+    one_at_a_time = [min(16, max(args.concurrency))]  # the goal's concurrency, where it was measured
     with tempfile.TemporaryDirectory() as tmp:
-        folder = write_folder(pathlib.Path(tmp) / "model", cfg, params)
-        rows = serve_rows(folder, prompts_for, args.concurrency, args.new_tokens, context, None)
-        one_at_a_time = [min(16, max(args.concurrency))]  # the goal's concurrency, where it was measured
-        rows += serve_rows(folder, prompts_for, one_at_a_time, args.new_tokens, context, 1)
+        if args.in_process:
+            start, name = (lambda slots: InProcess(cfg, params, slots, context, args.prompt)), "jaxnn engine (no HTTP)"
+        else:
+            folder = write_folder(pathlib.Path(tmp) / "model", cfg, params)
+            start, name = (lambda slots: Server(folder, slots, context, args.prompt)), "jaxnn serve"
+        rows = serve_rows(start, prompts_for, args.concurrency, args.new_tokens, None, name)
+        rows += serve_rows(start, prompts_for, one_at_a_time, args.new_tokens, 1, name)
     if not args.no_transformers:
         rows += transformers_rows(cfg, params, pool[:32], args.new_tokens)
-    result = {"cpu": cpu_name(), "cores": os.cpu_count(), "jax": jax.__version__, "size": args.size,
+    result = {"cpu": cpu_name(), "cores": os.cpu_count(), "device": jax.devices()[0].device_kind,
+              "jax": jax.__version__, "size": args.size, "in_process": args.in_process,
               "prompt": args.prompt, "new_tokens": args.new_tokens, "rows": rows}  # fmt: skip
     print(table(rows))
     if args.json:

@@ -55,6 +55,12 @@ MFU_NAME = "bench_gpu_mfu"
 # the experiments and before the MFU child; its reserve comes out of the experiments' share.
 LORA_NAME = "bench_lora"
 LORA_RESERVE_S = 45
+# `jaxnn serve`'s engine under load (benchmarks.serve --in-process) in a child process, after the LoRA child: four
+# engines (concurrency 1, 16, 64 and one slot), each compiling its prefill and decode programs first. Not yet
+# measured on a GPU: the timeout is the budget, and a run that overruns it is reported as such.
+SERVE_NAME = "bench_serve"
+SERVE_RESERVE_S = 45
+DRY_RUN_SERVE_S = 300
 # Published MFU figures (PaLM, MaxText) divide by the datasheet's dense bf16 rate, not a measured GEMM peak: the
 # H200 SXM's 989 TFLOP/s (NVIDIA datasheet, dense, no sparsity). Quoted, not measured.
 H200_DENSE_BF16_TFLOPS = 989.0
@@ -298,8 +304,9 @@ def parse_args(argv):
         "--only",
         nargs="*",
         default=None,
-        choices=[*BUDGETS, MFU_NAME, LORA_NAME],
-        help=f"run only these experiments ({MFU_NAME}, {LORA_NAME}: the benchmarks, which --only otherwise skips)",
+        choices=[*BUDGETS, MFU_NAME, LORA_NAME, SERVE_NAME],
+        help=f"run only these experiments ({MFU_NAME}, {LORA_NAME}, {SERVE_NAME}: the benchmarks, which --only "
+        "otherwise skips)",
     )
     parser.add_argument("--no-mfu", action="store_true", help="skip the MFU benchmark (its child process)")
     parser.add_argument(
@@ -327,6 +334,7 @@ def parse_args(argv):
         args.total_limit = DRY_RUN_TOTAL_S if args.dry_run else TOTAL_LIMIT_S
     args.mfu = not args.no_mfu and (args.only is None or MFU_NAME in args.only)
     args.lora = args.only is None or LORA_NAME in args.only
+    args.serve = args.only is None or SERVE_NAME in args.only
     try:
         archive_target(args.archive, "tag")
     except ValueError as err:
@@ -334,22 +342,28 @@ def parse_args(argv):
     return args
 
 
+def run_child(cmd: list[str], timeout_s: float) -> str:
+    """Runs a benchmark module in a child process with a hard timeout (a crash, an abort or a hang there costs the
+    run that measurement only); returns how it ended."""
+    # The parent keeps its GPU memory; without preallocation the child takes only what it needs of the rest.
+    root = str(Path(__file__).resolve().parents[1])
+    pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONPATH": pythonpath}
+    try:
+        proc = subprocess.run(cmd, env=env, timeout=timeout_s, check=False)
+        return f"exit status {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        return f"killed after its {timeout_s:.0f} s timeout"
+
+
 def run_mfu(out_dir: Path, dry_run: bool, timeout_s: float, progress: Progress) -> dict | None:
     """make bench-gpu (the MFU target) in a child process with a hard timeout: a crash, an abort or a hang there
     costs the run that measurement only. Returns what the child wrote to gpu_mfu.json (also a partial file)."""
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "benchmarks.train_steps", "--gpu", "--out-dir", str(out_dir)]
-    # The parent keeps its GPU memory; without preallocation the child takes only what it needs of the rest.
-    root = str(Path(__file__).resolve().parents[1])
-    pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONPATH": pythonpath}
     path = out_dir / "gpu_mfu.json"
     path.unlink(missing_ok=True)  # a stale file from an earlier run must not pass as this run's
-    try:
-        proc = subprocess.run([*cmd, *(["--dry-run"] if dry_run else [])], env=env, timeout=timeout_s, check=False)
-        ended = f"exit status {proc.returncode}"
-    except subprocess.TimeoutExpired:
-        ended = f"killed after its {timeout_s:.0f} s timeout"
+    ended = run_child([*cmd, *(["--dry-run"] if dry_run else [])], timeout_s)
     try:
         mfu = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
@@ -374,15 +388,7 @@ def run_lora(out_dir: Path, dry_run: bool, timeout_s: float, progress: Progress)
     # The int8 and nf4 bases' rows where Qwix is installed (the GPU machine has no network: it may lack it).
     bases = ["int8", "nf4"] if importlib.util.find_spec("qwix") else []
     cmd = [sys.executable, "-m", "benchmarks.lora_memory", "--ranks", "8", "--bases", *bases, "--json", str(path)]
-    cmd += size
-    root = str(Path(__file__).resolve().parents[1])
-    pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONPATH": pythonpath}
-    try:
-        proc = subprocess.run(cmd, env=env, timeout=timeout_s, check=False)
-        ended = f"exit status {proc.returncode}"
-    except subprocess.TimeoutExpired:
-        ended = f"killed after its {timeout_s:.0f} s timeout"
+    ended = run_child(cmd + size, timeout_s)
     try:
         rows = json.loads(path.read_text())["rows"]
     except (OSError, json.JSONDecodeError, KeyError):
@@ -400,6 +406,35 @@ def run_lora(out_dir: Path, dry_run: bool, timeout_s: float, progress: Progress)
         f"{adapted['peak_bytes'] / 2**30:.2f} vs {full['peak_bytes'] / 2**30:.2f} GiB, optimizer state "
         f"{100 * adapted['opt_state_bytes'] / full['opt_state_bytes']:.2f}% of full",
     )
+    return {"rows": rows}
+
+
+def run_serve(out_dir: Path, dry_run: bool, timeout_s: float, progress: Progress) -> dict | None:
+    """benchmarks.serve on the engine in process (no HTTP: the GPU machine has no server stack), GPT-2 small,
+    64-token prompts and 64 new tokens, at concurrency 1, 16 and 64 and one request at a time, in a child process
+    with a hard timeout; returns its rows."""
+    t0 = time.perf_counter()
+    path = out_dir / "serve.json"
+    path.unlink(missing_ok=True)
+    size = ["--size", "small", "--concurrency", "1", "4", "--prompt", "8", "--new-tokens", "8"] if dry_run else [
+        "--size", "gpt2-small", "--concurrency", "1", "16", "64"]  # fmt: skip
+    cmd = [sys.executable, "-m", "benchmarks.serve", "--in-process", "--no-transformers", "--json", str(path)]
+    ended = run_child(cmd + size, timeout_s)
+    try:
+        rows = json.loads(path.read_text())["rows"]
+    except (OSError, json.JSONDecodeError, KeyError):
+        rows = None
+    progress.save(serve=rows)
+    if not rows:
+        progress.add(SERVE_NAME, "FAILED", time.perf_counter() - t0, f"no serving measurement ({ended})")
+        return None
+    batched = {r["concurrency"]: r["tokens_per_s"] for r in rows if "--slots" not in r["server"]}
+    alone = next((r for r in rows if "--slots" in r["server"]), None)
+    line = "tokens/s by concurrency: " + ", ".join(f"{c}: {v:.0f}" for c, v in batched.items())
+    if alone is not None and alone["concurrency"] in batched:
+        gain = batched[alone["concurrency"]] / alone["tokens_per_s"]
+        line += f"; {gain:.1f}x one at a time at {alone['concurrency']}"
+    progress.add(SERVE_NAME, "ok", time.perf_counter() - t0, line)
     return {"rows": rows}
 
 
@@ -432,6 +467,7 @@ def run_experiments(args, size: str, start: float, progress: Progress) -> None:
     from experiments import common
 
     reserve = (MFU_RESERVE_S if args.mfu else 0.0) + (LORA_RESERVE_S if args.lora else 0.0)
+    reserve += SERVE_RESERVE_S if args.serve else 0.0
     reserve = 0.0 if args.dry_run else reserve
     for name, budget in args.budgets.items():
         if args.only is not None and name not in args.only:
@@ -508,6 +544,9 @@ def main(argv=None) -> int:
     run_experiments(args, size, start, progress)
     if args.lora:
         run_lora(out_dir, args.dry_run, LORA_RESERVE_S, progress)
+    if args.serve:
+        # A CPU compiles the dry run's four engines' programs slower than a GPU runs the real ones.
+        run_serve(out_dir, args.dry_run, DRY_RUN_SERVE_S if args.dry_run else SERVE_RESERVE_S, progress)
     if args.mfu:
         left = args.total_limit + MFU_GRACE_S - (time.perf_counter() - start)
         run_mfu(out_dir, args.dry_run, min(MFU_TIMEOUT_S, max(left, MIN_EXPERIMENT_S)), progress)

@@ -127,6 +127,8 @@ DOC_COMMANDS: dict[str, str] = {
         f"jaxnn train --model gpt --size small --seq-len 32 --run-dir runs/gpt {TRAIN_TINY}"
     ),
     "jaxnn serve runs/gpt --port 8000": COVERED_BY + "tests/system/test_serve_http.py (a trained run, served)",
+    "jaxnn serve runs/gpt --port 8000 --warm-up 64": COVERED_BY
+    + "tests/system/test_serve_http.py (a trained run, served after --warm-up)",
     # docs/checkpoints.md: a run to export first
     "jaxnn export --run-dir runs/cnn-default/20261201-024845 --out exported/cnn --platforms cpu cuda": (
         f"jaxnn train {TRAIN_TINY} --run-dir runs/cnn-default/20261201-024845 && "

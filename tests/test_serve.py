@@ -45,7 +45,10 @@ def _serve_all(engine: Engine, requests: list[dict], stagger: float = 0.0) -> li
     return outs
 
 
-@pytest.mark.parametrize("position", [pytest.param("learned", marks=pytest.mark.slow), "rope"])
+# The fast tier's greedy equality under staggered joins: test_warm_up_compiles_every_program_...; this one also
+# runs stop tokens and limits of 1-29 tokens (make test-all).
+@pytest.mark.slow
+@pytest.mark.parametrize("position", ["learned", "rope"])
 def test_continuous_batching_equals_generate_batch(position):
     # 12 prompts of 1-19 tokens over 4 slots, joining while others decode: each row's greedy tokens (stop token
     # included) are generate_batch's for the same prompts.
@@ -77,6 +80,45 @@ def test_seeded_sampling_draws_what_generate_draws():
     finally:
         engine.stop()
     assert got[0] == list(want.tokens[0])
+
+
+def test_warm_up_compiles_every_program_requests_of_those_lengths_use():
+    # After warm_up(every_width(16)), prompts of 1-16 tokens joining in any grouping compile nothing more, and
+    # their tokens are still generate_batch's.
+    from jaxnn.serve.engine import every_width
+    from jaxnn.serve.slots import decode, place, prefill
+
+    model, params = _model("rope")
+    engine = Engine(model, params, context=64, slots=4, max_prefill=2)
+    assert every_width(20) == [8, 16, 20] and every_width(16) == [8, 16]
+    engine.warm_up(every_width(16))
+    compiled = [f._cache_size() for f in (prefill, place, decode)]
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(1, 64, size=int(n))] for n in rng.integers(1, 17, size=9)]
+    want = generate_batch(model, params, prompts, 6)
+    engine.start()
+    try:
+        got = _serve_all(engine, [{"prompt": p, "max_tokens": 6} for p in prompts], stagger=0.01)
+    finally:
+        engine.stop()
+    assert [f._cache_size() for f in (prefill, place, decode)] == compiled
+    assert got == [list(row) for row in want.tokens]
+    with pytest.raises(RuntimeError, match="before start"):
+        engine.warm_up([4])
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [("0", "--warm-up must be a positive integer"), ("128", "--warm-up 128: prompts must leave room")],
+)
+def test_serve_refuses_a_warm_up_outside_the_context(tmp_path, capsys, value, message):
+    from serve_models import save_served_folder
+
+    from jaxnn.cli import main
+
+    folder = save_served_folder(tmp_path / "model", n_positions=128)
+    assert main(["serve", str(folder), "--port", "0", "--compile-cache", "off", "--warm-up", value]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_engine_refuses_what_cannot_fit_and_a_full_queue():

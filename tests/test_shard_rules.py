@@ -172,6 +172,7 @@ def test_rules_that_match_nothing_are_allowed_when_the_table_says_so(tmp_path):
     assert BUILT_IN.allow_unmatched and not as_rules(MLP_RULES).allow_unmatched
 
 
+@pytest.mark.slow
 def test_the_documented_command_line_rules_shard_the_built_in_mlp(tmp_path, monkeypatch, capsys):
     """docs/parallel.md's rules file and `jaxnn train` line, run as written (with a few steps): the smoke tier
     runs the same line, and the rules must match the mlp's own layer names."""

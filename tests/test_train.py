@@ -44,6 +44,7 @@ def _batches(key, k, batch=8):
     return {"x": jax.random.normal(kx, (k, batch, 8, 8, 1)), "y": jax.random.randint(ky, (k, batch), 0, 10)}
 
 
+@pytest.mark.slow
 def test_scan_of_k_steps_equals_k_single_steps(key):
     model = L.serial(L.Flatten(), L.Dense(16), L.Relu, L.Dropout(0.1), L.Dense(10))
     tx = train.make_optimizer(1e-2, total_steps=10, warmup_steps=2, weight_decay=1e-4)

@@ -40,6 +40,9 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("--context", type=int, default=None, help="positions per request, prompt and completion "
                    "together (default: the model's sequence length)")  # fmt: skip
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot before 503s")
+    p.add_argument("--warm-up", type=int, default=None, metavar="TOKENS", help="compile the programs that prompts "
+                   "of up to TOKENS tokens use before taking requests (else each new prompt width or batch of "
+                   "joining requests waits for its compile)")  # fmt: skip
     p.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template (or a "
                    "tokenizer_config.json holding one) for a model whose folder has none")  # fmt: skip
     p.add_argument("--adapters", default=None, metavar="DIR", help="a PEFT LoRA adapter folder (adapter_config.json "
@@ -55,8 +58,8 @@ def serve_main(args: argparse.Namespace) -> int:
     from jaxnn._src.checks import positive_int
     from jaxnn._src.optional import require
 
-    for flag in ("slots", "max_queue", "context"):
-        if flag != "context" or args.context is not None:
+    for flag in ("slots", "max_queue", "context", "warm_up"):
+        if flag not in ("context", "warm_up") or getattr(args, flag) is not None:
             positive_int("jaxnn serve", f"--{flag.replace('_', '-')}", getattr(args, flag))
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
@@ -69,8 +72,8 @@ def serve_main(args: argparse.Namespace) -> int:
     from jaxnn.serve.api import create_app
 
     listening = _listen(args.host, args.port)  # a port in use is refused before the model loads
-    served = _served(args)
     compile_cache.enable(args.compile_cache)
+    served = _served(args)
     host, port = listening.getsockname()[:2]
     where = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     print(f"jaxnn serve: {served.name} on {where}/v1 ({args.slots} slots of {served.engine.context} positions)",
@@ -98,6 +101,7 @@ def _served(args: argparse.Namespace) -> Any:
     from jaxnn.interop.tokenizer import first_end_id, special_token_ids
     from jaxnn.serve import Engine
     from jaxnn.serve.api import Served
+    from jaxnn.serve.engine import every_width
     from jaxnn.serve.text import Codec
 
     loaded = load_served(args.model, args.step, args.adapters)
@@ -115,6 +119,10 @@ def _served(args: argparse.Namespace) -> Any:
     if codec.tokenizer is None and engine.vocab != 256:
         raise ValueError(f"{args.model}: {engine.vocab} token ids and no tokenizer.json; text is bytes only for 256")
     name = args.name or pathlib.Path(args.model).resolve().name
+    if args.warm_up is not None:
+        if args.warm_up >= context:
+            raise ValueError(f"--warm-up {args.warm_up}: prompts must leave room in the context of {context}")
+        engine.warm_up(every_width(args.warm_up))
     return Served(engine.start(), codec, name, end_ids)
 
 

@@ -14,7 +14,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -99,6 +99,29 @@ class Engine:
         """Starts the worker thread (requests submitted before wait for it); returns the engine."""
         self._worker.start()
         return self
+
+    def warm_up(self, prompt_lengths: Iterable[int]) -> None:
+        """Compiles, before any request arrives, the programs that prompts of these lengths use: the prefill of
+        each batch of joining requests (1, 2, 4, ... `max_prefill` rows) at each length's padded width, the copy
+        into a slot and the decode step. Call it before `start`: without it the first request of each new width
+        or batch size waits for a compile (seconds), which a server's first users, or a benchmark, would see.
+        `every_width(n)` lists one length per width that prompts of up to n tokens take."""
+        if self._worker.ident is not None:  # started: the worker owns the pool now
+            raise RuntimeError("serve: warm_up runs before start()")
+        widths = sorted({_bucket(n) if _bucket(n) < self.context else n for n in prompt_lengths})
+        for width in widths:
+            for rows in _row_buckets(self.max_prefill):
+                ids, mask = np.zeros((rows, width), np.int32), np.ones((rows, width), bool)
+                _, rows_cache = prefill(self.model, self.policy, self.context, self.params, self.state,
+                                        ids, mask, _sampling([], rows))  # fmt: skip
+                # A free slot's contents are never read: the next placement overwrites every leaf of it.
+                self._pool = place(self._pool, rows_cache, np.int32(0), np.int32(0))
+        t = self._table
+        sampling = RowSampling(t.temperature, t.top_k, t.top_p, t.key_data, t.count)
+        # No slot is live: the step runs and leaves every index at 0.
+        _, self._pool = decode(self.model, self.policy, self.params, self.state, self._pool,
+                               t.token, t.position, t.live, sampling)  # fmt: skip
+        jax.block_until_ready(self._pool)
 
     def submit(self, request: Request) -> None:
         """Queues `request`; ServerBusyError when `max_queue` are already waiting, ValueError when it cannot fit."""
@@ -202,6 +225,17 @@ class Engine:
 
 def _bucket(n: int, minimum: int = MIN_WIDTH) -> int:
     return max(minimum, 1 << (n - 1).bit_length())
+
+
+def _row_buckets(max_prefill: int) -> list[int]:
+    """The row counts a prefill pads its joining requests to: 1, 2, 4, ... up to the bucket of `max_prefill`."""
+    top = _bucket(max_prefill, minimum=1)
+    return [1 << i for i in range(top.bit_length())]
+
+
+def every_width(longest: int) -> list[int]:
+    """One prompt length for each padded width that prompts of 1 to `longest` tokens take (for `warm_up`)."""
+    return sorted({min(_bucket(n), longest) for n in range(1, longest + 1)})
 
 
 def _sampling(group: list[Request], rows: int) -> RowSampling:

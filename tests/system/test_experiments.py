@@ -331,12 +331,18 @@ def test_gpu_check_dry_run_runs_every_experiment(dry_run):
     check = json.loads((folder / "gpu_check.json").read_text())
     failed = [row for row in check["table"] if not row["status"].startswith("ok")]
     assert code == 0 and not failed, failed
-    # The experiments first, in their budgets' order, then the LoRA and MFU benchmarks in processes of their own.
+    # The experiments first, in their budgets' order, then the LoRA, serving and MFU benchmarks in processes of
+    # their own.
     assert check["complete"] is True and [row["name"] for row in check["table"]] == [
         *gpu_check.BUDGETS,
         "bench_lora",
+        "bench_serve",
         "bench_gpu_mfu",
     ]
+    served = {(row["server"], row["concurrency"]) for row in check["serve"]}
+    engine = "jaxnn engine (no HTTP)"
+    assert served == {(engine, 1), (engine, 4), (f"{engine} --slots 1", 4)}
+    assert all(row["tokens_per_s"] > 0 and row["requests"] == 2 * row["concurrency"] for row in check["serve"])
     quantised = ["lora r=8 int8", "lora r=8 nf4"] if importlib.util.find_spec("qwix") else []
     assert [row["method"] for row in check["lora"]] == ["full", "lora r=8", *quantised]
     assert check["dry_run"] is True and check["check"]["backend"] == jax.default_backend()

@@ -207,7 +207,7 @@ def test_a_trained_run_is_served(tmp_path):
     argv = [sys.executable, "-m", "jaxnn.cli", "train", "--model", "gpt", "--size", "small", "--seq-len", "32",
             "--run-dir", str(run), *TRAIN_TINY.split()]  # fmt: skip
     subprocess.run(argv, check=True, capture_output=True, timeout=600)
-    server = Server(run)
+    server = Server(run, "--warm-up", "8")
     try:
         reply = server.client.completions.create(model="tiny", prompt="def ", max_tokens=5, temperature=0)
         assert reply.usage.completion_tokens == 5 and reply.usage.prompt_tokens == 4
