@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import sys
 import time
 from typing import Any
@@ -25,8 +26,10 @@ from jaxnn._src.storage import PathLike
 # The files these writers put in a run directory by default (an overwrite removes them with the run's other files).
 SERVICE_FILES = ("wandb", "mlflow.db", "mlartifacts")
 RUN_ID_TAG = "jaxnn_run_id"
-# MLflow's limits: a parameter's value is at most 6000 characters; a batch holds at most 100 parameters.
-_PARAM_VALUE_CHARS, _PARAMS_PER_BATCH = 6000, 100
+# MLflow's limits: a parameter's name is at most 250 characters of letters, digits, "_", "-", ".", " " and "/"; its
+# value at most 6000 characters; a batch holds at most 100 parameters.
+_PARAM_KEY_CHARS, _PARAM_VALUE_CHARS, _PARAMS_PER_BATCH = 250, 6000, 100
+_NOT_IN_A_PARAM_KEY = re.compile(r"[^\w\-. /]")
 
 
 def scalars(row: dict) -> dict[str, float]:
@@ -40,14 +43,16 @@ def scalars(row: dict) -> dict[str, float]:
 
 
 def flat_params(config: dict, prefix: str = "") -> dict[str, str]:
-    """A nested config as `{"a.b": "value"}` strings, cut to MLflow's length limit, for `log_params`."""
+    """A nested config as `{"a.b": "value"}` strings for MLflow's `log_params`: a character MLflow refuses in a
+    name (a sharding rule's `*`) becomes "_", and names and values are cut to MLflow's lengths."""
     flat: dict[str, str] = {}
     for key, value in config.items():
-        name = f"{prefix}{key}"
+        name = f"{prefix}{_NOT_IN_A_PARAM_KEY.sub('_', str(key))}"
         if isinstance(value, dict) and value:
-            flat.update(flat_params(value, f"{name}."))
+            for inner, text in flat_params(value, f"{name}.").items():
+                flat.setdefault(inner, text)
         else:
-            flat[name] = str(value)[:_PARAM_VALUE_CHARS]
+            flat.setdefault(name[:_PARAM_KEY_CHARS], str(value)[:_PARAM_VALUE_CHARS])
     return flat
 
 

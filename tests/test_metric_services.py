@@ -197,13 +197,31 @@ def test_a_failing_run_ends_its_mlflow_run_as_failed(offline):
     assert found.info.status == "FAILED"
 
 
-def test_flat_params_joins_nested_keys_with_dots():
+def test_flat_params_joins_nested_keys_with_dots_and_keeps_to_mlflows_names():
     assert flat_params({"a": 1, "b": {"c": [1, 2], "d": {"e": None}}, "f": {}}) == {
         "a": "1",
         "b.c": "[1, 2]",
         "b.d.e": "None",
         "f": "{}",
     }
+    rules = {"sharding_rules": {"*1_dense.w": [None, "tensor"]}, "x" * 300: "y" * 7000}
+    assert flat_params(rules) == {"sharding_rules._1_dense.w": "[None, 'tensor']", "x" * 250: "y" * 6000}
+
+
+@pytest.mark.slow  # MLflow's database tables
+def test_mlflow_takes_a_config_with_a_sharding_rules_names(offline):
+    from mlflow.tracking import MlflowClient
+
+    from jaxnn.metric_services import MlflowWriter
+
+    config = {"sharding_rules": {"*1_dense.w": [None, "tensor"]}, "lr": 0.1}
+    writer = MlflowWriter(offline / "r", run_id="abc", name="r", config=config)
+    writer.write({"split": "eval", "step": 3, "accuracy": 0.5, "flag": True, "note": "text"})
+    writer.close()
+    client = MlflowClient(tracking_uri=f"sqlite:///{offline / 'r' / 'mlflow.db'}")
+    run = client.get_run(writer.run_id)
+    assert run.data.params == {"sharding_rules._1_dense.w": "[None, 'tensor']", "lr": "0.1"}
+    assert run.data.metrics == {"eval/accuracy": 0.5} and run.info.status == "FINISHED"
 
 
 # ---------------------------------------------------------------------------------------------- the command
