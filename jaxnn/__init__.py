@@ -56,6 +56,7 @@ SUBMODULES = (
     "layers",
     "loop",
     "lora",
+    "metric_services",
     "metrics",
     "models",
     "parallel",

@@ -77,7 +77,7 @@ class FitConfig:
     run_dir: (run) where config.json, metrics, plots, checkpoints and summary.json go; None writes nothing.
     ckpt_dir: (run) checkpoints elsewhere than `<run_dir>/ckpt`.
     resume / overwrite: (run) continue the run in `run_dir`, or replace it; by default a used run dir is refused.
-    metrics: (run) writers besides JSON lines: "csv", "tensorboard".
+    metrics: (run) writers besides JSON lines: "csv", "tensorboard", "wandb", "mlflow" (jaxnn.metric_services).
     progress / plots: (run) a progress bar; loss and accuracy PNGs at the end.
     devices: (run) data-parallel devices of this process (ignored when a mesh is given or with many processes).
     form: (run) data-parallel form, "jit" or "shard_map" (see jaxnn.train.data_parallel).

@@ -1,4 +1,5 @@
-"""Metric writers for the training loop: JSON lines (always), CSV, and TensorBoard event files.
+"""Metric writers for the training loop: JSON lines (always), CSV, TensorBoard event files, and the tracking
+services Weights & Biases and MLflow (`jaxnn.metric_services`).
 
 A row is a flat dict with `split` ("train" or "eval"), `step`, and scalar metrics. Every writer has `write(row)`
 and `close()`; `make_writers(names, run_dir)` builds the ones a run asks for. TensorBoard files are written with
@@ -17,15 +18,20 @@ import pathlib
 from collections.abc import Iterable
 from typing import Protocol
 
+from jaxnn._src.optional import hint, importable
 from jaxnn._src.storage import PathLike, append_line, repair_jsonl, storage_error
+from jaxnn.metric_services import make_service_writer
 
 log = logging.getLogger(__name__)
 
-WRITERS = ("jsonl", "csv", "tensorboard")
+WRITERS = ("jsonl", "csv", "tensorboard", "wandb", "mlflow")
+# writer -> the library it needs (an optional dependency, in the extra of the same name)
+LIBRARIES = {"tensorboard": "tensorboardX", "wandb": "wandb", "mlflow": "mlflow"}
 
 
 class MetricWriter(Protocol):
-    """What `jaxnn.fit` writes metric rows to (`metrics=` names them: "jsonl", "csv", "tensorboard")."""
+    """What `jaxnn.fit` writes metric rows to (`metrics=` names them: "jsonl", "csv", "tensorboard", "wandb",
+    "mlflow")."""
 
     def write(self, row: dict) -> None:
         """Record one row: `split` ("train" or "eval"), `step`, and that step's scalar metrics."""
@@ -153,11 +159,22 @@ def check_writer_names(names: Iterable[str]) -> tuple[str, ...]:
     unknown = [n for n in names if n not in WRITERS]
     if unknown:
         raise ValueError(f"unknown metric writer(s) {unknown}; choose from {list(WRITERS)}")
+    for name in names:  # refused with the settings, before a run directory is touched
+        if name in LIBRARIES and not importable(LIBRARIES[name]):
+            raise ValueError(f"metric writer {name!r} needs {LIBRARIES[name]}: {hint(LIBRARIES[name])}")
     return names
 
 
-def make_writers(names: Iterable[str], run_dir: PathLike) -> list[MetricWriter]:
-    """The writers named in `names` (JSON lines is always included) for `run_dir`."""
+def make_writers(
+    names: Iterable[str],
+    run_dir: PathLike,
+    *,
+    run_id: str | None = None,
+    run_name: str | None = None,
+    config: dict | None = None,
+) -> list[MetricWriter]:
+    """The writers named in `names` (JSON lines is always included) for `run_dir`. The tracking services' writers
+    take the run's id (kept when a run directory is resumed), its name (else the run directory's) and its config."""
     names = check_writer_names(names)
     run_dir = pathlib.Path(run_dir)
     writers: list[MetricWriter] = [JsonlWriter(run_dir / "metrics.jsonl")]
@@ -165,4 +182,12 @@ def make_writers(names: Iterable[str], run_dir: PathLike) -> list[MetricWriter]:
         writers.append(CsvWriter(run_dir))
     if "tensorboard" in names:
         writers.append(TensorBoardWriter(run_dir))
+    run_name = run_name or run_dir.name
+    try:
+        for name in (n for n in ("wandb", "mlflow") if n in names):
+            writers.append(make_service_writer(name, run_dir, run_id=run_id, run_name=run_name, config=config or {}))
+    except BaseException:  # a service that fails to start leaves none started
+        for writer in writers:
+            writer.close()
+        raise
     return writers

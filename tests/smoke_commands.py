@@ -113,6 +113,10 @@ DOC_COMMANDS: dict[str, str] = {
         "make train ARGS='--precision bf16 --steps 4 --ckpt-every 2 --resume --run-dir runs/mine --no-summary'"
     ),
     "jaxnn summary --model llama-3-8b": "jaxnn summary --model llama-3-8b",
+    # docs/training.md
+    "WANDB_MODE=offline jaxnn train --metrics wandb mlflow --run-dir runs/tracked": (
+        f"WANDB_MODE=offline WANDB_SILENT=true jaxnn train --metrics wandb mlflow --run-dir runs/tracked {TRAIN_TINY}"
+    ),
     # docs/bring-a-checkpoint.md
     "jaxnn summary --model gpt2 --model-config num_layers=2": "jaxnn summary --model gpt2 --model-config num_layers=2",
     "jaxnn train --model gpt2 --model-config num_layers=2 d_model=128 num_heads=4 --steps 50": (

@@ -339,6 +339,9 @@ def test_the_migration_table_in_the_docs_runs(tmp_path, monkeypatch):
     snippets = [re.findall(r"`([^`]+)`", row.split("|")[-2])[0] for row in rows]
     assert len(snippets) >= 7, snippets
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")  # the W&B row's run, written in its run directory for `wandb sync`
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # the MLflow row's run, in its run directory
     namespace: dict = {}
     exec(setup, namespace)
     for snippet in snippets:

@@ -51,6 +51,7 @@ MODULES = (
     "jaxnn.cli.config",
     "jaxnn.callbacks",
     "jaxnn.metrics",
+    "jaxnn.metric_services",
     "jaxnn.train",
     "jaxnn.fp8",
     "jaxnn.precision",

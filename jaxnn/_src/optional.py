@@ -3,7 +3,8 @@
 jaxnn's core needs jax, optax, orbax-checkpoint, numpy and safetensors; what only some users need is an extra:
 `pip install 'jaxnn[plots]'` (matplotlib), `[progress]` (tqdm), `[tensorboard]` (tensorboardX), `[grain]` (Grain's
 worker processes), `[data]` (scikit-learn, for the bundled digits), `[augment]` (dm-pix, for augmentation in the
-step), `[quant]` (Qwix, for LoRA over an int8 or nf4 base), or `[all]`; `[docs]` (pdoc) builds the documentation
+step), `[quant]` (Qwix, for LoRA over an int8 or nf4 base), `[wandb]` and `[mlflow]` (the metric writers of the
+tracking services), or `[all]`; `[docs]` (pdoc) builds the documentation
 (`make docs`).
 """
 
@@ -30,6 +31,8 @@ EXTRAS = {
     "transformers": "interop",
     "tokenizers": "interop",
     "qwix": "quant",
+    "wandb": "wandb",
+    "mlflow": "mlflow",
 }
 _warned: set[str] = set()
 
@@ -50,6 +53,14 @@ def require(module: str, what: str) -> ModuleType:
 def installed(module: str) -> bool:
     """Whether `module` can be imported (without importing it)."""
     return importlib.util.find_spec(module.split(".")[0]) is not None
+
+
+def importable(module: str) -> bool:
+    """Whether `module` can be imported, without importing it; False too where `sys.modules` blocks it (None)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing; a module set to None in sys.modules
+        return False
 
 
 def available(module: str, what: str) -> bool:

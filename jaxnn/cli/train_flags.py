@@ -201,8 +201,10 @@ def add_pipeline_and_output_flags(p: argparse.ArgumentParser) -> None:
         "--metrics",
         nargs="+",
         default=[],
-        choices=("csv", "tensorboard"),
-        help="metric writers besides metrics.jsonl: CSV files, TensorBoard event files (<run-dir>/tensorboard)",
+        choices=("csv", "tensorboard", "wandb", "mlflow"),
+        help="metric writers besides metrics.jsonl: CSV files, TensorBoard event files (<run-dir>/tensorboard), "
+        "a Weights & Biases run (WANDB_PROJECT, WANDB_MODE), an MLflow run (MLFLOW_TRACKING_URI, else "
+        "<run-dir>/mlflow.db)",
     )
     a("--no-summary", action="store_true", help="do not print the model's per-layer table at the start")
     a("--profile-dir", default=None, metavar="DIR", help="write a jax.profiler trace of a few steps after warm-up")

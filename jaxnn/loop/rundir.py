@@ -42,6 +42,7 @@ from jaxnn._src.storage import (
 )
 from jaxnn.errors import ConfigError
 from jaxnn.loop.plots import write_plots
+from jaxnn.metric_services import SERVICE_FILES
 from jaxnn.metrics import make_writers
 
 if TYPE_CHECKING:
@@ -54,6 +55,7 @@ log = logging.getLogger(__name__)
 
 RUN_FILES = (
     "config.json", "summary.json", "metrics.jsonl", "loss.png", "accuracy.png", "tensorboard", "tokenizer", OWNER_FILE,
+    *SERVICE_FILES,
 )  # fmt: skip
 
 
@@ -122,7 +124,7 @@ class RunFiles:
             self.run_id = kept or new_run_id()
             self._claim()
             self._write_config()
-            self._writers = make_writers(self.cfg.metrics, self._root)
+            self._writers = make_writers(self.cfg.metrics, self._root, run_id=self.run_id, config=self.record)
         except BaseException:
             self._held.release()
             self._remove_if_created()
