@@ -3,6 +3,11 @@ and their costs (XLA's FLOPs and bytes, the kernels they launch, their loop iter
 in and out), written to `results/projected/costs.json`. The report applies `jaxnn.profile.projection.GpuModel` to
 them, so a change of the model's parameters needs no recompilation. Nothing is run, only compiled.
 
+Each program is lowered for a GPU (`LOWERED_FOR`) and compiled by this CPU's compiler: the layers take their GPU
+lowering (XLA's convolution, reading input and weights and writing its output in one operation), not this CPU's
+(im2col's patch copies, or oneDNN kernels where this CPU measured them faster), so the costs do not depend on which
+CPU compiled them, beyond its fusions; each product and convolution stays a kernel of its own, as on a GPU.
+
 `python -m experiments.projected [--size quick] [--out results]` (`make project-gpu`). Compiling on the CPU gives
 the CPU compiler's fusions, not a GPU compiler's: the kernel count is an estimate, and so is every figure
 projected from it: projected, not measured.
@@ -22,11 +27,19 @@ import numpy as np
 from experiments import common, exp_inference, exp_matmul, exp_parallel, exp_pipeline, exp_precision, exp_sequential
 from jaxnn.layers.core import init_model
 from jaxnn.models import CNN, GPT, MLP, CNNConfig
-from jaxnn.profile.program_cost import program_cost
+from jaxnn.profile import program_cost as costs_of
 from jaxnn.profile.projection import ProgramCost
 from jaxnn.train import classification_loss, create_train_state, make_optimizer, make_predict, train_step_fn
 
 FOLDER = "projected"  # results/<FOLDER>/ is not a machine: the report reads it apart from the measured folders
+# The platform every program is lowered for before this CPU compiles it: a GPU's, so that each layer takes the
+# lowering a GPU runs (XLA's convolution, not this CPU's im2col or oneDNN kernels, whichever it measured faster).
+LOWERED_FOR = "cuda"
+
+
+def program_cost(fn, args: tuple, kind: str, h2d: float = 0.0, d2h: float = 0.0, **options) -> ProgramCost:
+    """`jaxnn.profile.program_cost.program_cost` of `fn` lowered for the GPU (`LOWERED_FOR`), compiled here."""
+    return costs_of.program_cost(fn, args, kind, h2d, d2h, platform=LOWERED_FOR, **options)
 
 
 def _spec(shape, dtype=jnp.float32):
@@ -105,7 +118,8 @@ def inference_costs(size: str) -> list[dict]:
     return out
 
 
-def _train_step_cost(model, in_shape, batch: int, step=None) -> ProgramCost:
+def program_cost_of_train_step(model, in_shape, batch: int, step=None) -> ProgramCost:
+    """The cost of `step` (default: a classification train step of `model` with Adam) on a batch of `in_shape`."""
     tx = make_optimizer(1e-3)
     state = jax.eval_shape(lambda: create_train_state(model, tx, jax.random.key(0), (batch, *in_shape)))
     step = step or train_step_fn(model, classification_loss, tx)
@@ -117,7 +131,7 @@ def parallel_costs(size: str) -> list[dict]:
     cfg = common.preset(exp_parallel.CONFIG, size)
     model = CNN(cfg["cfg"]) if cfg["model"] == "cnn" else MLP(cfg["cfg"])
     return [
-        {"global_batch": b, **_as_dict(_train_step_cost(model, exp_parallel.IMAGE, b))}
+        {"global_batch": b, **_as_dict(program_cost_of_train_step(model, exp_parallel.IMAGE, b))}
         for b in sorted(set(cfg["sweep"]) | {4096})
     ]
 
@@ -127,7 +141,7 @@ def pipeline_costs(size: str) -> list[dict]:
     model, batch = CNN(CNNConfig(widths=cfg["widths"])), cfg["batch"]
     tx = make_optimizer(1e-3)
     base = train_step_fn(model, classification_loss, tx)
-    plain = _train_step_cost(model, exp_pipeline.IMAGE, batch)
+    plain = program_cost_of_train_step(model, exp_pipeline.IMAGE, batch)
     out = [{"step": "plain", "cost": 0, **_as_dict(plain)}]
     x = _spec((batch, *exp_pipeline.IMAGE))
     once = program_cost(jax.jit(lambda x: exp_pipeline.device_augment(x, jax.random.key(1), 1)), (x,), "tf32")
@@ -138,7 +152,7 @@ def pipeline_costs(size: str) -> list[dict]:
             return base(state, {**data, "x": exp_pipeline.device_augment(data["x"], key, c)})
 
         # Kernels and loop iterations from the step as compiled; its work is the plain step's and c augmentations'.
-        cost = _train_step_cost(model, exp_pipeline.IMAGE, batch, step)
+        cost = program_cost_of_train_step(model, exp_pipeline.IMAGE, batch, step)
         work = {"flops": plain.flops + c * once.flops, "nbytes": plain.nbytes + c * once.nbytes}
         out.append({"step": "device", "cost": c, **_as_dict(cost), **work})
     return out
@@ -167,6 +181,7 @@ def collect(size: str = "quick", only: list[str] | None = None) -> dict:
         "size": size,
         "date": date,
         "compiled_on": common.machine_tag(),
+        "lowered_for": LOWERED_FOR,
         "programs": programs,
     }
 
