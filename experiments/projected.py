@@ -1,7 +1,9 @@
 """The projected GPU column's inputs: each experiment's programs compiled here, at the sizes this machine measured,
 and their costs (XLA's FLOPs and bytes, the kernels they launch, their loop iterations, the bytes a request copies
 in and out), written to `results/projected/costs.json`. The report applies `jaxnn.profile.projection.GpuModel` to
-them, so a change of the model's parameters needs no recompilation. Nothing is run, only compiled.
+them, so a change of the model's parameters needs no recompilation. Nothing is run, only compiled. The
+experiments a GPU run measures at its own sizes (`AT_GPU_RUN_SIZES`) are compiled at those too, each row marked
+with its "size", so that the report sets a GPU measurement against the projection of the program it ran.
 
 Each program is lowered for a GPU (`LOWERED_FOR`) and compiled by this CPU's compiler: the layers take their GPU
 lowering (XLA's convolution, reading input and weights and writing its output in one operation), not this CPU's
@@ -172,9 +174,23 @@ def _as_dict(cost: ProgramCost) -> dict:
     return {k: getattr(cost, k) for k in ProgramCost.__dataclass_fields__}
 
 
+# A GPU run measures these at its own preset's sizes (another CNN, batch or model than the CPU's): their programs
+# are compiled at those sizes too, so that a GPU measurement is set against the projection of the same program.
+GPU_RUN_SIZE = "gpu"
+AT_GPU_RUN_SIZES = ("exp_inference", "exp_parallel", "exp_pipeline")
+
+
 def collect(size: str = "quick", only: list[str] | None = None) -> dict:
-    """{"size", "date", "programs": {experiment: [row key fields + ProgramCost fields]}}."""
-    programs = {name: fn(size) for name, fn in COLLECTORS.items() if only is None or name in only}
+    """{"size", "date", "programs": {experiment: [row key fields + ProgramCost fields]}}; each row's "size" is
+    the preset it was compiled at: `size`, and the GPU run's for the experiments it measures at its own sizes
+    (not for "tiny", the smoke runs' size)."""
+    programs = {}
+    for name, fn in COLLECTORS.items():
+        if only is not None and name not in only:
+            continue
+        programs[name] = [{"size": size, **row} for row in fn(size)]
+        if name in AT_GPU_RUN_SIZES and size not in ("tiny", GPU_RUN_SIZE):
+            programs[name] += [{"size": GPU_RUN_SIZE, **row} for row in fn(GPU_RUN_SIZE)]
     date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     return {
         "kind": "projection costs",

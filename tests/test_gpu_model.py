@@ -203,3 +203,34 @@ def test_projected_cnn_costs_do_not_depend_on_this_cpus_convolution_lowering():
     # a GPU's convolution never moves.
     patches = sum(4 * batch * (size >> i) ** 2 * 9 * cin for i, cin in enumerate((3, *widths[:-1])))
     assert cpu.nbytes >= costs[0].nbytes + 2 * patches
+
+
+def test_a_gpu_measurement_is_set_against_the_projection_of_the_program_it_ran():
+    from experiments.projected_report import Projection, batch_cells
+
+    def program(size: str, flops: float) -> dict:
+        return {
+            "size": size,
+            "global_batch": 16,
+            "flops": flops,
+            "nbytes": 1e3,
+            "kind": "tf32",
+            "kernels": 1,
+            "loop_trips": 0,
+            "h2d_bytes": 0.0,
+            "d2h_bytes": 0.0,
+        }
+
+    costs = {"size": "quick", "programs": {"exp_parallel": [program("quick", 1e9), program("gpu", 1e11)]}}
+
+    def cell(gpu_run_size: str | None) -> str:
+        record = {"sweep": [{"global_batch": 16, "samples_per_s": 38_610.0}]}
+        record |= {"size": gpu_run_size} if gpu_run_size else {}
+        p = Projection(costs, [], ["gpu-x"], lambda tag, name: record if tag == "gpu-x" else None)
+        return batch_cells(p, [16])["train samples/s, batch 16 (1 device)"]()
+
+    # The CPU's program: 1e9 / 494.5e12 s + a 5 µs launch, under the 20 µs dispatch: 16 / 20 µs = 800,000/s.
+    # The GPU run's: 1e11 / 494.5e12 s + 5 µs = 207.22 µs: 77,211/s, and 38,610 measured is 0.50x of it.
+    assert cell("gpu") == "800,000; measured 38,610, projected 77,211 at the GPU run's sizes, measured/projected 0.50x"
+    assert cell("quick") == cell(None) == "800,000; measured 38,610, measured/projected 0.05x"
+    assert cell("full") == "800,000; measured 38,610 at the GPU run's sizes (not compiled here)"
