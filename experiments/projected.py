@@ -1,7 +1,14 @@
 """The projected GPU column's inputs: each experiment's programs compiled here, at the sizes this machine measured,
 and their costs (XLA's FLOPs and bytes, the kernels they launch, their loop iterations, the bytes a request copies
 in and out), written to `results/projected/costs.json`. The report applies `jaxnn.profile.projection.GpuModel` to
-them, so a change of the model's parameters needs no recompilation. Nothing is run, only compiled.
+them, so a change of the model's parameters needs no recompilation. Nothing is run, only compiled. The
+experiments a GPU run measures at its own sizes (`AT_GPU_RUN_SIZES`) are compiled at those too, each row marked
+with its "size", so that the report sets a GPU measurement against the projection of the program it ran.
+
+Each program is lowered for a GPU (`LOWERED_FOR`) and compiled by this CPU's compiler: the layers take their GPU
+lowering (XLA's convolution, reading input and weights and writing its output in one operation), not this CPU's
+(im2col's patch copies, or oneDNN kernels where this CPU measured them faster), so the costs do not depend on which
+CPU compiled them, beyond its fusions; each product and convolution stays a kernel of its own, as on a GPU.
 
 `python -m experiments.projected [--size quick] [--out results]` (`make project-gpu`). Compiling on the CPU gives
 the CPU compiler's fusions, not a GPU compiler's: the kernel count is an estimate, and so is every figure
@@ -22,11 +29,19 @@ import numpy as np
 from experiments import common, exp_inference, exp_matmul, exp_parallel, exp_pipeline, exp_precision, exp_sequential
 from jaxnn.layers.core import init_model
 from jaxnn.models import CNN, GPT, MLP, CNNConfig
-from jaxnn.profile.program_cost import program_cost
+from jaxnn.profile import program_cost as costs_of
 from jaxnn.profile.projection import ProgramCost
 from jaxnn.train import classification_loss, create_train_state, make_optimizer, make_predict, train_step_fn
 
 FOLDER = "projected"  # results/<FOLDER>/ is not a machine: the report reads it apart from the measured folders
+# The platform every program is lowered for before this CPU compiles it: a GPU's, so that each layer takes the
+# lowering a GPU runs (XLA's convolution, not this CPU's im2col or oneDNN kernels, whichever it measured faster).
+LOWERED_FOR = "cuda"
+
+
+def program_cost(fn, args: tuple, kind: str, h2d: float = 0.0, d2h: float = 0.0, **options) -> ProgramCost:
+    """`jaxnn.profile.program_cost.program_cost` of `fn` lowered for the GPU (`LOWERED_FOR`), compiled here."""
+    return costs_of.program_cost(fn, args, kind, h2d, d2h, platform=LOWERED_FOR, **options)
 
 
 def _spec(shape, dtype=jnp.float32):
@@ -105,7 +120,8 @@ def inference_costs(size: str) -> list[dict]:
     return out
 
 
-def _train_step_cost(model, in_shape, batch: int, step=None) -> ProgramCost:
+def program_cost_of_train_step(model, in_shape, batch: int, step=None) -> ProgramCost:
+    """The cost of `step` (default: a classification train step of `model` with Adam) on a batch of `in_shape`."""
     tx = make_optimizer(1e-3)
     state = jax.eval_shape(lambda: create_train_state(model, tx, jax.random.key(0), (batch, *in_shape)))
     step = step or train_step_fn(model, classification_loss, tx)
@@ -117,7 +133,7 @@ def parallel_costs(size: str) -> list[dict]:
     cfg = common.preset(exp_parallel.CONFIG, size)
     model = CNN(cfg["cfg"]) if cfg["model"] == "cnn" else MLP(cfg["cfg"])
     return [
-        {"global_batch": b, **_as_dict(_train_step_cost(model, exp_parallel.IMAGE, b))}
+        {"global_batch": b, **_as_dict(program_cost_of_train_step(model, exp_parallel.IMAGE, b))}
         for b in sorted(set(cfg["sweep"]) | {4096})
     ]
 
@@ -127,7 +143,7 @@ def pipeline_costs(size: str) -> list[dict]:
     model, batch = CNN(CNNConfig(widths=cfg["widths"])), cfg["batch"]
     tx = make_optimizer(1e-3)
     base = train_step_fn(model, classification_loss, tx)
-    plain = _train_step_cost(model, exp_pipeline.IMAGE, batch)
+    plain = program_cost_of_train_step(model, exp_pipeline.IMAGE, batch)
     out = [{"step": "plain", "cost": 0, **_as_dict(plain)}]
     x = _spec((batch, *exp_pipeline.IMAGE))
     once = program_cost(jax.jit(lambda x: exp_pipeline.device_augment(x, jax.random.key(1), 1)), (x,), "tf32")
@@ -138,7 +154,7 @@ def pipeline_costs(size: str) -> list[dict]:
             return base(state, {**data, "x": exp_pipeline.device_augment(data["x"], key, c)})
 
         # Kernels and loop iterations from the step as compiled; its work is the plain step's and c augmentations'.
-        cost = _train_step_cost(model, exp_pipeline.IMAGE, batch, step)
+        cost = program_cost_of_train_step(model, exp_pipeline.IMAGE, batch, step)
         work = {"flops": plain.flops + c * once.flops, "nbytes": plain.nbytes + c * once.nbytes}
         out.append({"step": "device", "cost": c, **_as_dict(cost), **work})
     return out
@@ -158,15 +174,30 @@ def _as_dict(cost: ProgramCost) -> dict:
     return {k: getattr(cost, k) for k in ProgramCost.__dataclass_fields__}
 
 
+# A GPU run measures these at its own preset's sizes (another CNN, batch or model than the CPU's): their programs
+# are compiled at those sizes too, so that a GPU measurement is set against the projection of the same program.
+GPU_RUN_SIZE = "gpu"
+AT_GPU_RUN_SIZES = ("exp_inference", "exp_parallel", "exp_pipeline")
+
+
 def collect(size: str = "quick", only: list[str] | None = None) -> dict:
-    """{"size", "date", "programs": {experiment: [row key fields + ProgramCost fields]}}."""
-    programs = {name: fn(size) for name, fn in COLLECTORS.items() if only is None or name in only}
+    """{"size", "date", "programs": {experiment: [row key fields + ProgramCost fields]}}; each row's "size" is
+    the preset it was compiled at: `size`, and the GPU run's for the experiments it measures at its own sizes
+    (not for "tiny", the smoke runs' size)."""
+    programs = {}
+    for name, fn in COLLECTORS.items():
+        if only is not None and name not in only:
+            continue
+        programs[name] = [{"size": size, **row} for row in fn(size)]
+        if name in AT_GPU_RUN_SIZES and size not in ("tiny", GPU_RUN_SIZE):
+            programs[name] += [{"size": GPU_RUN_SIZE, **row} for row in fn(GPU_RUN_SIZE)]
     date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     return {
         "kind": "projection costs",
         "size": size,
         "date": date,
         "compiled_on": common.machine_tag(),
+        "lowered_for": LOWERED_FOR,
         "programs": programs,
     }
 

@@ -31,19 +31,31 @@ class Projection:
     def header(self) -> str:
         return f"GPU H200 ({LABEL})"
 
-    def rows(self, name: str, **key) -> list[tuple[dict, ProgramCost]]:
+    def rows(self, name: str, at: str | None = None, **key) -> list[tuple[dict, ProgramCost]]:
+        """The programs of `name` whose fields match `key`, compiled at the size preset `at` (default: the costs'
+        own, the CPU runs'; rows without a "size" were all compiled at it)."""
         fields = ProgramCost.__dataclass_fields__
+        want = at or self.costs.get("size")
         out = []
         for row in self.costs["programs"].get(name, []):
-            if all(row.get(k) == v for k, v in key.items()):
+            if row.get("size", want) == want and all(row.get(k) == v for k, v in key.items()):
                 out.append((row, ProgramCost(**{k: row[k] for k in fields})))
         return out
 
-    def cost(self, name: str, **key) -> ProgramCost:
-        found = self.rows(name, **key)
+    def cost(self, name: str, at: str | None = None, **key) -> ProgramCost:
+        found = self.rows(name, at, **key)
         if not found:
-            raise KeyError(f"no projected program {name} {key}")
+            raise KeyError(f"no projected program {name} {key} at {at or self.costs.get('size')}")
         return found[0][1]
+
+    def measured_at(self, name: str) -> str | None:
+        """The size preset whose programs the GPU run of `name` measured, when its programs were compiled: the
+        costs' own size (also when the run names none), or the GPU run's own; None when they were not."""
+        rec = self.measured(name) or {}
+        size, own = rec.get("size"), self.costs.get("size")
+        if size is None or size == own:
+            return own
+        return size if self.rows(name, size) else None
 
     def measured(self, name: str) -> dict | None:
         return self.get(self.gpu, name) if self.gpu else None
@@ -104,12 +116,36 @@ def refit(p: Projection) -> tuple[GpuModel, list[str]] | None:
     return dataclasses.replace(m, peaks=peaks, launch_s=launch), notes
 
 
+def _shown(value: float) -> str:
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+
+
 def vs(text: str, projected: float | None, measured: float | None) -> str:
     """A projected cell; with a measured GPU figure of the same quantity, the measured one and their ratio."""
     if measured is None or not projected:
         return text
-    shown = f"{measured:,.0f}" if abs(measured) >= 1000 else f"{measured:.4g}"
-    return f"{text}; measured {shown}, measured/projected {measured / projected:.2f}x"
+    return f"{text}; measured {_shown(measured)}, measured/projected {measured / projected:.2f}x"
+
+
+def vs_run(p: Projection, name: str, text: str, projected: Callable[[str], float], measured: float | None) -> str:
+    """`vs` for an experiment a GPU run may measure at its own sizes (another model, batch or CNN than the CPU's):
+    the ratio is to the projection of the program it ran (`projected(size)`), given beside it when that is not
+    the cell's own; without those programs' costs, the measurement alone."""
+    if measured is None:
+        return text
+    at, own = p.measured_at(name), p.costs.get("size")
+    if at == own:
+        return vs(text, projected(own), measured)
+    try:
+        value = projected(at) if at is not None else None
+    except KeyError:  # a figure the GPU run measured at a size its programs were not compiled at
+        value = None
+    if not value:
+        return f"{text}; measured {_shown(measured)} at the GPU run's sizes (not compiled here)"
+    return (
+        f"{text}; measured {_shown(measured)}, projected {_shown(value)} at the GPU run's sizes, "
+        f"measured/projected {measured / value:.2f}x"
+    )
 
 
 def _gflops(cost: ProgramCost, p: Projection) -> float:
@@ -259,11 +295,11 @@ def verdict_tensor_cores(p: Projection) -> tuple[str, str]:
 # ------------------------------------------------------------------------------------------------ claim 5
 
 
-def _pipeline(p: Projection) -> dict[int, dict[str, float]]:
-    """Per augmentation cost the reference CPU measured: projected step seconds of each arrangement, from the
-    CPU's measured host time per batch and the model's device step."""
-    rec = p.cpu_record("exp_pipeline")
-    plain = p.cost("exp_pipeline", step="plain")
+def _pipeline(p: Projection, at: str | None = None, rec: dict | None = None) -> dict[int, dict[str, float]]:
+    """Per augmentation cost the reference CPU measured (or `rec`, a run at the size preset `at`): projected step
+    seconds of each arrangement, from that run's measured host time per batch and the model's device step."""
+    rec = rec or p.cpu_record("exp_pipeline")
+    plain = p.cost("exp_pipeline", at, step="plain")
     batch, threads = next(r["batch"] for r in rec["rows"]), rec.get("threads", 1)
     out = {}
     for key, timing in rec["host_batch"].items():
@@ -274,7 +310,7 @@ def _pipeline(p: Projection) -> dict[int, dict[str, float]]:
             "device": device,
             "sync": p.model.dispatch_s + host + p.model.transfer_s(plain.h2d_bytes) + device,
             "overlapped": max(host / threads, p.model.queued_s(plain)),
-            "device_aug": p.model.queued_s(p.cost("exp_pipeline", step="device", cost=c)),
+            "device_aug": p.model.queued_s(p.cost("exp_pipeline", at, step="device", cost=c)),
         }
     return out
 
@@ -300,7 +336,12 @@ def pipeline_cells(p: Projection, costs: list[int]) -> dict[str, Callable[[], st
         idle = 0.0 if arr == "device" else max(0.0, 1 - v["device"] / step)
         rec = p.measured("exp_pipeline")
         measured = exp_pipeline.summary(rec).get(c, {}).get(arr, {}).get("samples_per_s") if rec else None
-        return vs(f"{v['batch'] / step:,.0f} ({idle:.0%})", v["batch"] / step, measured)
+
+        def rate(at: str) -> float:  # at the GPU run's sizes, with the host time its own host measured
+            w = _pipeline(p, at, None if at == p.costs.get("size") else rec)[c]
+            return w["batch"] / w["device_aug" if arr == "device" else arr]
+
+        return vs_run(p, "exp_pipeline", f"{v['batch'] / step:,.0f} ({idle:.0%})", rate, measured)
 
     def split_cell() -> str:
         split = _split_projection(p)
@@ -340,15 +381,15 @@ def verdict_pipeline(p: Projection) -> tuple[str, str]:
 # ------------------------------------------------------------------------------------------------ claim 6
 
 
-def _samples(p: Projection, batch: int) -> float:
-    return batch / p.model.queued_s(p.cost("exp_parallel", global_batch=batch))
+def _samples(p: Projection, batch: int, at: str | None = None) -> float:
+    return batch / p.model.queued_s(p.cost("exp_parallel", at, global_batch=batch))
 
 
 def batch_cells(p: Projection, batches: list[int]) -> dict[str, Callable[[], str]]:
     def cell(b: int) -> str:
         rec = p.measured("exp_parallel")
         measured = next((r["samples_per_s"] for r in (rec or {}).get("sweep", []) if r["global_batch"] == b), None)
-        return vs(f"{_samples(p, b):,.0f}", _samples(p, b), measured)
+        return vs_run(p, "exp_parallel", f"{_samples(p, b):,.0f}", lambda at: _samples(p, b, at), measured)
 
     return {f"train samples/s, batch {b} (1 device)": (lambda b=b: cell(b)) for b in batches}
 
@@ -364,10 +405,10 @@ def verdict_batches(p: Projection) -> tuple[str, str]:
 # ------------------------------------------------------------------------------------------------ claim 7
 
 
-def _inference(p: Projection, model: str) -> dict[str, float]:
-    rows = p.rows("exp_inference", model=model)
+def _inference(p: Projection, model: str, at: str | None = None) -> dict[str, float]:
+    rows = p.rows("exp_inference", at, model=model)
     best = max((r["batch"] / p.model.queued_s(c), r["batch"]) for r, c in rows)
-    one = p.cost("exp_inference", model=model, batch=1)
+    one = p.cost("exp_inference", at, model=model, batch=1)
     return {"batch1_p50_ms": p.model.request_s(one) * 1e3, "best_samples_per_s": best[0], "best_batch": best[1]}
 
 
@@ -379,14 +420,18 @@ def inference_cells(p: Projection) -> dict[str, Callable[[], str]]:
 
     cells: dict[str, Callable[[], str]] = {}
     for model in ("cnn", "gpt"):
-        cells[f"gpu {model}: batch-1 p50 / p99"] = lambda model=model: vs(
+        cells[f"gpu {model}: batch-1 p50 / p99"] = lambda model=model: vs_run(
+            p,
+            "exp_inference",
             f"{_inference(p, model)['batch1_p50_ms']:.3f} ms (no tail in the model)",
-            _inference(p, model)["batch1_p50_ms"],
+            lambda at: _inference(p, model, at)["batch1_p50_ms"],
             measured(model, "batch1_p50_ms"),
         )
-        cells[f"gpu {model}: best samples/s (batch)"] = lambda model=model: vs(
+        cells[f"gpu {model}: best samples/s (batch)"] = lambda model=model: vs_run(
+            p,
+            "exp_inference",
             f"{_inference(p, model)['best_samples_per_s']:,.0f} ({_inference(p, model)['best_batch']})",
-            _inference(p, model)["best_samples_per_s"],
+            lambda at: _inference(p, model, at)["best_samples_per_s"],
             measured(model, "best_samples_per_s"),
         )
     return cells

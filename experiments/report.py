@@ -546,12 +546,19 @@ def _head(m: Machines) -> list[str]:
     return out
 
 
+def _lowered_for(costs: dict) -> str:
+    """Where the programs were lowered for a GPU (the layers' GPU lowering, compiled by the CPU's compiler)."""
+    platform = costs.get("lowered_for")
+    return f"lowered for `{platform}` (each layer as a GPU runs it) and " if platform else ""
+
+
 def _projection_note(m: Machines) -> list[str]:
     p = m.projection
     return [
         f"The last column of each table and each *projected verdict* are {pr.LABEL}: an H200 modelled "
         f"(`jaxnn.profile.projection.GpuModel`) from the FLOPs, bytes and kernels of the programs measured here, "
-        f"compiled on `{p.costs.get('compiled_on')}` ({p.costs.get('date', '')[:10]}, `make project-gpu`), set "
+        f"{_lowered_for(p.costs)}compiled on `{p.costs.get('compiled_on')}` ({p.costs.get('date', '')[:10]}, "
+        "`make project-gpu`), set "
         f"against the measured CPU figures of `{p.cpu}`. Where a GPU run measured the same figure, the cell gives "
         "measured/projected: the model's error. The model's parameters and their sources:",
         "",

@@ -112,3 +112,125 @@ def test_project_model_sets_measured_cpu_beside_projected_gpu(tmp_path, capsys):
         assert result[key] == next((r["batch"] for i, r in enumerate(rows) if all(wins[i:])), None)
     assert project_model.main(["--model", "nope"]) == 2
     assert "unknown model 'nope'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ CNN programs
+# REPORT.md's projected column compiles each program as lowered for a GPU (`experiments.projected.program_cost`):
+# jaxnn's convolutions are XLA's there, whichever lowering (im2col or oneDNN) this CPU would take.
+
+
+def _valid_taps(height: int, width: int, k: int = 3) -> int:
+    """(output position, kernel tap) pairs of a stride-1 SAME convolution whose tap falls inside the image."""
+
+    def along(n: int) -> int:
+        return sum(1 for i in range(n) for d in range(k) if 0 <= i + d - k // 2 < n)
+
+    return along(height) * along(width)
+
+
+def _cnn_hand_count(batch: int, size: int, widths: tuple[int, ...], classes: int = 10) -> dict[str, float]:
+    """FLOPs and bytes of `jaxnn.models.CNN` from its layer shapes: per width a 3x3 SAME convolution (2 FLOPs per
+    multiply-add, taps on the zero padding left out, as XLA counts a convolution), bias and ReLU (1 each per
+    output) and a 2x2 max pool (3 comparisons per output), then the Dense classifier. "train_products": the
+    forward convolutions and product again for the weight gradients, and for the input gradients of all but the
+    first layer. "forward_bytes": float32 arrays read and written by one kernel per convolution, bias+ReLU, pool,
+    product and bias, as a GPU runs them (each activation written once and read once by the next kernel)."""
+    h = w = size
+    cin, forward, products, first = 3, 0.0, 0.0, 0.0
+    nbytes = 4 * batch * h * w * cin  # the input, read by the first convolution
+    for c in widths:
+        conv = 2 * batch * _valid_taps(h, w) * cin * c
+        first = first or conv
+        products += conv
+        forward += conv + 2 * batch * h * w * c
+        out = 4 * batch * h * w * c
+        nbytes += 4 * 9 * cin * c + out  # convolution: weights in, output out
+        nbytes += out + 4 * c + out  # bias + ReLU
+        h, w = -(-h // 2), -(-w // 2)
+        forward += 3 * batch * h * w * c
+        nbytes += out + 4 * batch * h * w * c  # pool: its input in, its output out (the next layer's input)
+        cin = c
+    dense = 2 * batch * h * w * cin * classes
+    forward += dense + batch * classes
+    logits = 4 * batch * classes
+    nbytes += 4 * batch * h * w * cin + 4 * h * w * cin * classes + logits + logits + 4 * classes + logits
+    return {"forward": forward, "train_products": 3 * (products + dense) - first, "forward_bytes": nbytes}
+
+
+def test_projected_cnn_flops_are_the_hand_count_of_its_layers():
+    from experiments import projected
+    from jaxnn.layers.core import init_model
+    from jaxnn.models import CNN, CNNConfig
+    from jaxnn.train import make_predict
+
+    batch, size, widths = 8, 32, (16, 32)
+    model = CNN(CNNConfig(widths=widths))
+    _, params, state = init_model(model, jax.random.key(0), (1, size, size, 3))
+    x = jax.ShapeDtypeStruct((batch, size, size, 3), jnp.float32)
+    hand = _cnn_hand_count(batch, size, widths)
+    forward = projected.program_cost(make_predict(model), (params, state, x), "tf32")
+    assert forward.flops == hand["forward"]
+    # Within 5% (XLA's count of a library call's operands differs by a few arrays from batch to batch); a CPU
+    # library fusion of the whole network counted a third of these bytes, im2col's patches 2.7 times as many.
+    assert forward.nbytes == pytest.approx(hand["forward_bytes"], rel=0.05)
+    assert forward.kernels == 3 * len(widths) + 2
+    # The train step: its products, and the elementwise work of the backward pass and Adam on top (< 10%).
+    step = projected.program_cost_of_train_step(model, (size, size, 3), batch)
+    assert hand["train_products"] < step.flops < 1.1 * hand["train_products"]
+
+
+def test_projected_cnn_costs_do_not_depend_on_this_cpus_convolution_lowering():
+    from experiments import projected
+    from jaxnn.kernels import onednn
+    from jaxnn.layers.core import init_model
+    from jaxnn.models import CNN, CNNConfig
+    from jaxnn.profile.projection import ProgramCost
+    from jaxnn.train import make_predict
+
+    batch, size, widths = 4, 16, (8, 16)  # the second convolution has the 8 input channels oneDNN takes
+    model = CNN(CNNConfig(widths=widths))
+    _, params, state = init_model(model, jax.random.key(0), (1, size, size, 3))
+    args = (params, state, jax.ShapeDtypeStruct((batch, size, size, 3), jnp.float32))
+    settings = (False, True) if onednn.available() else (False,)
+    costs: list[ProgramCost] = []
+    for flag in settings:
+        with onednn.use(flag):
+            costs.append(projected.program_cost(make_predict(model), args, "tf32"))
+            if not flag:
+                cpu = program_cost.program_cost(make_predict(model), args, "tf32")  # this CPU's im2col
+    assert all(c == costs[0] for c in costs)
+    # im2col writes each convolution's 9 shifted copies of its input as one patch array and reads it back: bytes
+    # a GPU's convolution never moves.
+    patches = sum(4 * batch * (size >> i) ** 2 * 9 * cin for i, cin in enumerate((3, *widths[:-1])))
+    assert cpu.nbytes >= costs[0].nbytes + 2 * patches
+
+
+def test_a_gpu_measurement_is_set_against_the_projection_of_the_program_it_ran():
+    from experiments.projected_report import Projection, batch_cells
+
+    def program(size: str, flops: float) -> dict:
+        return {
+            "size": size,
+            "global_batch": 16,
+            "flops": flops,
+            "nbytes": 1e3,
+            "kind": "tf32",
+            "kernels": 1,
+            "loop_trips": 0,
+            "h2d_bytes": 0.0,
+            "d2h_bytes": 0.0,
+        }
+
+    costs = {"size": "quick", "programs": {"exp_parallel": [program("quick", 1e9), program("gpu", 1e11)]}}
+
+    def cell(gpu_run_size: str | None) -> str:
+        record = {"sweep": [{"global_batch": 16, "samples_per_s": 38_610.0}]}
+        record |= {"size": gpu_run_size} if gpu_run_size else {}
+        p = Projection(costs, [], ["gpu-x"], lambda tag, name: record if tag == "gpu-x" else None)
+        return batch_cells(p, [16])["train samples/s, batch 16 (1 device)"]()
+
+    # The CPU's program: 1e9 / 494.5e12 s + a 5 µs launch, under the 20 µs dispatch: 16 / 20 µs = 800,000/s.
+    # The GPU run's: 1e11 / 494.5e12 s + 5 µs = 207.22 µs: 77,211/s, and 38,610 measured is 0.50x of it.
+    assert cell("gpu") == "800,000; measured 38,610, projected 77,211 at the GPU run's sizes, measured/projected 0.50x"
+    assert cell("quick") == cell(None) == "800,000; measured 38,610, measured/projected 0.05x"
+    assert cell("full") == "800,000; measured 38,610 at the GPU run's sizes (not compiled here)"

@@ -88,13 +88,51 @@ def kernel_launches(hlo_text: str) -> tuple[int, int, int]:
     return max(kernels, 1), trips, max(outer, 1)
 
 
+# XLA:CPU hands chains of products, convolutions and their elementwise consumers to YNNPACK as one fused call (a
+# whole small CNN became one "kernel", its activations never counted as bytes); no GPU compiler fuses across a
+# convolution so. Where a program is compiled here as another platform's, each product and convolution is a call
+# of its own (as cuBLAS and cuDNN calls are on a GPU) and XLA's own fusions stay.
+CPU_LIBRARY_FUSIONS_APART = {
+    "xla_cpu_experimental_ynn_fusion_type": ",".join(
+        ("LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT", "LIBRARY_FUSION_TYPE_INDIVIDUAL_CONVOLUTION")
+    )
+}
+
+
+def _compile_for(traced: jax.stages.Traced, platform: str) -> jax.stages.Compiled:
+    """`traced` lowered for `platform` and compiled by this process's compiler, its library calls one operation
+    each (an XLA without the option fuses no chains into them either)."""
+    lowered = traced.lower(lowering_platforms=(platform,))
+    try:
+        return lowered.compile(compiler_options=dict(CPU_LIBRARY_FUSIONS_APART))
+    except Exception as err:  # jax raises XlaRuntimeError, which it does not export under one name across versions
+        if "xla_cpu_experimental_ynn_fusion_type" not in str(err):
+            raise
+        return lowered.compile()
+
+
 def program_cost(
-    fn: Callable, args: tuple, kind: str, h2d: float = 0.0, d2h: float = 0.0, *, loop_is_all: bool = False
+    fn: Callable,
+    args: tuple,
+    kind: str,
+    h2d: float = 0.0,
+    d2h: float = 0.0,
+    *,
+    loop_is_all: bool = False,
+    platform: str | None = None,
 ) -> ProgramCost:
     """Compiles `fn` (jitted here if it is not already) for `args` (arrays or ShapeDtypeStructs) and reads its
     cost. XLA's cost analysis counts a loop body once: `loop_is_all` scales FLOPs and bytes by the outermost trip
-    count, for programs that are one loop (a chain of products, an RNN); others add their loops' work themselves."""
-    compiled = jax.jit(fn).lower(*args).compile()
+    count, for programs that are one loop (a chain of products, an RNN); others add their loops' work themselves.
+
+    `platform` ("cuda"): lower the program as for that platform, then compile it here. jaxnn's layers pick their
+    lowering by the platform lowered for (`lax.platform_dependent`): lowered for the CPU, a convolution is im2col's
+    patches or a oneDNN kernel, whichever this CPU measured faster, and its bytes are those of that lowering;
+    lowered for a GPU it is XLA's convolution, one operation reading its input and weights and writing its output,
+    as a GPU runs it, whatever CPU compiles it; and no CPU library call fuses several operations
+    (`CPU_LIBRARY_FUSIONS_APART`). None: the platform of this process's default backend, compiled as it runs here."""
+    traced = jax.jit(fn).trace(*args)
+    compiled = _compile_for(traced, platform) if platform else traced.lower().compile()
     flops, nbytes = cost_counts(compiled)
     kernels, trips, outer = kernel_launches(compiled.as_text() or "")
     scale = outer if loop_is_all else 1
