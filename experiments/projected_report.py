@@ -258,9 +258,8 @@ def verdict_latency(p: Projection) -> tuple[str, str]:
     }
     small = [n for n, t in sorted(mm.items()) if t < p.model.queued_s(p.cost("exp_matmul", dtype="f32", n=n))]
     verdict = "confirmed" if all(wins) and small else "refuted" if not any(wins) and not small else "depends"
-    return verdict, f"`{p.cpu}` against the model: " + "; ".join(
-        parts
-    ) + f"; CPU faster on products of n in {small or 'none'}"
+    products = f"CPU faster on products of n in {small}" if small else "CPU faster on no product size measured"
+    return verdict, f"`{p.cpu}` against the model: " + "; ".join(parts) + f"; {products}"
 
 
 # ------------------------------------------------------------------------------------------------ claim 3

@@ -94,7 +94,8 @@ def verdict_latency(seq: dict | None, mm: dict | None) -> tuple[str, str]:
         verdict = "refuted"
     else:
         verdict = "depends"
-    return verdict, f"smallest hidden size: {detail}; CPU faster on products of n in {mm_small or 'none'}"
+    products = f"CPU faster on products of n in {mm_small}" if mm_small else "CPU faster on no product size measured"
+    return verdict, f"smallest hidden size: {detail}; {products}"
 
 
 def verdict_tensor_cores(prec: dict | None) -> tuple[str, str]:
