@@ -97,6 +97,18 @@ def weight_shape(codes: Any) -> tuple[int, ...]:
     return (*stack, rows * (1 if np.dtype(codes.dtype) == np.int8 else 2), out)
 
 
+def parameter_count(params: Any) -> int:
+    """How many parameters `params` hold, a quantised weight counted by its weight's shape (two nf4 codes a byte
+    are two parameters) and its scales, which only say how to read the codes, not at all."""
+    count = 0
+    for name, leaf in flatten(params).items():
+        if name.endswith(".w_q"):
+            count += int(np.prod(weight_shape(leaf)))
+        elif not name.endswith(".w_scale"):
+            count += int(np.size(leaf))
+    return count
+
+
 def is_quantized(params: Any) -> bool:
     """Whether `params` hold any weight stored quantised."""
     return any(name.endswith(".w_q") for name in flatten(params))

@@ -120,6 +120,20 @@ def test_fit_trains_adapters_over_a_quantised_base_that_never_changes(base):
     start = lora.add_adapters(lora.quantize_base(params, lora.LoRA(base=base)), lora.LoRA(rank=4), jax.random.key(0))
     before, after = (float(lm_loss(GPT(CFG).apply(p, data["x"]), data)[0]) for p in (start, result.state.params))
     assert after < before - 0.01, (before, after)
+    # The start-of-run block counts the base's parameters as the full-precision model has them.
+    full = sum(int(np.size(leaf)) for leaf in jax.tree.leaves(params))
+    adapters = sum(int(np.size(v)) for n, v in trained.items() if n.endswith(("lora_a", "lora_b")))
+    levers = result.summary["levers"]
+    assert (levers["trainable_params"], levers["frozen_params"]) == (adapters, full)
+
+
+@pytest.mark.parametrize("base", quantized.BASES)
+def test_a_quantised_weight_counts_as_many_parameters_as_its_full_precision_weight(base):
+    # nf4 stores two codes a byte and both bases add scales: neither changes how many parameters the model has
+    params = {"dense": {"w": np.ones((64, 6), np.float32), "b": np.zeros(6, np.float32)}, "norm": {"g": np.ones(6)}}
+    stored = quantized.quantize_params(params, ["dense.w"], base)
+    assert set(flatten(stored)) == {"dense.w_q", "dense.w_scale", "dense.b", "norm.g"}
+    assert quantized.parameter_count(stored) == quantized.parameter_count(params) == 64 * 6 + 6 + 6
 
 
 def test_adapters_trained_on_a_quantised_base_load_onto_the_full_precision_checkpoint(tmp_path):

@@ -49,15 +49,18 @@ def precision_advice(precision: str, backend: str, flags: frozenset[str]) -> str
 
 
 def parameter_counts(params: Any, lora: bool) -> tuple[int, int]:
-    """(trainable, frozen) parameters: a LoRA run trains its adapters alone (their scales are constants)."""
-    total = sum(int(np.size(leaf)) for leaf in jax.tree.leaves(params))
+    """(trainable, frozen) parameters: a LoRA run trains its adapters alone (their scales are constants, counted
+    in neither); a quantised base counts its weights' parameters, not its stored bytes."""
+    from jaxnn.quantized import parameter_count
+
+    total = parameter_count(params)
     if not lora:
         return total, 0
     from jaxnn.lora import adapters
 
     sizes = {name: int(np.size(leaf)) for name, leaf in adapters(params).items()}
     trained = sum(n for name, n in sizes.items() if not name.endswith("lora_scale"))
-    return trained, total - trained
+    return trained, total - sum(sizes.values())  # frozen: the base's own parameters
 
 
 def packing_efficiency(data: Any) -> float | None:
