@@ -6,7 +6,9 @@
 Each library reads its own switch, once, when it loads: XLA's `--xla_cpu_max_isa` (in XLA_FLAGS), oneDNN's
 `ONEDNN_MAX_CPU_ISA` (jaxnn's kernels and PyTorch's), PyTorch's `ATEN_CPU_CAPABILITY`. So a cap is an environment
 a process must start with: `capped_env` builds it for each child process `benchmarks.peers` starts, and
-`restart_capped` re-executes a one-process benchmark under it. What a capped figure does and does not stand for:
+`restart_capped` re-executes a one-process benchmark under it. XLA's YNNPACK kernels have no switch (they read
+the CPU's feature bits themselves): `capped_command` starts a capped process inside gdb, which holds them to AVX2
+(benchmarks/ynn_avx2.gdb), where gdb is installed. What a capped figure does and does not stand for:
 docs/performance.md, "Capped runs".
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 from collections.abc import Mapping
 
@@ -57,6 +60,19 @@ def capped_env(isa: str, base: Mapping[str, str] | None = None) -> dict[str, str
     return env
 
 
+YNN_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ynn_avx2.gdb")
+
+
+def capped_command(isa: str, argv: list[str]) -> list[str]:
+    """The command line that starts `argv` under `isa`: for a cap, inside gdb running `YNN_SCRIPT`, which holds
+    XLA's YNNPACK kernels to AVX2 as well (gdb's exit status is the program's); `argv` itself natively, or where
+    gdb is not installed (then YNNPACK keeps every instruction this CPU has: `cap_label` says so)."""
+    gdb = shutil.which("gdb")
+    if isa == NATIVE or gdb is None:
+        return list(argv)
+    return [gdb, "-q", "-batch", "-return-child-result", "-x", YNN_SCRIPT, "--args", *argv]
+
+
 def active_cap() -> str | None:
     """The cap this process runs under (None: native): set by `capped_env`, so the label matches the switches."""
     return os.environ.get(ENV_CAP) or None
@@ -70,10 +86,13 @@ def restart_capped(isa: str) -> None:
     env = capped_env(isa)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    argv = capped_command(isa, [sys.executable, *sys.orig_argv[1:]])
+    os.execve(argv[0], argv, env)
 
 
 def cap_label(isa: str | None = None) -> str:
     """ "capped to AVX2" under a cap, "" natively: what table headers and JSON records carry."""
     isa = active_cap() if isa is None else (None if isa == NATIVE else isa)
-    return f"capped to {CAPS[isa]['xla']}" if isa else ""
+    if not isa:
+        return ""
+    return f"capped to {CAPS[isa]['xla']}" + ("" if shutil.which("gdb") else " (not YNNPACK: no gdb)")

@@ -21,6 +21,7 @@ from jax import lax
 from jax.typing import DTypeLike
 
 from jaxnn import fp8
+from jaxnn._src import widened_products
 from jaxnn.kernels import onednn
 
 Tree = TypeVar("Tree")  # a pytree of arrays; the casts below keep its structure and change leaf dtypes only
@@ -199,7 +200,8 @@ def _half_einsum(spec: str, a, b):
         return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
     if not _onednn_product(a, b, spec):
-        return xla(a, b)
+        # On a CPU without bf16 instructions, the same values as float32 products (`jaxnn._src.widened_products`)
+        return widened_products.on_cpu(spec, a, b, xla) if widened_products.applies(a.dtype) else xla(a, b)
     return lax.platform_dependent(a, b, cpu=lambda a, b: onednn.einsum(spec, a, b), default=xla)
 
 
@@ -267,6 +269,9 @@ def _backward_product(spec_x: str, spec_y: str, spec_out: str, x, y):
     """One of a half-precision einsum's gradient products: oneDNN's GEMM on the CPU where it is switched on (it
     reads transposed operands through strides, so none of `_canonical_einsum`'s copies), else the canonical form."""
     if not _onednn_product(x, y, f"{spec_x},{spec_y}->{spec_out}"):
+        if widened_products.applies(x.dtype):
+            canonical = lambda x, y: _canonical_einsum(spec_x, spec_y, spec_out, x, y)  # noqa: E731
+            return widened_products.on_cpu(f"{spec_x},{spec_y}->{spec_out}", x, y, canonical)
         return _canonical_einsum(spec_x, spec_y, spec_out, x, y)
     return lax.platform_dependent(
         x,

@@ -51,6 +51,18 @@ def key():
     return jax.random.key(0)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def bf16_products_in_their_bf16_form():
+    """Every test lowers bf16 products as for a CPU with bf16 instructions (bf16 x bf16 -> f32), whatever CPU runs
+    the tests: the lowering tests read that form. On a CPU without them jaxnn widens the products to float32
+    (`jaxnn._src.widened_products`), which tests/test_widened_products.py checks by switching this off."""
+    from jaxnn._src import widened_products
+
+    with pytest.MonkeyPatch.context() as patch:  # session-wide: module-scoped fixtures lower programs too
+        patch.setattr(widened_products, "host_bf16_products", lambda: True)
+        yield
+
+
 # ----------------------------------------------------------------------------------------------------------- tiers
 # `make test` is the fast tier, `-m "not slow and not system"`; `make test-all` runs everything (docs/testing.md).
 FAST_TIER = "not slow and not system"

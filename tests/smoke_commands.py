@@ -59,6 +59,7 @@ RUNS: list[str] = [
     "python -m benchmarks.ab_conv --repeats 1",
     "python -m benchmarks.ab_max_pool --repeats 1",
     "python -m benchmarks.ab_train_step tiny --rounds 1",
+    "python -m benchmarks.ab_widened_bf16 mlp --rounds 1 --repeats 1",
     "python -m benchmarks.ab_xla_cpu dots --size 128 --repeats 1",
     "python -m benchmarks.accumulate_memory --batch 64 --width 16 --k 1 2",
     "python -m benchmarks.attention_cpu --shapes 1x64x2x16 --blocks 1 2 --repeats 1",
@@ -153,6 +154,9 @@ DOC_COMMANDS: dict[str, str] = {
         "make bench-peers ISA=avx2 ARGS='--quick --models tiny --precisions fp32 --repeats 1 --json peers-avx2.json'"
     ),
     "python -m benchmarks.ab_conv --isa avx2": "python -m benchmarks.ab_conv --isa avx2 --repeats 1",
+    "python -m benchmarks.ab_widened_bf16 --isa avx2": (
+        "python -m benchmarks.ab_widened_bf16 mlp --isa avx2 --rounds 1 --repeats 1"
+    ),
     # docs/precision.md
     "python examples/bf16_vs_fp32.py": "python examples/bf16_vs_fp32.py",
     "make exp-precision": "make exp-precision SIZE=tiny",

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import benchmarks.peers.__main__ as peers
@@ -28,6 +30,9 @@ def test_every_peer_process_starts_with_every_librarys_cap(monkeypatch):
     started = []
 
     def run_echo(cmd, **kwargs):
+        if "--args" in cmd:  # a capped child starts inside gdb, which holds YNNPACK to AVX2 (capped_command)
+            assert cmd[cmd.index("-x") + 1] == isa.YNN_SCRIPT
+            cmd = cmd[cmd.index("--args") + 1 :]
         started.append(cmd[2])
         return real_run([sys.executable, "-c", ECHO_ENV, *cmd[2:]], **kwargs)
 
@@ -42,6 +47,38 @@ def test_every_peer_process_starts_with_every_librarys_cap(monkeypatch):
         assert "xla_cpu_max_isa" not in native["env"]["XLA_FLAGS"]
         assert not AVX2_SWITCHES.keys() & native["env"].keys()
     assert started == [f"benchmarks.peers.{m}" for m in peers.PEERS.values() for _ in range(2)]
+
+
+def test_a_capped_command_runs_inside_gdb_where_gdb_is_installed(monkeypatch):
+    argv = [sys.executable, "-c", "print(1)"]
+    assert isa.capped_command("native", argv) == argv
+    monkeypatch.setattr(isa.shutil, "which", lambda name: None)
+    assert isa.capped_command("avx2", argv) == argv and isa.cap_label("avx2") == "capped to AVX2 (not YNNPACK: no gdb)"
+    monkeypatch.setattr(isa.shutil, "which", lambda name: f"/usr/bin/{name}")
+    assert isa.capped_command("avx2", argv) == [
+        "/usr/bin/gdb", "-q", "-batch", "-return-child-result", "-x", isa.YNN_SCRIPT, "--args", *argv
+    ]  # fmt: skip
+    assert isa.cap_label("avx2") == "capped to AVX2"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb holds YNNPACK to AVX2")
+def test_a_bf16_product_under_gdb_gives_its_value_and_exit_status():
+    # The script stops at YNNPACK's first feature query; the program must run on to its own end and status.
+    probe = (
+        "import sys, jax.numpy as jnp; a = jnp.arange(64 * 64, dtype=jnp.float32).reshape(64, 64) % 7; "
+        "p = jnp.dot(a.astype(jnp.bfloat16), a.astype(jnp.bfloat16), preferred_element_type=jnp.float32); "
+        "print('SUM', float(p.sum())); sys.exit(3)"
+    )
+    out = subprocess.run(
+        isa.capped_command("avx2", [sys.executable, "-c", probe]),
+        env=isa.capped_env("avx2"),
+        capture_output=True,
+        text=True,
+    )
+    a = np.arange(64 * 64).reshape(64, 64) % 7
+    assert out.returncode == 3, out.stderr[-2000:]
+    assert f"SUM {float((a @ a).sum())}" in out.stdout
 
 
 def test_capped_env_replaces_an_earlier_cap_and_native_removes_every_cap():

@@ -99,10 +99,18 @@ def test_bf16_pays_on_a_cpu_only_with_bf16_instructions(monkeypatch):
     assert advice("bf16", "cpu", frozenset({"amx_bf16"})) is None
     assert advice("fp8", "cpu", frozenset({"avx512_bf16", "amx_bf16"})) is not None  # fp8 never pays on a CPU
     assert advice("bf16", "gpu", frozenset()) is None and advice("fp32", "cpu", frozenset()) is None
+    assert "fp16 on a CPU without avx512_fp16 or amx_fp16" in advice("fp16", "cpu", frozenset({"avx512_bf16"}))
+    assert advice("fp16", "cpu", frozenset({"avx512_fp16"})) is None and advice("fp16", "gpu", frozenset()) is None
     # A run on a CPU without the instructions (a patched feature list) warns, and its block says so.
     monkeypatch.setattr(_levers, "cpu_info", lambda: ("a CPU", frozenset({"avx2"}), 2))
     x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
     with pytest.warns(PrecisionWarning, match="bf16 on a CPU without avx512_bf16 or amx_bf16.*slower than fp32"):
+        result = jaxnn.fit(L.Dense(2), (x, (x[:, 0] > 0).astype(np.int32)), precision="bf16", **QUICK)
+    assert result.summary["levers"]["precision_pays"] is False
+    # A CPU with the instructions, held below them by XLA_FLAGS' cap (a capped benchmark): the same warning.
+    monkeypatch.setattr(_levers, "cpu_info", lambda: ("a CPU", frozenset({"avx2", "avx512_bf16"}), 2))
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_max_isa=AVX2")  # read by the levers (too late for XLA itself)
+    with pytest.warns(PrecisionWarning, match="bf16 on a CPU without avx512_bf16"):
         result = jaxnn.fit(L.Dense(2), (x, (x[:, 0] > 0).astype(np.int32)), precision="bf16", **QUICK)
     assert result.summary["levers"]["precision_pays"] is False
 

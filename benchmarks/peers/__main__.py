@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.isa import NATIVE, add_isa_flag, cap_label, capped_env
+from benchmarks.isa import NATIVE, add_isa_flag, cap_label, capped_command, capped_env
 from benchmarks.machine import cpu_label
 from benchmarks.output import add_json_flags, refuse_existing
 from benchmarks.train_steps import PRECISIONS, SPECS
@@ -58,7 +58,7 @@ def run_peer(library: str, models, precisions, repeats: int, isa: str = NATIVE) 
         "--precisions",
         *precisions,
     ]
-    proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True, env=capped_env(isa))
+    proc = subprocess.run(capped_command(isa, cmd), stderr=subprocess.PIPE, text=True, env=capped_env(isa))
     try:
         if proc.returncode:
             return {"library": library, "rows": [], "error": proc.stderr.strip().splitlines()[-1:]}

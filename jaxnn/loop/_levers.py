@@ -19,15 +19,18 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxnn._src.cpu import cpu_info
+from jaxnn._src.cpu import BF16_FLAGS, cpu_info, usable_flags
 from jaxnn._src.warn import warn_at_caller
 from jaxnn.errors import PrecisionWarning
 
 log = logging.getLogger("jaxnn.levers")
 
-BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # CPU instructions that make bf16 products pay
 # fp8's speed on a CPU as a fraction of bf16's and fp32's: an MLP and a GPT train step (docs/precision.md)
 FP8_CPU_SPEED = "0.48x and 0.52x bf16's speed, 1.37x and 0.71x fp32's, on an MLP and a GPT step"
+# bf16's and fp16's GPT step time against fp32's on CPUs without their instructions (docs/precision.md)
+BF16_WIDENED_TIME = "1.07-1.12x fp32's time on a GPT step with AVX2 only"
+FP16_CPU_TIME = "1.16-1.25x fp32's time on a GPT step"
+FP16_FLAGS = ("avx512_fp16", "amx_fp16")  # CPU instructions that multiply fp16 values themselves
 
 
 def precision_advice(precision: str, backend: str, flags: frozenset[str]) -> str | None:
@@ -42,8 +45,14 @@ def precision_advice(precision: str, backend: str, flags: frozenset[str]) -> str
         )
     if precision == "bf16" and not any(flag in flags for flag in BF16_FLAGS):
         return (
-            f"precision bf16 on a CPU without {' or '.join(BF16_FLAGS)}: its products run slower than fp32 here; "
-            "use fp32 on this machine"
+            f"precision bf16 on a CPU without {' or '.join(BF16_FLAGS)}: its products run as float32 products of "
+            f"the widened values here, so a step is slower than fp32's (measured {BF16_WIDENED_TIME}); use fp32 "
+            "on this machine"
+        )
+    if precision == "fp16" and not any(flag in flags for flag in FP16_FLAGS):
+        return (
+            f"precision fp16 on a CPU without {' or '.join(FP16_FLAGS)}: XLA converts every fp16 product, so a "
+            f"step is slower than fp32's (measured {FP16_CPU_TIME}); use fp32 on this machine"
         )
     return None
 
@@ -98,7 +107,7 @@ class Levers:
 
     def __init__(self, cfg: Any, model: Any, params: Any, data: Any, inputs: Any, optimizer_id: dict):
         trainable, frozen = parameter_counts(params, inputs.lora is not None)
-        flags = cpu_info()[1]
+        flags = usable_flags(cpu_info()[1])  # as XLA_FLAGS' --xla_cpu_max_isa leaves them
         advice = precision_advice(cfg.precision, jax.default_backend(), flags)
         self.record: dict[str, Any] = {
             "trainable_params": trainable,
