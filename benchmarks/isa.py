@@ -70,7 +70,8 @@ def capped_command(isa: str, argv: list[str]) -> list[str]:
     gdb = shutil.which("gdb")
     if isa == NATIVE or gdb is None:
         return list(argv)
-    return [gdb, "-q", "-batch", "-return-child-result", "-x", YNN_SCRIPT, "--args", *argv]
+    # auto-load off: else gdb declines the interpreter's own gdb helpers in a warning every capped run prints
+    return [gdb, "-q", "-batch", "-iex", "set auto-load off", "-return-child-result", "-x", YNN_SCRIPT, "--args", *argv]
 
 
 def active_cap() -> str | None:

@@ -56,7 +56,8 @@ def test_a_capped_command_runs_inside_gdb_where_gdb_is_installed(monkeypatch):
     assert isa.capped_command("avx2", argv) == argv and isa.cap_label("avx2") == "capped to AVX2 (not YNNPACK: no gdb)"
     monkeypatch.setattr(isa.shutil, "which", lambda name: f"/usr/bin/{name}")
     assert isa.capped_command("avx2", argv) == [
-        "/usr/bin/gdb", "-q", "-batch", "-return-child-result", "-x", isa.YNN_SCRIPT, "--args", *argv
+        "/usr/bin/gdb", "-q", "-batch", "-iex", "set auto-load off", "-return-child-result", "-x", isa.YNN_SCRIPT,
+        "--args", *argv,
     ]  # fmt: skip
     assert isa.cap_label("avx2") == "capped to AVX2"
 
