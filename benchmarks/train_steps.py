@@ -293,10 +293,44 @@ def _fp8_against_bf16(cfg: dict, impl: str, batch: dict, tx, bf16: dict, steps: 
     return {**{k: fp8[k] for k in keys}, "speedup_over_bf16": bf16["step_s"] / fp8["step_s"]}
 
 
+def packed_gpt_batch(cfg: dict, seed: int = 0) -> tuple[dict, float]:
+    """`cfg["batch"]` windows of random documents (T/16 to T/2 tokens each) packed as `jaxnn train --pack` packs
+    them (`jaxnn.data.packing.pack_documents`: segment ids, positions restarting per document, a loss mask), and the
+    share of their positions that hold a real token."""
+    from jaxnn.data.packing import pack_documents
+
+    rng = np.random.default_rng(seed)
+    T, B = cfg["seq_len"], cfg["batch"]
+    documents, pairs = [], 0
+    while pairs < B * T:  # enough documents for B windows whatever the packing leaves empty
+        documents.append(rng.integers(0, cfg["vocab"], int(rng.integers(T // 16 + 1, T // 2 + 2)), dtype=np.int32))
+        pairs += len(documents[-1]) - 1
+    arrays = {k: v[:B] for k, v in pack_documents(documents, T).arrays.items()}
+    return {k: jnp.asarray(v) for k, v in arrays.items()}, float(np.mean(arrays["segment_ids"] != 0))
+
+
+def _packed_against_unpacked(cfg: dict, impl: str, _batch, tx, unpacked: dict, steps: int, repeats: int) -> dict:
+    """The same bf16 step on packed windows (attention kept within each document): its MFU against the unpacked
+    step's (it packs its own batch). Model FLOPs count every position, as the unpacked step's do, so the ratio
+    compares the steps' speed."""
+    batch, real = packed_gpt_batch(cfg)
+    try:
+        packed = _gpt_step_mfu(cfg, impl, batch, tx, unpacked["peak"], steps, repeats)
+    except Exception as err:  # the unpacked figures stand without it
+        return {"error": f"{type(err).__name__}: {err}"[:500]}
+    keys = ("step_s", "timing", "compile_s", "model_tflops", "mfu")
+    return {
+        **{k: packed[k] for k in keys},
+        "real_token_share": real,
+        "mfu_over_unpacked": packed["mfu"] / unpacked["mfu"],
+    }
+
+
 def gpu_mfu(out_dir, dry_run: bool = False, *, steps: int = 3, repeats: int = 5) -> dict:
     """Trains the GPU-sized GPT in bf16 and returns its model FLOP utilisation against the bf16 GEMM peak measured
-    in the same run; writes the result to `out_dir/gpu_mfu.json`, also when it fails (then `mfu` is None and
-    `notes` says why). `dry_run` shrinks the model to run on a CPU.
+    in the same run, then the fp8 policy's step and the bf16 step on packed batches against it; writes the result
+    to `out_dir/gpu_mfu.json`, also when it fails (then `mfu` is None and `notes` says why). `dry_run` shrinks the
+    model to run on a CPU.
 
     Attention uses the cuDNN fused kernel on GPUs ("cudnn"); if that kernel fails to compile or to run, the XLA
     path is timed instead and the result says so.
@@ -328,7 +362,11 @@ def gpu_mfu(out_dir, dry_run: bool = False, *, steps: int = 3, repeats: int = 5)
             try:
                 result.update(_gpt_step_mfu(cfg, impl, batch, tx, result["peak"], steps, repeats))
                 save()
-                result["fp8"] = _fp8_against_bf16(cfg, impl, batch, tx, result, steps, repeats)
+                # Each part is marked as started first: a child killed by its timeout leaves a file that says so.
+                for part, measure in (("fp8", _fp8_against_bf16), ("packed", _packed_against_unpacked)):
+                    result[part] = {"error": "started, not finished (the child's time ran out)"}
+                    save()
+                    result[part] = measure(cfg, impl, batch, tx, result, steps, repeats)
                 break
             except Exception as err:  # e.g. no cuDNN attention for this GPU/jax build: record it, try the next one
                 result["notes"].append(f"attention {impl!r} failed: {type(err).__name__}: {err}"[:500])
@@ -373,7 +411,14 @@ def main(argv=None) -> int:
                 f"fp8 policy: {fp8['step_s'] * 1e3:.1f} ms/step, {fp8['speedup_over_bf16']:.2f}x bf16's speed, "
                 f"{fp8['float8_gemm_calls']} fp8 GEMM calls"
             )
-        for note in [*res["notes"], *([f"fp8: {fp8['error']}"] if "error" in fp8 else [])]:
+        packed = res.get("packed") or {}
+        if "step_s" in packed:
+            print(
+                f"packed batches ({100 * packed['real_token_share']:.0f}% real tokens): {packed['step_s'] * 1e3:.1f} "
+                f"ms/step, MFU {100 * packed['mfu']:.1f}%, {packed['mfu_over_unpacked']:.2f}x the unpacked MFU"
+            )
+        errors = [f"{part}: {r['error']}" for part, r in (("fp8", fp8), ("packed", packed)) if "error" in r]
+        for note in [*res["notes"], *errors]:
             print("note:", note)
         return 0 if mfu is not None else 1
     result = run_benchmarks(

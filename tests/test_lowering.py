@@ -242,6 +242,26 @@ def test_bf16_gpt_train_step_lowered_for_cuda(cudnn_present):
     assert_no_cpu_only_lowering(text)
 
 
+def test_a_packed_bf16_gpt_step_keeps_cudnns_fused_attention_for_cuda(cudnn_present):
+    """Packed batches (`segment_ids`) keep attention on cuDNN's fused kernel, the documents' boundaries passed to it
+    as a (B, 1, T, T) bias; whether that costs MFU is gpu-check's packed row (benchmarks.train_steps.gpu_mfu)."""
+    model, tx, shape = GPT(GPT_CFG), train.make_optimizer(1e-3, total_steps=10), GPT_SHAPE
+    state = jax.eval_shape(lambda k: train.create_train_state(model, tx, k, shape, "bf16"), jax.random.key(0))
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("x", "y", "segment_ids", "positions")}
+    step = train.make_train_step(model, train.language_model_loss, tx, "bf16")
+    text = step.trace(state, batch).lower(lowering_platforms=("cuda",)).as_text()
+    calls = re.findall(r"stablehlo\.custom_call @(__cudnn\$fmha\w+)\((.*)", text)
+    assert collections.Counter(name for name, _ in calls) == {
+        "__cudnn$fmhaScaleBiasSoftmax": GPT_CFG.num_layers,
+        "__cudnn$fmhaScaleBiasSoftmaxBackward": GPT_CFG.num_layers,
+    }, calls
+    T = shape[1]
+    forward = [rest for name, rest in calls if name == "__cudnn$fmhaScaleBiasSoftmax"]
+    assert all(f"tensor<{shape[0]}x1x{T}x{T}xbf16>) ->" in rest for rest in forward), forward[0][-300:]
+    assert set(products(text)) == {("dot_general", "bf16", "bf16", "f32")}, products(text)
+    assert_no_cpu_only_lowering(text)
+
+
 def test_bf16_cnn_train_step_lowered_for_cuda():
     text = cuda_train_step_module(CNN(CNN_CFG), CNN_SHAPE, jnp.float32, train.classification_loss)
     types = collections.Counter(products(text))

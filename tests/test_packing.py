@@ -11,7 +11,7 @@ import pytest
 
 import jaxnn
 from jaxnn.data.datasets import DataError
-from jaxnn.data.packing import pack_documents, padding_efficiency
+from jaxnn.data.packing import KEYS, pack_documents, padding_efficiency
 from jaxnn.models import GPT, GPTConfig
 from jaxnn.train import lm_loss
 
@@ -132,3 +132,16 @@ def test_jaxnn_train_packs_records_and_reports_the_efficiency(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["train", "--model", "cnn", "--pack", "--steps", "2", "--run-dir", str(tmp_path / "c")]) == 2
     assert "packing is for text (--model gpt), not 'cnn'" in capsys.readouterr().err
+
+
+def test_the_gpu_checks_packed_batch_fills_its_windows_with_whole_documents():
+    from benchmarks.train_steps import DRY_RUN_GPT, packed_gpt_batch
+
+    batch, real = packed_gpt_batch(DRY_RUN_GPT)
+    shape = (DRY_RUN_GPT["batch"], DRY_RUN_GPT["seq_len"])
+    assert {k: v.shape for k, v in batch.items()} == dict.fromkeys(KEYS, shape)
+    segments, positions = np.asarray(batch["segment_ids"]), np.asarray(batch["positions"])
+    assert real == np.mean(segments != 0) > 0.5 and segments.max() >= 2  # several documents a window
+    for row, pos in zip(segments, positions):
+        for s in range(1, row.max() + 1):  # positions count from 0 within each document
+            assert np.array_equal(pos[row == s], np.arange((row == s).sum()))

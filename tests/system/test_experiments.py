@@ -348,6 +348,11 @@ def test_gpu_check_dry_run_runs_every_experiment(dry_run):
     assert check["dry_run"] is True and check["check"]["backend"] == jax.default_backend()
     mfu = json.loads((folder / "gpu_mfu.json").read_text())
     assert mfu["dry_run"] is True and mfu["mfu"] > 0 and mfu["num_params"] > 0
+    # The same step on packed batches: real tokens on most positions, its MFU set against the unpacked step's.
+    packed = mfu["packed"]
+    assert 0.5 < packed["real_token_share"] < 1 and packed["mfu_over_unpacked"] == pytest.approx(
+        packed["mfu"] / mfu["mfu"]
+    )
     assert check["mfu"]["mfu_datasheet"] == pytest.approx(mfu["model_tflops"] / 989.0)
     assert check["check"]["bf16_tflops"] > 0
     # One archive of the whole folder, and the two summaries beside it: what a GPU machine hands back.
