@@ -101,6 +101,11 @@ def test_bf16_pays_on_a_cpu_only_with_bf16_instructions(monkeypatch):
     assert advice("bf16", "gpu", frozenset()) is None and advice("fp32", "cpu", frozenset()) is None
     assert "fp16 on a CPU without avx512_fp16 or amx_fp16" in advice("fp16", "cpu", frozenset({"avx512_bf16"}))
     assert advice("fp16", "cpu", frozenset({"avx512_fp16"})) is None and advice("fp16", "gpu", frozenset()) is None
+    # fp8 on a GPU: told where the products are narrower than fp8 has measured faster at, not where they are wide
+    assert "fp8 with products 1024 wide" in advice("fp8", "gpu", frozenset(), width=1024)
+    assert advice("fp8", "gpu", frozenset(), width=8192) is None and advice("bf16", "gpu", frozenset(), 64) is None
+    wide = {"mlp": {"w": np.ones((3, 1024, 4096))}, "head": {"w": np.ones((1024, 64))}, "b": np.ones(5000)}
+    assert _levers.product_width(wide) == 1024  # a GPT of d 1024: its MLP's 4096 is the wider side
     # A run on a CPU without the instructions (a patched feature list) warns, and its block says so.
     monkeypatch.setattr(_levers, "cpu_info", lambda: ("a CPU", frozenset({"avx2"}), 2))
     x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)

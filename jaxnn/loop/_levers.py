@@ -31,10 +31,21 @@ FP8_CPU_SPEED = "0.48x and 0.52x bf16's speed, 1.37x and 0.71x fp32's, on an MLP
 BF16_WIDENED_TIME = "1.07-1.12x fp32's time on a GPT step with AVX2 only"
 FP16_CPU_TIME = "1.16-1.25x fp32's time on a GPT step"
 FP16_FLAGS = ("avx512_fp16", "amx_fp16")  # CPU instructions that multiply fp16 values themselves
+# fp8 on a GPU: on an H200 (2026-12-04) the 304M GPT's step (d 1024) was no faster in fp8 than in bf16, and bare
+# fp8 GEMMs beat bf16's only from 8192^3 (1.26x), not at 4096^3: per-tensor scaling's passes over each operand cost
+# what the narrower products save. Below this width a run is told so.
+FP8_GPU_MIN_WIDTH = 4096
+FP8_GPU_SPEED = "the 304M GPT (d 1024) step 86.29 ms against bf16's 85.64 on an H200; bare GEMMs faster from 8192^3"
 
 
-def precision_advice(precision: str, backend: str, flags: frozenset[str]) -> str | None:
-    """Why `precision` does not pay on this backend (a CPU with these feature `flags`), or None where it may."""
+def precision_advice(precision: str, backend: str, flags: frozenset[str], width: int | None = None) -> str | None:
+    """Why `precision` does not pay on this backend (a CPU with these feature `flags`; `width`: how wide the
+    model's products are, `product_width`), or None where it may."""
+    if backend == "gpu" and precision == "fp8" and width is not None and width < FP8_GPU_MIN_WIDTH:
+        return (
+            f"precision fp8 with products {width} wide: fp8 has measured no faster than bf16 below "
+            f"{FP8_GPU_MIN_WIDTH} ({FP8_GPU_SPEED}); use bf16 for this model"
+        )
     if backend != "cpu" or precision in ("fp32", "tf32"):
         return None
     if precision == "fp8":
@@ -70,6 +81,12 @@ def parameter_counts(params: Any, lora: bool) -> tuple[int, int]:
     sizes = {name: int(np.size(leaf)) for name, leaf in adapters(params).items()}
     trained = sum(n for name, n in sizes.items() if not name.endswith("lora_scale"))
     return trained, total - sum(sizes.values())  # frozen: the base's own parameters
+
+
+def product_width(params: Any) -> int:
+    """How wide the model's products are: the narrower side of its widest 2-D (or stacked 2-D) weight (a GPT's
+    d_model, an N x N x N product's N)."""
+    return max((min(np.shape(leaf)[-2:]) for leaf in jax.tree.leaves(params) if np.ndim(leaf) >= 2), default=0)
 
 
 def packing_efficiency(data: Any) -> float | None:
@@ -108,7 +125,7 @@ class Levers:
     def __init__(self, cfg: Any, model: Any, params: Any, data: Any, inputs: Any, optimizer_id: dict):
         trainable, frozen = parameter_counts(params, inputs.lora is not None)
         flags = usable_flags(cpu_info()[1])  # as XLA_FLAGS' --xla_cpu_max_isa leaves them
-        advice = precision_advice(cfg.precision, jax.default_backend(), flags)
+        advice = precision_advice(cfg.precision, jax.default_backend(), flags, product_width(params))
         self.record: dict[str, Any] = {
             "trainable_params": trainable,
             "frozen_params": frozen,
