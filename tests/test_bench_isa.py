@@ -27,12 +27,13 @@ ECHO_ENV = (
 
 def test_every_peer_process_starts_with_every_librarys_cap(monkeypatch):
     real_run = subprocess.run
-    started = []
+    started, under_gdb = [], set()
 
     def run_echo(cmd, **kwargs):
         if "--args" in cmd:  # a capped child starts inside gdb, which holds YNNPACK to AVX2 (capped_command)
             assert cmd[cmd.index("-x") + 1] == isa.YNN_SCRIPT
             cmd = cmd[cmd.index("--args") + 1 :]
+            under_gdb.add(cmd[2])
         started.append(cmd[2])
         return real_run([sys.executable, "-c", ECHO_ENV, *cmd[2:]], **kwargs)
 
@@ -47,6 +48,9 @@ def test_every_peer_process_starts_with_every_librarys_cap(monkeypatch):
         assert "xla_cpu_max_isa" not in native["env"]["XLA_FLAGS"]
         assert not AVX2_SWITCHES.keys() & native["env"].keys()
     assert started == [f"benchmarks.peers.{m}" for m in peers.PEERS.values() for _ in range(2)]
+    # Where gdb is installed, every capped process that runs XLA starts under it; PyTorch's never does.
+    xla_peers = {f"benchmarks.peers.{m}" for name, m in peers.PEERS.items() if name not in peers.NO_XLA_PEERS}
+    assert under_gdb == (xla_peers if shutil.which("gdb") else set())
 
 
 def test_a_capped_command_runs_inside_gdb_where_gdb_is_installed(monkeypatch):

@@ -39,6 +39,9 @@ PEERS = {
     "pytorch": "peer_torch",
 }
 JAX_PEERS = ("flax_linen", "flax_nnx", "equinox", "haiku")
+# Peers that run no XLA program: their capped processes start without gdb, which holds only XLA's YNNPACK kernels
+# (`benchmarks.isa.capped_command`); PyTorch's kernels follow ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA.
+NO_XLA_PEERS = ("pytorch",)
 
 
 def run_peer(library: str, models, precisions, repeats: int, isa: str = NATIVE) -> dict:
@@ -58,7 +61,8 @@ def run_peer(library: str, models, precisions, repeats: int, isa: str = NATIVE) 
         "--precisions",
         *precisions,
     ]
-    proc = subprocess.run(capped_command(isa, cmd), stderr=subprocess.PIPE, text=True, env=capped_env(isa))
+    cmd = cmd if library in NO_XLA_PEERS else capped_command(isa, cmd)
+    proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True, env=capped_env(isa))
     try:
         if proc.returncode:
             return {"library": library, "rows": [], "error": proc.stderr.strip().splitlines()[-1:]}
