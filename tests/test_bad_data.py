@@ -85,6 +85,7 @@ def overflowing_loss(logits, batch):
     return jnp.sum(logits.astype(jnp.float32)) * 1e6, {}
 
 
+@pytest.mark.filterwarnings("ignore:precision fp16 on a CPU")  # the loss scale is the subject here
 def test_fp16_run_whose_loss_scale_collapses_stops_with_an_error(clean):
     x, y = clean
     settings = {**QUIET, "steps": 20, "log_every": 20}

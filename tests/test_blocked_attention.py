@@ -96,6 +96,7 @@ def test_forward_mode_matches_jax_xla_attention():
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_matches_pytorch_scaled_dot_product_attention():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(2)
@@ -138,6 +139,7 @@ def test_multi_head_attention_blocked_equals_xla_with_grouped_heads_and_padding(
         np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_bf16_operands_give_bf16_outputs_close_to_float32():
     rng = np.random.default_rng(4)
     q, k, v, do = qkv_do(rng, 1, 64, 64, 2, 8)

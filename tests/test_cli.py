@@ -76,6 +76,7 @@ def test_bad_data_dir_refused(capsys, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.slow
 def test_train_writes_metrics_plots_summary_and_refuses_reuse(capsys, tmp_path):
     run = tmp_path / "run"
     assert cli.main(["train", *QUICK, "--devices", "2", "--run-dir", str(run), "--eval-every", "12"]) == 0
@@ -262,6 +263,7 @@ def test_the_sample_escapes_control_characters():
 EDGE_PARSED_RECORD = pathlib.Path(__file__).parent / "fixtures" / "edge_parsed_config.json"
 
 
+@pytest.mark.slow
 def test_a_run_with_augment_lora_and_mesh_records_the_config_it_always_did(tmp_path):
     import optax
 

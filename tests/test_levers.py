@@ -50,6 +50,7 @@ def test_a_lora_run_starts_with_its_trainable_and_frozen_counts(caplog):
     assert levers["clip_norm"] == 1.0 and "clip norm 1.0" in block[4]  # the default optimizer's clip
 
 
+@pytest.mark.slow
 def test_a_packed_run_reports_the_share_of_real_tokens(caplog):
     caplog.set_level(logging.INFO, logger="jaxnn.levers")
     rng = np.random.default_rng(0)

@@ -177,6 +177,7 @@ def test_nonfinite_loss_stops_naming_the_step_and_never_checkpoints_it(tmp_path,
         assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(restored[0].params))
 
 
+@pytest.mark.filterwarnings("ignore:precision fp16 on a CPU")  # the skipped steps are the subject here
 def test_fp16_skipped_steps_are_counted(digits):
     (x, y), _ = digits
 

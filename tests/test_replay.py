@@ -3,6 +3,8 @@ bitwise; flags beside it override it; a file with unknown keys is refused in one
 
 import json
 
+import pytest
+
 from jaxnn import cli
 
 QUICK = ["--model", "mlp", "--size", "small", "--steps", "4", "--batch-size", "16", "--no-progress", "--no-plots",
@@ -13,6 +15,7 @@ def _summary(run) -> dict:
     return json.loads((run / "summary.json").read_text())
 
 
+@pytest.mark.slow
 def test_config_replays_a_run_bitwise_and_flags_override_it(tmp_path, capsys):
     first = tmp_path / "first"
     original = [*QUICK, "--lr", "0.01", "--seed", "3", "--clip-norm", "0.5", "--model-config", "hidden=[24]"]

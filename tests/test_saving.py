@@ -142,6 +142,7 @@ def test_constructors_named_by_the_modules_they_moved_from_still_load():
     assert model.children[0].spec.path == "jaxnn.layers.transformer.TransformerBlock"
 
 
+@pytest.mark.slow
 def test_fit_resumes_a_saved_model_in_a_fresh_process_bitwise(tmp_path):
     x, y = _data()
     np.savez(tmp_path / "data.npz", x=x, y=y)

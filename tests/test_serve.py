@@ -67,6 +67,7 @@ def test_continuous_batching_equals_generate_batch(position):
         assert tokens == list(want.tokens[i, : want.lengths[i]]), i
 
 
+@pytest.mark.slow
 def test_seeded_sampling_draws_what_generate_draws():
     model, params = _model("rope")
     prompt = [3, 9, 27, 17]
@@ -82,6 +83,7 @@ def test_seeded_sampling_draws_what_generate_draws():
     assert got[0] == list(want.tokens[0])
 
 
+@pytest.mark.slow
 def test_warm_up_compiles_every_program_requests_of_those_lengths_use():
     # After warm_up(every_width(16)), prompts of 1-16 tokens joining in any grouping compile nothing more, and
     # their tokens are still generate_batch's.

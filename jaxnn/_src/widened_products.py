@@ -16,11 +16,12 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import DTypeLike
 
 from jaxnn._src.cpu import host_bf16_products
 
 
-def applies(dtype) -> bool:
+def applies(dtype: DTypeLike) -> bool:
     """Whether a product of `dtype` operands is widened where it is lowered for this CPU: bf16 on a CPU without
     bf16 instructions (or held below AVX512_BF16 by XLA_FLAGS' `--xla_cpu_max_isa`)."""
     return jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) and not host_bf16_products()
