@@ -151,7 +151,9 @@ DOC_COMMANDS: dict[str, str] = {
     ),
     # docs/performance.md
     "make bench-peers ISA=avx2": (
-        "make bench-peers ISA=avx2 ARGS='--quick --models tiny --precisions fp32 --repeats 1 --json peers-avx2.json'"
+        # two peers: one under gdb (every XLA peer starts there where gdb is installed), PyTorch without it
+        "make bench-peers ISA=avx2 ARGS='--quick --peers jaxnn pytorch --models tiny --precisions fp32 --repeats 1 "
+        "--json peers-avx2.json'"
     ),
     "python -m benchmarks.ab_conv --isa avx2": "python -m benchmarks.ab_conv --isa avx2 --repeats 1",
     "python -m benchmarks.ab_widened_bf16 --isa avx2": (

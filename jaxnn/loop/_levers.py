@@ -62,8 +62,8 @@ def precision_advice(precision: str, backend: str, flags: frozenset[str], width:
         )
     if precision == "fp16" and not any(flag in flags for flag in FP16_FLAGS):
         return (
-            f"precision fp16 on a CPU without {' or '.join(FP16_FLAGS)}: XLA converts every fp16 product, so a "
-            f"step is slower than fp32's (measured {FP16_CPU_TIME}); use fp32 on this machine"
+            f"precision fp16 on a CPU without {' or '.join(FP16_FLAGS)}: no instruction here multiplies fp16 values, "
+            f"and a step is slower than fp32's (measured {FP16_CPU_TIME}); use fp32 on this machine"
         )
     return None
 
