@@ -21,12 +21,13 @@ import optax
 
 from benchmarks.isa import add_isa_flag, restart_capped
 from benchmarks.machine import cpu_label
+from benchmarks.output import print_rounds
 from benchmarks.peers import peer_linen
 from benchmarks.peers.jax_common import adam_step, cross_entropy, device_batch
 from benchmarks.train_steps import LEARNING_RATE, jaxnn_model
 from jaxnn import train
 from jaxnn.layers import run
-from jaxnn.profile.timing import stepper, time_interleaved
+from jaxnn.profile.timing import stepper
 
 
 def variants(name: str) -> dict:
@@ -78,14 +79,7 @@ def main() -> None:
     args = parser.parse_args()
     restart_capped(args.isa)
     print(f"median ms of 21 interleaved windows, ratio to flax linen; {cpu_label()}, jax {jax.__version__}")
-    fns = variants(args.model)
-    for r in range(args.rounds):
-        timings = time_interleaved(fns, warmup=20, repeats=21)
-        ref = timings["flax linen"].median
-        print(
-            f"{args.model}, round {r + 1}: "
-            + "; ".join(f"{label} {t.median * 1e3:.4g} ms ({t.median / ref:.2f})" for label, t in timings.items())
-        )
+    print_rounds(args.model, variants(args.model), "flax linen", args.rounds, warmup=20, repeats=21)
 
 
 if __name__ == "__main__":

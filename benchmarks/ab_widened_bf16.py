@@ -23,9 +23,9 @@ import jax
 
 from benchmarks.isa import add_isa_flag, restart_capped
 from benchmarks.machine import cpu_label
+from benchmarks.output import print_rounds
 from benchmarks.peers import peer_jaxnn, peer_linen
 from jaxnn._src import widened_products
-from jaxnn.profile.timing import time_interleaved
 
 
 def traced_with(widened: bool, name: str):
@@ -58,13 +58,7 @@ def main() -> None:
     print(f"median ms of {args.repeats} interleaved windows, ratio to flax linen bf16; {cpu_label()}, "
           f"jax {jax.__version__}")  # fmt: skip
     fns = variants(args.model)
-    for r in range(args.rounds):
-        timings = time_interleaved(fns, warmup=1, repeats=args.repeats, min_window_s=0.0)
-        ref = timings["flax linen bf16"].median
-        print(
-            f"{args.model}, round {r + 1}: "
-            + "; ".join(f"{name} {t.median * 1e3:.4g} ms ({t.median / ref:.2f})" for name, t in timings.items())
-        )
+    print_rounds(args.model, fns, "flax linen bf16", args.rounds, warmup=1, repeats=args.repeats, min_window_s=0.0)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Where a benchmark writes its JSON: `--json PATH` never replaces a file already there unless `--overwrite` says so.
 
 results/bench/ holds committed measurements that docs/performance.md cites; a rerun under the same name would
-replace one silently. The make targets pass fresh, dated names instead (mk/bench.mk).
+replace one silently. The make targets pass fresh, dated names instead (mk/bench.mk). `print_rounds` is how the
+A/B benchmarks print what they timed.
 """
 
 from __future__ import annotations
@@ -25,4 +26,18 @@ def refuse_existing(*paths: str | None, overwrite: bool) -> None:
     if taken and not overwrite:
         raise SystemExit(
             f"error: {taken[0]} exists (a committed result?); pass --overwrite to replace it or give a new PATH"
+        )
+
+
+def print_rounds(tag: str, fns: dict, reference: str, rounds: int, **timing) -> None:
+    """Times `fns` side by side (`jaxnn.profile.timing.time_interleaved(fns, **timing)`) `rounds` times and prints
+    each round's medians with their ratios to `reference`'s: the A/B benchmarks' output."""
+    from jaxnn.profile.timing import time_interleaved
+
+    for r in range(rounds):
+        timings = time_interleaved(fns, **timing)
+        ref = timings[reference].median
+        print(
+            f"{tag}, round {r + 1}: "
+            + "; ".join(f"{name} {t.median * 1e3:.4g} ms ({t.median / ref:.2f})" for name, t in timings.items())
         )
