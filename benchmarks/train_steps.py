@@ -251,10 +251,20 @@ def gpt_model_flops(cfg: dict) -> float:
 
 
 def _gpt_step_mfu(
-    cfg: dict, impl: str, batch: dict, tx, peak: dict, steps: int, repeats: int, policy: str = "bf16"
+    cfg: dict,
+    impl: str,
+    batch: dict,
+    tx,
+    peak: dict,
+    steps: int,
+    repeats: int,
+    policy: str = "bf16",
+    trace_dir: str | None = None,
 ) -> dict:
-    """Compiles and times the GPT step in `policy` with attention `impl`; its figures, or raises what failed."""
+    """Compiles and times the GPT step in `policy` with attention `impl`; its figures, or raises what failed. With
+    `trace_dir`, also where its device time goes (`jaxnn.profile.kernel_table.step_breakdown`)."""
     from jaxnn import models, train
+    from jaxnn.profile.kernel_table import step_breakdown
 
     gpt_cfg = gpt_config(cfg, attention_implementation=impl)
     model = models.GPT(gpt_cfg)
@@ -263,10 +273,13 @@ def _gpt_step_mfu(
     t0 = time.perf_counter()
     compiled = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
-    timing = time_fn(stepper(compiled, state, batch), warmup=2, repeats=repeats, number=steps)
+    run_step = stepper(compiled, state, batch)
+    timing = time_fn(run_step, warmup=2, repeats=repeats, number=steps)
     model_flops = gpt_model_flops(cfg)
     float8_gemms = sum("$f8" in line for line in compiled.as_text().splitlines() if "custom_call_target" in line)
+    kernels = {} if trace_dir is None else {"kernels": step_breakdown(run_step, compiled, trace_dir)}
     return {
+        **kernels,
         "attention": impl,
         "policy": policy,
         "float8_gemm_calls": float8_gemms,
@@ -282,15 +295,17 @@ def _gpt_step_mfu(
     }
 
 
-def _fp8_against_bf16(cfg: dict, impl: str, batch: dict, tx, bf16: dict, steps: int, repeats: int) -> dict:
+def _fp8_against_bf16(
+    cfg: dict, impl: str, batch: dict, tx, bf16: dict, steps: int, repeats: int, trace_dir: str | None = None
+) -> dict:
     """The same step under the "fp8" policy (Dense products in float8, jaxnn.fp8): its time against bf16's and how
     many of its GEMMs XLA made fp8 ones (cuBLASLt's `$f8` calls on Hopper; none on a CPU, where it is emulated)."""
     try:
-        fp8 = _gpt_step_mfu(cfg, impl, batch, tx, bf16["peak"], steps, repeats, policy="fp8")
+        fp8 = _gpt_step_mfu(cfg, impl, batch, tx, bf16["peak"], steps, repeats, policy="fp8", trace_dir=trace_dir)
     except Exception as err:  # the bf16 figures stand without it
         return {"error": f"{type(err).__name__}: {err}"[:500]}
-    keys = ("step_s", "timing", "compile_s", "float8_gemm_calls", "model_tflops")
-    return {**{k: fp8[k] for k in keys}, "speedup_over_bf16": bf16["step_s"] / fp8["step_s"]}
+    keys = ("step_s", "timing", "compile_s", "float8_gemm_calls", "model_tflops", "kernels")
+    return {**{k: fp8[k] for k in keys if k in fp8}, "speedup_over_bf16": bf16["step_s"] / fp8["step_s"]}
 
 
 def packed_gpt_batch(cfg: dict, seed: int = 0) -> tuple[dict, float]:
@@ -309,18 +324,20 @@ def packed_gpt_batch(cfg: dict, seed: int = 0) -> tuple[dict, float]:
     return {k: jnp.asarray(v) for k, v in arrays.items()}, float(np.mean(arrays["segment_ids"] != 0))
 
 
-def _packed_against_unpacked(cfg: dict, impl: str, _batch, tx, unpacked: dict, steps: int, repeats: int) -> dict:
+def _packed_against_unpacked(
+    cfg: dict, impl: str, _batch, tx, unpacked: dict, steps: int, repeats: int, trace_dir: str | None = None
+) -> dict:
     """The same bf16 step on packed windows (attention kept within each document): its MFU against the unpacked
     step's (it packs its own batch). Model FLOPs count every position, as the unpacked step's do, so the ratio
     compares the steps' speed."""
     batch, real = packed_gpt_batch(cfg)
     try:
-        packed = _gpt_step_mfu(cfg, impl, batch, tx, unpacked["peak"], steps, repeats)
+        packed = _gpt_step_mfu(cfg, impl, batch, tx, unpacked["peak"], steps, repeats, trace_dir=trace_dir)
     except Exception as err:  # the unpacked figures stand without it
         return {"error": f"{type(err).__name__}: {err}"[:500]}
-    keys = ("step_s", "timing", "compile_s", "model_tflops", "mfu")
+    keys = ("step_s", "timing", "compile_s", "model_tflops", "mfu", "kernels")
     return {
-        **{k: packed[k] for k in keys},
+        **{k: packed[k] for k in keys if k in packed},
         "real_token_share": real,
         "mfu_over_unpacked": packed["mfu"] / unpacked["mfu"],
     }
@@ -360,13 +377,15 @@ def gpu_mfu(out_dir, dry_run: bool = False, *, steps: int = 3, repeats: int = 5)
         tx = optax.adamw(3e-4, weight_decay=0.1, mask=train.weight_decay_mask)
         for impl in ["cudnn", "xla"] if on_gpu else ["auto"]:
             try:
-                result.update(_gpt_step_mfu(cfg, impl, batch, tx, result["peak"], steps, repeats))
+                traces = os.path.join(out_dir, "traces")
+                bf16 = _gpt_step_mfu(cfg, impl, batch, tx, result["peak"], steps, repeats, trace_dir=f"{traces}/bf16")
+                result.update(bf16)
                 save()
                 # Each part is marked as started first: a child killed by its timeout leaves a file that says so.
                 for part, measure in (("fp8", _fp8_against_bf16), ("packed", _packed_against_unpacked)):
                     result[part] = {"error": "started, not finished (the child's time ran out)"}
                     save()
-                    result[part] = measure(cfg, impl, batch, tx, result, steps, repeats)
+                    result[part] = measure(cfg, impl, batch, tx, result, steps, repeats, trace_dir=f"{traces}/{part}")
                 break
             except Exception as err:  # e.g. no cuDNN attention for this GPU/jax build: record it, try the next one
                 result["notes"].append(f"attention {impl!r} failed: {type(err).__name__}: {err}"[:500])
@@ -405,6 +424,9 @@ def main(argv=None) -> int:
             f"{res['peak']['gflops'] / 1e3:.3g} TFLOP/s; MFU {'-' if mfu is None else f'{100 * mfu:.1f}%'}"
             f"{' (dry run)' if args.dry_run else ''}"
         )
+        by_kind = (res.get("kernels") or {}).get("by_kind")
+        if by_kind:
+            print("bf16 step's device time: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in by_kind.items()))
         fp8 = res.get("fp8") or {}
         if "step_s" in fp8:
             print(

@@ -449,8 +449,15 @@ def mfu_headline(mfu: dict | None, ended: str) -> str:
         f"{mfu['step_s'] * 1e3:.1f} ms/step, MFU {100 * mfu['mfu']:.1f}% of the run's "
         f"{mfu['peak']['gflops'] / 1e3:.3g} TFLOP/s bf16 GEMM peak, {100 * mfu['mfu_datasheet']:.1f}% of the "
         f"datasheet's {H200_DENSE_BF16_TFLOPS:.0f} TFLOP/s dense bf16{_fp8_clause(mfu.get('fp8'))}"
-        f"{_packed_clause(mfu.get('packed'))}"
+        f"{_packed_clause(mfu.get('packed'))}{_kinds_clause(mfu.get('kernels'))}"
     )
+
+
+def _kinds_clause(kernels: dict | None) -> str:
+    """Where the bf16 step's device time went, by kind of operation (jaxnn.profile.kernel_table)."""
+    if not kernels or "by_kind" not in kernels:
+        return f"; no kernel table: {kernels['error'][:80]}" if kernels and "error" in kernels else ""
+    return "; device time " + " ".join(f"{k} {100 * v:.0f}%" for k, v in list(kernels["by_kind"].items())[:4])
 
 
 def _packed_clause(packed: dict | None) -> str:

@@ -176,6 +176,14 @@ DOC_COMMANDS: dict[str, str] = {
     "make train ARGS='--profile-dir runs/trace'": (
         "make train ARGS='--profile-dir runs/trace --steps 12 --no-summary --no-progress'"
     ),
+    "python -m jaxnn.profile.kernel_table runs/trace": (
+        "jaxnn train --model cnn --profile-dir runs/trace-k --steps 6 --no-summary --no-progress && "
+        "python -m jaxnn.profile.kernel_table runs/trace-k"
+    ),
+    "python -m jaxnn.profile.kernel_table runs/trace --top 40 --json": (
+        "jaxnn train --model cnn --profile-dir runs/trace-j --steps 6 --no-summary --no-progress && "
+        "python -m jaxnn.profile.kernel_table runs/trace-j --top 40 --json"
+    ),
 }
 
 # The docs' walk-through, run as written by tests/system/test_docs_paths.py.
@@ -276,14 +284,15 @@ def smoke_lines() -> list[str]:
 
 
 def _runs(lines: list[str]) -> tuple[set[str], set[str]]:
-    """(make targets, python -m modules) that `lines` run."""
+    """(make targets, python -m modules of benchmarks/ and experiments/) that `lines` run; the library's own
+    modules (`python -m jaxnn...`) are documented commands, covered as such."""
     targets, modules = set(), set()
     for line in lines:
         for part in line.split(" && "):
             argv = shlex.split(part)
             if argv[0] == "make":
                 targets.update(a for a in argv[1:2] if "=" not in a)
-            elif argv[0] == "python" and argv[1:2] == ["-m"]:
+            elif argv[0] == "python" and argv[1:2] == ["-m"] and not argv[2].startswith("jaxnn."):
                 modules.add(argv[2])
     return targets, modules
 

@@ -16,6 +16,8 @@
 - `onednn_calibration.py`: which oneDNN kernels beat jaxnn's own CPU paths on this machine
   (`python -m jaxnn.profile.onednn_calibration`, started by `jaxnn.kernels.onednn.choice` once per machine);
 - `trace.py`: a `jax.profiler` trace of a few training steps (`fit(..., profile_dir=DIR)`).
+- `kernel_table.py`: where a traced program's device time went, operation by operation and by kind
+  (`python -m jaxnn.profile.kernel_table DIR`).
 
 The names below are imported on first use, so that `import jaxnn.profile.timing` (what benchmarks time with) does
 not load the profiler.
@@ -39,6 +41,7 @@ _NAMES = {
 }
 SUBMODULES = (
     "kernel_cost",
+    "kernel_table",
     "measure",
     "onednn_calibration",
     "plots",

@@ -354,6 +354,10 @@ def test_gpu_check_dry_run_runs_every_experiment(dry_run):
         packed["mfu"] / mfu["mfu"]
     )
     assert check["mfu"]["mfu_datasheet"] == pytest.approx(mfu["model_tflops"] / 989.0)
+    # Where each step's device time went, read from a trace of two more steps of it.
+    for kernels in (mfu["kernels"], mfu["fp8"]["kernels"], packed["kernels"]):
+        assert kernels["steps"] == 2 and kernels["rows"] and "matmul" in kernels["by_kind"]
+        assert sum(kernels["by_kind"].values()) == pytest.approx(1.0)
     assert check["check"]["bf16_tflops"] > 0
     # One archive of the whole folder, and the two summaries beside it: what a GPU machine hands back.
     archive = dry_run[2]
@@ -362,7 +366,8 @@ def test_gpu_check_dry_run_runs_every_experiment(dry_run):
     )
     with tarfile.open(archive / f"{folder.name}.tar.gz") as tar:
         packed = set(tar.getnames())
-    assert packed == {f"{folder.name}/{p.name}" for p in folder.iterdir()}
+    # Every file; the profiler's traces (a folder, summarised in gpu_mfu.json) stay behind.
+    assert packed == {f"{folder.name}/{p.name}" for p in folder.iterdir() if p.is_file()}
     assert set(check["lowerings"]["grad_ms"]) == {
         "conv xla",
         "conv im2col",
