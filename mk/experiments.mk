@@ -16,7 +16,7 @@ GPU_ARGS ?=
 GPU_ARCHIVE ?= $(if $(OUT),$(OUT)/)
 
 .PHONY: exp-matmul exp-precision exp-sequential exp-pipeline exp-inference exp-parallel exp-train report \
-	experiments gpu-check gpu-check-dry project-gpu
+	experiments gpu-check gpu-check-dry gpu-levers project-gpu
 
 exp-matmul: $(STAMP) ## matmul GFLOP/s vs size (64..8192) per backend, next to the measured peak
 	$(PY) -m experiments.exp_matmul --size $(SIZE) $(EXP_OUT)
@@ -52,6 +52,9 @@ experiments: $(STAMP) ## all experiments at quick size (<10 min on 2 cores, prog
 
 gpu-check: ## on a GPU machine (no venv needed): check tensor cores, run every experiment at GPU size in <8 min
 	PYTHONPATH=. $(GPU_PY) -m experiments.gpu_check --out $(RESULTS) $(if $(GPU_ARCHIVE),--archive $(GPU_ARCHIVE)) $(GPU_ARGS)
+
+gpu-levers: ## on a GPU machine, after gpu-check when device time is left: each MFU lever against the plain bf16 step (~4 min)
+	PYTHONPATH=. $(GPU_PY) -m benchmarks.mfu_levers --out-dir $(or $(OUT),results/bench/gpu-levers-$(BENCH_TIME)) $(GPU_ARGS)
 
 gpu-check-dry: ## the gpu-check code path at tiny sizes on the CPU (GPU assertions skipped)
 	PYTHONPATH=. $(GPU_PY) -m experiments.gpu_check --dry-run --out $${TMPDIR:-/tmp}/jaxnn-gpu-check-dry \

@@ -29,6 +29,7 @@ RUNS: list[str] = [
     "make bench-peers ARGS='--quick --models tiny --precisions fp32 --repeats 1 --json peers-smoke.json'",
     "make bench-generation ARGS='--size small --prompt 8 --new-tokens 8 --batch 1 --no-cache-batches 1 --rounds 1'",
     "make bench-gpu-dry",
+    "python -m benchmarks.mfu_levers --dry-run --budget-s 30 --out-dir levers-smoke",
     "make bench-augment ARGS='--batch 8 --steps 2 --repeats 1 --out augment-smoke.json'",
     "make bench-remat ARGS='--seq-lens 64 --policies none --steps 1'",
     "make bench-lora ARGS='--models gpt2-small --ranks 4 --batch 1 --seq-len 16 --steps 1'",
@@ -82,6 +83,7 @@ EXEMPT: dict[str, str] = {
     "install-bench": "installs the peer libraries from the network",
     "bench-gpu": "needs a GPU; bench-gpu-dry runs its code path on the CPU",
     "gpu-check": "needs a GPU; gpu-check-dry runs its code path on the CPU",
+    "gpu-levers": "needs a GPU; python -m benchmarks.mfu_levers --dry-run runs its code path on the CPU",
     "gpu-check-dry": "tests/system/test_experiments.py's dry_run fixture runs its command (gpu_check --dry-run with "
     "an archive) once for the suite, and checks every row it writes",
     "experiments.gpu_check": "gpu-check-dry's module: the same dry_run fixture runs it",
