@@ -2,12 +2,14 @@
 CNN on the bundled digits and the GPT on a byte corpus (the Python standard library's sources).
 
 Each precision trains the same model from the same initial key on the same batches; figures: the loss curve,
-the final test accuracy (CNN) or test loss in bits per byte (GPT), the wall time of the run, and the step time
-(median and spread of one compiled step on a batch already on the device).
+the final test accuracy (CNN) or test loss in bits per byte (GPT), the wall time of the run, the step time
+(median and spread of one compiled step on a batch already on the device), and where that step's device time goes
+(`jaxnn.profile.kernel_table`: its slowest operations and the share of each kind).
 """
 
 from __future__ import annotations
 
+import tempfile
 import time
 
 import jax
@@ -17,6 +19,7 @@ from experiments import common
 from jaxnn.data import PipelineConfig, TrainBatches, eval_batches, load_digits, load_text
 from jaxnn.data.preprocess import normalise
 from jaxnn.models import CNN, GPT, CNNConfig, GPTConfig
+from jaxnn.profile.kernel_table import step_breakdown
 from jaxnn.profile.timing import time_fn
 from jaxnn.train import (
     classification_loss,
@@ -100,6 +103,11 @@ def _train_one(model_name, model, data, cfg, precision, steps, batch, repeats):
     losses = [float(x) for x in jax.device_get(losses)]
     wall = time.perf_counter() - t0
     timing = time_fn(lambda: step(state, batches[0])[1]["loss"], repeats=repeats)
+    # Where the step's device time goes, by operation and kind: the figures that say why one precision's step is
+    # as fast as it is (a trace of two more steps, in a folder dropped afterwards).
+    with tempfile.TemporaryDirectory(prefix="exp-train-trace-") as trace_dir:
+        kernels = step_breakdown(lambda: step(state, batches[0]), None, trace_dir, top=12)
+    kernels.pop("trace", None)
     result = {
         "precision": precision,
         "model": model_name,
@@ -111,6 +119,7 @@ def _train_one(model_name, model, data, cfg, precision, steps, batch, repeats):
         "step": timing.as_dict(),
         "step_ms": timing.median * 1e3,
         "finite": bool(np.all(np.isfinite(losses))),
+        "kernels": kernels,
     }
     if precision == "fp16":
         result["final_loss_scale"] = float(state.loss_scale.scale)

@@ -73,7 +73,7 @@ def test_padded_rows_that_see_no_key_match_jax_when_blocks_are_off():
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("causal", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_float64_gradients_match_finite_differences(causal):
     rng = np.random.default_rng(1)
     assert len(BA.query_blocks(70, 70, causal)) == (2 if causal else 1)

@@ -46,6 +46,7 @@ def new_head_model():
     return L.serial(*body, L.Dense(10, name="head"))
 
 
+@pytest.mark.slow
 def test_fine_tune_a_new_head_with_another_optimizer_and_a_frozen_body(trained_run):
     loaded = load_params(trained_run)
     assert loaded.step == 300 and loaded.config["model"] == "cnn" and "model_config" in loaded.config
@@ -76,6 +77,7 @@ def test_fine_tune_a_new_head_with_another_optimizer_and_a_frozen_body(trained_r
         assert not np.array_equal(result.state.params[name]["w"], params[name]["w"])
 
 
+@pytest.mark.slow
 def test_shape_mismatches_are_reported_with_both_shapes_and_strict_refuses(trained_run):
     loaded = load_params(trained_run / "ckpt" / "300")  # a step folder works too
     five_classes = CNN(CNNConfig(num_classes=5).small())
@@ -97,6 +99,7 @@ def test_path_mask_and_bad_starting_params():
         fit(new_head_model(), train, params=params, steps=2, batch_size=8, progress=False)
 
 
+@pytest.mark.slow
 def test_load_params_skips_a_damaged_newest_checkpoint_without_touching_it(trained_run, tmp_path, caplog):
     import shutil
 

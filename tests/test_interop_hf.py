@@ -77,6 +77,7 @@ def test_a_model_trained_in_jaxnn_saves_as_llama_and_transformers_agrees(tmp_pat
     assert err < 2e-5, f"max abs error {err:.3g}"
 
 
+@pytest.mark.slow
 def test_every_parameter_of_an_export_has_a_rule_or_the_export_is_refused(tmp_path):
     cfg = dataclasses.replace(PRESETS["gpt2"].config, vocab_size=64, seq_len=16, d_model=32, num_layers=1,
                               num_heads=2, tie_embeddings=False, logits_bias=True)  # fmt: skip
@@ -122,6 +123,7 @@ def test_a_lora_fine_tune_exports_merged_and_transformers_gives_jaxnns_logits(fo
     assert err < 1e-4, f"{kind}: transformers' logits of the merged export differ by {err:.3g}"
 
 
+@pytest.mark.slow
 def test_a_bf16_load_gives_bf16_params_close_to_fp32(folders):
     cfg, params = load_hf(folders["llama-gqa"], dtype=jnp.bfloat16)
     assert {str(a.dtype) for a in jax.tree.leaves(params)} == {"bfloat16"}

@@ -102,6 +102,7 @@ def test_custom_model_killed_and_resumed_matches_uninterrupted(tmp_path):
     assert not (run / "run.lock").exists()
 
 
+@pytest.mark.slow
 def test_every_data_form_trains(digits):
     (x, y), test = digits
     batches = [{"x": x[i : i + 16], "y": y[i : i + 16]} for i in range(0, 16 * 12, 16)]

@@ -33,7 +33,8 @@ def _moved(params, seed=1, size=0.1):
     return unflatten(flat)
 
 
-@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("scan", [False, True])
 def test_zero_adapters_give_exactly_the_base_logits_and_merging_matches_the_adapted_model(scan):
     model = GPT(dataclasses.replace(CFG, scan_layers=scan))
     _, params = model.init(jax.random.key(0), (1, 8))
@@ -106,6 +107,7 @@ def test_the_settings_text_and_its_refusals():
             lora.parse_lora(bad)
 
 
+@pytest.mark.slow
 def test_adapters_save_alone_and_load_onto_the_same_base_only(tmp_path):
     model = GPT(CFG)
     _, base = model.init(jax.random.key(0), (1, 8))

@@ -184,7 +184,8 @@ def test_dpo_loss_matches_trl(tmp_path):
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("lora", [pytest.param("r=4,alpha=8", marks=pytest.mark.slow), None])
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", ["r=4,alpha=8", None])
 def test_a_short_dpo_run_raises_preference_accuracy(tmp_path, lora):
     train, test = _pairs(tmp_path)
     model = GPT(CFG)

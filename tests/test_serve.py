@@ -133,6 +133,7 @@ def test_engine_refuses_what_cannot_fit_and_a_full_queue():
         engine.submit(Request([1], 4, lambda t, f: None))
 
 
+@pytest.mark.slow
 def test_a_cancelled_request_frees_its_slot():
     model, params = _model("rope")
     engine = Engine(model, params, context=64, slots=1).start()

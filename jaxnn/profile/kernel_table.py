@@ -258,15 +258,23 @@ def trace_steps(run_step: Callable[[], Any], *, steps: int = 3, log_dir: str | o
     return out
 
 
-def step_breakdown(run_step: Callable[[], Any], compiled: Any, trace_dir: str | os.PathLike, steps: int = 2) -> dict:
+def step_breakdown(
+    run_step: Callable[[], Any],
+    compiled: Any | None,
+    trace_dir: str | os.PathLike,
+    steps: int = 2,
+    top: int = 25,
+) -> dict:
     """`steps` more calls of `run_step` (a `jaxnn.profile.timing.stepper` of the `compiled` step) under a trace in
-    `trace_dir`, read into a JSON-able table per step: the slowest operations and each kind's share. A failure is
-    recorded as {"error": ...}, not raised, so the timings it sits beside still stand."""
+    `trace_dir`, read into a JSON-able table: the `top` slowest operations and each kind's share. Without
+    `compiled` (a jitted step, whose compiled form would cost a second compile), kinds come from the names. A
+    failure is recorded as {"error": ...}, not raised, so the timings it sits beside still stand."""
     try:
-        table = kernel_table(trace_steps(run_step, steps=steps, log_dir=trace_dir), compiled.as_text())
+        hlo = compiled.as_text() if compiled is not None else None
+        table = kernel_table(trace_steps(run_step, steps=steps, log_dir=trace_dir), hlo)
     except Exception as err:  # a profiler that cannot start here must not cost the measurement
         return {"error": f"{type(err).__name__}: {err}"[:500]}
-    return {"steps": steps, "busy_s_per_step": table.busy_s / steps, "trace": table.trace, **table.as_dict(top=25)}
+    return {"steps": steps, "busy_s_per_step": table.busy_s / steps, "trace": table.trace, **table.as_dict(top=top)}
 
 
 def format_kernel_table(table: KernelTable, top: int = 20, steps: int | None = None) -> str:

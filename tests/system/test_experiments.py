@@ -418,6 +418,9 @@ def test_dry_run_figures_are_measured(dry_run):
     assert [(r["model"], r["precision"]) for r in train["rows"]] == [("cnn", "bf16"), ("cnn", "fp32")]
     assert train["skipped"] == ["gpt fp16"] and train["budget_s"] == 0.0
     assert all(r["finite"] for r in train["rows"])
+    # Each row says where its step's device time went (kinds from the operations' names: no second compile).
+    for row in train["rows"]:
+        assert row["kernels"]["rows"] and sum(row["kernels"]["by_kind"].values()) == pytest.approx(1.0)
 
 
 @pytest.mark.slow
