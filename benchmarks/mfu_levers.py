@@ -1,10 +1,11 @@
 """`make gpu-levers`: what each lever does to the MFU of the GPU GPT's bf16 step (benchmarks.train_steps.GPU_GPT),
 one lever at a time, each timed side by side with the plain step in the same process.
 
-The levers: a larger batch, remat, XLA's GPU compiler options (passed to this step's compile alone, so one process
-measures them all), Adam's first moment in bf16. Each result is written before the next lever starts (and marked
-"started" before it runs), so a run stopped at its time limit keeps what it measured and says what it lost; levers
-that the budget leaves no room for are recorded as not run, with the time that was left.
+First, fp8 where products dominate: the bf16, fp8 and fp8-delayed steps of a wider GPT (d 2048, 8 layers), side by
+side. Then the levers: a larger batch, remat, XLA's GPU compiler options (passed to this step's compile alone, so
+one process measures them all), Adam's first moment in bf16. Each result is written before the next lever starts
+(and marked "started" before it runs), so a run stopped at its time limit keeps what it measured and says what it
+lost; levers that the budget leaves no room for are recorded as not run, with the time that was left.
 
     python -m benchmarks.mfu_levers --out-dir results/bench/gpu-levers --budget-s 240
     python -m benchmarks.mfu_levers --dry-run --out-dir /tmp/levers   # the same code path, tiny, on the CPU
@@ -39,6 +40,10 @@ LEVERS: dict[str, dict[str, Any]] = {
     "batch x2, remat of everything but products": {"batch_scale": 2, "remat": "dots"},
 }
 WINDOWS = 5  # interleaved timing windows per lever (each runs the plain step and the lever's in turn)
+# fp8 against bf16 where products dominate (widths 2048-4096, 8+ layers, as fp8 recipes are measured): the bf16,
+# fp8 (current scaling) and fp8-delayed steps of one wider GPT, timed side by side before the levers.
+FP8_GPT = {**GPU_GPT, "batch": 8, "d_model": 2048, "num_layers": 8, "num_heads": 16}
+FP8_POLICIES = ("bf16", "fp8", "fp8-delayed")
 
 
 def logits_share(cfg: dict) -> float:
@@ -69,8 +74,9 @@ def _variant(cfg: dict, lever: dict, impl: str, seed: int = 0):
     tx = optax.adamw(3e-4, weight_decay=0.1, mask=train.weight_decay_mask, mu_dtype=mu_dtype)
     tokens = np.random.default_rng(seed).integers(0, spec["vocab"], (spec["batch"], spec["seq_len"] + 1))
     batch = {"x": jnp.asarray(tokens[:, :-1], jnp.int32), "y": jnp.asarray(tokens[:, 1:], jnp.int32)}
-    state = train.create_train_state(model, tx, jax.random.key(0), batch["x"].shape, "bf16")
-    step = train.make_train_step(model, train.language_model_loss, tx, "bf16")
+    policy = lever.get("policy", "bf16")
+    state = train.create_train_state(model, tx, jax.random.key(0), batch["x"].shape, policy)
+    step = train.make_train_step(model, train.language_model_loss, tx, policy)
     t0 = time.perf_counter()
     compiled = step.lower(state, batch).compile(compiler_options=lever.get("compiler_options") or None)
     return stepper(compiled, state, batch), gpt_model_flops(spec), time.perf_counter() - t0
@@ -93,6 +99,24 @@ def _measure(name: str, lever: dict, cfg: dict, impl: str, plain, plain_flops: f
         "compile_s": compile_s,
         "took_s": time.perf_counter() - t0,
     }
+
+
+def fp8_at_width(cfg: dict, impl: str) -> dict:
+    """The bf16, fp8 and fp8-delayed steps of `cfg`'s GPT timed side by side: each one's time, its speed over
+    bf16's and how many of its GEMMs XLA made fp8 ones (cuBLASLt's `$f8` calls; none on a CPU, emulated)."""
+    runs = {policy: _variant(cfg, {"policy": policy}, impl) for policy in FP8_POLICIES}
+    timings = time_interleaved({policy: run for policy, (run, _, _) in runs.items()}, warmup=2, repeats=WINDOWS)
+    bf16_s = timings["bf16"].median
+    out = {}
+    for policy, (run, _, compile_s) in runs.items():
+        text = run.step_fn.as_text()
+        out[policy] = {
+            "step_s": timings[policy].median,
+            "speedup_over_bf16": bf16_s / timings[policy].median,
+            "compile_s": compile_s,
+            "float8_gemm_calls": sum("$f8" in line for line in text.splitlines() if "custom_call_target" in line),
+        }
+    return out
 
 
 def run_levers(out_dir: str, *, dry_run: bool = False, budget_s: float = 240.0, only: list[str] | None = None) -> dict:
@@ -119,6 +143,14 @@ def run_levers(out_dir: str, *, dry_run: bool = False, budget_s: float = 240.0, 
             json.dump(record, f, indent=2)
         os.replace(path + ".tmp", path)
 
+    record["fp8_at_width"] = {"config": DRY_RUN_GPT if dry_run else FP8_GPT, "error": "started, not finished"}
+    save()
+    try:
+        record["fp8_at_width"].update(fp8_at_width(record["fp8_at_width"]["config"], impl))
+        del record["fp8_at_width"]["error"]
+    except Exception as err:  # out of memory, an fp8 path this GPU lacks: recorded, the levers still run
+        record["fp8_at_width"]["error"] = f"{type(err).__name__}: {err}"[:500]
+    save()
     peak = measure_matmul_peak(256 if dry_run else 8192, jnp.bfloat16, repeats=3)
     record["peak_gflops"] = peak["gflops"]
     plain, plain_flops, plain_compile_s = _variant(cfg, {}, impl)
@@ -144,7 +176,19 @@ def run_levers(out_dir: str, *, dry_run: bool = False, budget_s: float = 240.0, 
 
 
 def format_levers(record: dict) -> str:
-    lines = [f"{'lever':<48} {'ms/step':>8} {'plain ms':>8} {'MFU':>6} {'vs plain':>8}"]
+    lines = []
+    wide = record.get("fp8_at_width", {})
+    if "error" in wide:
+        lines.append(f"fp8 at width: {wide['error']}")
+    else:
+        c = wide["config"]
+        lines.append(f"fp8 at width (GPT d {c['d_model']}, {c['num_layers']} layers, batch {c['batch']}):")
+        lines += [
+            f"  {policy:<12} {wide[policy]['step_s'] * 1e3:>8.1f} ms/step {wide[policy]['speedup_over_bf16']:>5.2f}x "
+            f"bf16's speed, {wide[policy]['float8_gemm_calls']} fp8 GEMM calls"
+            for policy in FP8_POLICIES
+        ]
+    lines.append(f"{'lever':<48} {'ms/step':>8} {'plain ms':>8} {'MFU':>6} {'vs plain':>8}")
     for name, r in record["levers"].items():
         if "step_s" in r:
             lines.append(

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from jaxnn import fp8
 from jaxnn._src.checks import config_differences, first_differences
 from jaxnn._src.pytree import is_prng_key, path_name
 from jaxnn._src.stop_signal import StopSignal  # noqa: F401 (also importable from here)
@@ -335,7 +336,8 @@ def load_train_state(path: str | os.PathLike[str], like_state: Any) -> tuple[Any
 
 
 def load_params(path: str | os.PathLike[str], *, step: int | None = None) -> LoadedParams:
-    """The parameters and model state of a jaxnn checkpoint, without its optimizer state, config or a template.
+    """The parameters and model state of a jaxnn checkpoint, without its optimizer state, config or a template (nor
+    the fp8 amax histories a delayed-scaling run trains with).
 
     `path` is a run directory, its checkpoint directory or one step's folder; without `step` (or a step folder)
     the newest checkpoint whose parameters read back and match their saved digest is used; damaged ones are
@@ -394,4 +396,6 @@ def _load_parts(manager: Any, directory: pathlib.Path, step: int) -> LoadedParam
     for part, digest in meta.get("digests", {}).items():
         if part in parts and state_digest(parts[part]) != digest:
             raise CheckpointError(f"its {part} do not match their saved digest (corrupted)")
-    return LoadedParams(parts["params"], parts["model_state"], step, meta.get("config", {}), directory)
+    # A delayed-scaling fp8 run's amax histories are training state: the model's parameters go without them.
+    params = fp8.without_histories(parts["params"])
+    return LoadedParams(params, parts["model_state"], step, meta.get("config", {}), directory)

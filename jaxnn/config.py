@@ -58,7 +58,7 @@ class FitConfig:
       data's batches per pass.
     batch_size: global batch size for arrays and jaxnn data sets (None for an iterable of ready batches).
     accumulate: micro-batches per optimizer step; their gradients are averaged (`batch_size` must divide by it).
-    precision: a `jaxnn.precision` preset name ("fp32", "tf32", "bf16", "fp16", "fp8").
+    precision: a `jaxnn.precision` preset name ("fp32", "tf32", "bf16", "fp16", "fp8", "fp8-delayed").
     remat: recompute activations in the backward pass, layer by layer, under this `jaxnn.layers.REMAT_POLICIES`
       name ("nothing", "dots", "dots_no_batch", "everything", "offload"; see `jaxnn.layers.rematerialised`).
     clip_norm: the default optimizer's clip of the gradients' global norm (`optax.clip_by_global_norm`), 1.0 by

@@ -111,11 +111,15 @@ def mean_over(step: Callable, batches: Iterable[Batch], scores: Sequence[Any] = 
 
 
 def params_and_state(params_or_state: Any, model_state: Any) -> tuple[Any, Any]:
-    """(params, model_state) from a TrainState, FitResult, LoadedParams, or a bare parameter tree."""
+    """(params, model_state) from a TrainState, FitResult, LoadedParams, or a bare parameter tree; without the fp8
+    amax histories a delayed-scaling run trains with (they are training state, not the model)."""
+    from jaxnn.fp8 import without_histories
+
     source = getattr(params_or_state, "state", params_or_state)  # a FitResult
     if hasattr(source, "params"):
-        return source.params, getattr(source, "model_state", {}) if model_state is None else model_state
-    return params_or_state, {} if model_state is None else model_state
+        state = getattr(source, "model_state", {}) if model_state is None else model_state
+        return without_histories(source.params), state
+    return without_histories(params_or_state), {} if model_state is None else model_state
 
 
 def _mesh_for(mesh: Mesh | str | None, devices: int) -> Mesh:

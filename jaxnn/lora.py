@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxnn import quantized
+from jaxnn import fp8, quantized
 from jaxnn._src.jaxpr import used_inputs
 from jaxnn._src.pytree import flatten, matches, unflatten
 from jaxnn.layers.core import Layer
@@ -312,7 +312,11 @@ def frozen_base(params: Any) -> Any:
     """`params` with a stop-gradient on everything but the adapters: differentiated, the base weights get
     symbolic zeros, so the compiled step has no weight-gradient products for them (a third of a full step's)."""
     labels = adapter_labels(params)
-    return jax.tree.map(lambda p, label: p if label == "adapter" else jax.lax.stop_gradient(p), params, labels)
+
+    def frozen(path, p, label):  # an fp8 amax history gets its update through the gradient: never stopped
+        return p if label == "adapter" or fp8.is_history(path) else jax.lax.stop_gradient(p)
+
+    return jax.tree_util.tree_map_with_path(frozen, params, labels)
 
 
 def lora_model(model: Layer, lora: LoRA) -> Layer:

@@ -52,12 +52,21 @@ class Policy:
     # Dense products in float8 (e4m3 forward, e5m2 gradients, per-tensor current scaling: `jaxnn.fp8`); needs a
     # half-precision compute dtype, whose products everything else (attention, convolutions) keeps.
     fp8_products: bool = False
+    # With fp8_products: 0 scales each operand from its own maximum in the step ("current scaling"); N > 0 from the
+    # largest of the last N steps' maxima, kept beside each kernel in the parameters ("delayed scaling",
+    # `jaxnn.fp8.with_histories`), so that quantising needs no pass over the operand first.
+    fp8_history: int = 0
 
     def __post_init__(self) -> None:
         if self.fp8_products and not _is_half(self.compute_dtype):
             raise ValueError(
                 f"Policy: fp8_products needs a bf16 or fp16 compute_dtype, got {jnp.dtype(self.compute_dtype)}"
             )
+        history = self.fp8_history
+        if not isinstance(history, int) or isinstance(history, bool) or history < 0:
+            raise ValueError(f"Policy: fp8_history must be a non-negative integer, got {history!r}")
+        if history and not self.fp8_products:
+            raise ValueError("Policy: fp8_history (delayed scaling) needs fp8_products=True")
         if not isinstance(self.matmul_precision, str) or self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(
                 f"Policy: unknown matmul_precision {self.matmul_precision!r}; choose one of {sorted(MATMUL_PRECISIONS)}"
@@ -81,10 +90,14 @@ class Policy:
 
 
 def _cast_floats(tree: Tree, dtype: DTypeLike) -> Tree:
-    def cast(x: Any) -> Any:
-        return x.astype(dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x
+    """The floating-point leaves of `tree` in `dtype`; fp8 amax histories stay float32 (a scale is a float32)."""
 
-    return jax.tree.map(cast, tree)
+    def cast(path: Any, x: Any) -> Any:
+        if fp8.is_history(path) or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+            return x
+        return x.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, tree)
 
 
 FP32 = Policy()
@@ -92,12 +105,14 @@ TF32 = Policy(matmul_precision="tensorfloat32", name="tf32")
 BF16 = Policy(compute_dtype=jnp.bfloat16, name="bf16")
 FP16 = Policy(compute_dtype=jnp.float16, loss_scaling=True, name="fp16")
 FP8 = Policy(compute_dtype=jnp.bfloat16, fp8_products=True, name="fp8")
+FP8_DELAYED = Policy(compute_dtype=jnp.bfloat16, fp8_products=True, fp8_history=fp8.HISTORY_LENGTH, name="fp8-delayed")
 
-PRESETS = {p.name: p for p in (FP32, TF32, BF16, FP16, FP8)}
+PRESETS = {p.name: p for p in (FP32, TF32, BF16, FP16, FP8, FP8_DELAYED)}
 
 
 def get_policy(policy: Policy | str | None) -> Policy:
-    """A Policy from a preset name ('fp32', 'tf32', 'bf16', 'fp16', 'fp8'), a Policy, or None (fp32)."""
+    """A Policy from a preset name ('fp32', 'tf32', 'bf16', 'fp16', 'fp8', 'fp8-delayed'), a Policy, or None
+    (fp32)."""
     if policy is None:
         return FP32
     if isinstance(policy, Policy):
@@ -335,13 +350,17 @@ def einsum(spec: str, a: jax.Array, b: jax.Array, policy: Policy | None = None) 
     return jnp.einsum(spec, a, b, **kwargs)
 
 
-def dense(x: jax.Array, w: jax.Array, policy: Policy | None = None) -> jax.Array:
+def dense(x: jax.Array, w: jax.Array, policy: Policy | None = None, fp8_history: jax.Array | None = None) -> jax.Array:
     """`x @ w` over the last axis of `x` (any batch axes before it), `w` cast to `x`'s dtype, accumulated as
     `einsum` does: the product of Dense, the recurrent cells and every projection. Under a policy with
-    `fp8_products`, in float8 where the widths allow (`jaxnn.fp8`)."""
+    `fp8_products`, in float8 where the widths allow (`jaxnn.fp8`), scaled from `fp8_history` where the kernel
+    has one (delayed scaling), else from the operands themselves."""
     x2 = x.reshape(-1, x.shape[-1])
     if policy is not None and policy.fp8_products and _is_half(x.dtype) and fp8.fits(*w.shape):
-        y = fp8.matmul(x2, w.astype(x.dtype))
+        if fp8_history is not None:
+            y = fp8.delayed_matmul(x2, w.astype(x.dtype), fp8_history)
+        else:
+            y = fp8.matmul(x2, w.astype(x.dtype))
     else:
         y = einsum("mk,kn->mn", x2, w.astype(x.dtype), policy)
     return y.reshape(*x.shape[:-1], w.shape[-1])

@@ -9,6 +9,7 @@ import functools
 import re
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -96,11 +97,12 @@ def test_the_fp8_policy_runs_dense_in_fp8_only_where_the_widths_allow():
     assert precision.get_policy("fp8") is precision.FP8
 
 
-def test_a_gpt_step_lowered_for_cuda_has_float8_products_forward_and_backward():
+@pytest.mark.parametrize("policy", ["fp8", "fp8-delayed"])
+def test_a_gpt_step_lowered_for_cuda_has_float8_products_forward_and_backward(policy):
     model, tx, shape = GPT(GPTConfig().small()), optax.adam(1e-3), (2, 32)
-    state = jax.eval_shape(lambda k: train.create_train_state(model, tx, k, shape, "fp8"), jax.random.key(0))
+    state = jax.eval_shape(lambda k: train.create_train_state(model, tx, k, shape, policy), jax.random.key(0))
     batch = {"x": jax.ShapeDtypeStruct(shape, jnp.int32), "y": jax.ShapeDtypeStruct(shape, jnp.int32)}
-    step = train.make_train_step(model, train.language_model_loss, tx, "fp8")
+    step = train.make_train_step(model, train.language_model_loss, tx, policy)
     text = step.trace(state, batch).lower(lowering_platforms=("cuda",)).as_text()
     found = collections.Counter(m.groups()[:2] for m in map(PRODUCT.search, text.splitlines()) if m)
     dense = 4 * GPTConfig().small().num_layers + 1  # qkv, out, MLP in and out per block; the logits head
@@ -110,6 +112,43 @@ def test_a_gpt_step_lowered_for_cuda_has_float8_products_forward_and_backward():
     assert set(found) - {("f8E4M3FN", "f8E4M3FN"), ("f8E5M2", "f8E4M3FN"), ("f8E4M3FN", "f8E5M2")} == {
         ("bf16", "bf16")
     }  # attention's products stay in bf16
+
+
+def _quantised_after_an_operand_max(fn, *args) -> list[bool]:
+    """For each float8 conversion in `fn(*args)`'s jaxpr (forward and backward), whether its input depends on the
+    maximum of a product operand (an argument, or a closed-over array such as the cotangent) taken in the same
+    program. A max over anything else (an amax history) does not count."""
+    closed = jax.make_jaxpr(fn)(*args)
+    found: list[bool] = []
+
+    def visit(jaxpr, data: list[bool], after_max: list[bool], constants: bool = False) -> None:
+        data_of = {**dict.fromkeys(jaxpr.constvars, constants), **dict(zip(jaxpr.invars, data, strict=True))}
+        max_of = dict(zip(jaxpr.invars, after_max, strict=True))
+        for eqn in jaxpr.eqns:
+            ins = [v for v in eqn.invars if not isinstance(v, jax.extend.core.Literal)]
+            d, m = any(data_of.get(v, False) for v in ins), any(max_of.get(v, False) for v in ins)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):  # nested rules: inputs' flags reach them all
+                visit(sub, [d] * len(sub.invars), [m] * len(sub.invars))
+            if eqn.primitive.name == "convert_element_type" and "float8" in str(eqn.params["new_dtype"]):
+                found.append(m)
+            m = m or (eqn.primitive.name == "reduce_max" and d)
+            data_of.update(dict.fromkeys(eqn.outvars, d))
+            max_of.update(dict.fromkeys(eqn.outvars, m))
+
+    invars = closed.jaxpr.invars  # the product's two operands first; the rest (a history) are not operands
+    visit(closed.jaxpr, [i < 2 for i in range(len(invars))], [False] * len(invars), constants=True)
+    return found
+
+
+def test_delayed_scaling_quantises_without_waiting_for_the_operands_maximum():
+    x, w, g = operands()
+    history = jnp.ones((3, 4))
+    current = _quantised_after_an_operand_max(lambda x, w: jax.vjp(fp8.matmul, x, w)[1](g), x, w)
+    delayed = _quantised_after_an_operand_max(
+        lambda x, w, h: jax.vjp(lambda a, b: fp8.delayed_matmul(a, b, h), x, w)[1](g), x, w, history
+    )
+    assert len(current) == len(delayed) == 3  # input, kernel, cotangent
+    assert all(current) and not any(delayed)
 
 
 @pytest.mark.slow

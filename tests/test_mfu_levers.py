@@ -22,6 +22,9 @@ def test_levers_are_measured_refused_or_left_out_and_each_is_said(tmp_path, monk
     assert measured["step_s"] > 0 and measured["plain_step_s"] > 0
     assert measured["mfu_over_plain"] == pytest.approx(measured["mfu"] / measured["plain_mfu"])
     assert "chunked cross-entropy" in record["not_tried"]
+    wide = record["fp8_at_width"]
+    assert "error" not in wide and wide["bf16"]["speedup_over_bf16"] == 1.0
+    assert all(wide[p]["step_s"] > 0 for p in mfu_levers.FP8_POLICIES)
 
     spent = mfu_levers.run_levers(str(tmp_path / "none"), dry_run=True, budget_s=0)
     assert all(r["not_run"].startswith("budget:") for r in spent["levers"].values())

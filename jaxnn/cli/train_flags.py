@@ -168,7 +168,7 @@ def add_run_dir_flags(p: argparse.ArgumentParser) -> None:
 def add_optimizer_flags(p: argparse.ArgumentParser) -> None:
     """`jaxnn train`'s flags for the precision, the optimizer, its schedule and the loss."""
     a = p.add_argument
-    a("--precision", default="fp32", help="precision policy: fp32, tf32, bf16, fp16 or fp8")
+    a("--precision", default="fp32", help="precision policy: fp32, tf32, bf16, fp16, fp8 or fp8-delayed")
     a("--lr", type=float, default=None, help="peak learning rate of AdamW (default per model)")
     a("--warmup", type=int, default=None, help="linear warm-up steps before the cosine decay")
     a(

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.nn import initializers
 
-from jaxnn import precision
+from jaxnn import fp8, precision
 from jaxnn.layers.activation import activation_fn
 from jaxnn.layers.core import (
     Layer,
@@ -71,7 +71,7 @@ def Dense(
             y = dense_product(x, params["w_q"], params["w_scale"], policy)
         else:
             check_params(name, params, {"w": (x.shape[-1], features), **bias})
-            y = precision.dense(x, params["w"], policy)
+            y = precision.dense(x, params["w"], policy, params.get(fp8.HISTORY_KEY))
         if "lora_a" in params:  # LoRA adapters (jaxnn.lora): the low-rank update on the input's path
             y = y + _low_rank_update(x, params, policy).astype(y.dtype)
         if use_bias:

@@ -41,17 +41,17 @@ FP8_GPU_SPEED = "the 304M GPT (d 1024) step 86.29 ms against bf16's 85.64 on an 
 def precision_advice(precision: str, backend: str, flags: frozenset[str], width: int | None = None) -> str | None:
     """Why `precision` does not pay on this backend (a CPU with these feature `flags`; `width`: how wide the
     model's products are, `product_width`), or None where it may."""
-    if backend == "gpu" and precision == "fp8" and width is not None and width < FP8_GPU_MIN_WIDTH:
+    if backend == "gpu" and precision.startswith("fp8") and width is not None and width < FP8_GPU_MIN_WIDTH:
         return (
-            f"precision fp8 with products {width} wide: fp8 has measured no faster than bf16 below "
+            f"precision {precision} with products {width} wide: fp8 has measured no faster than bf16 below "
             f"{FP8_GPU_MIN_WIDTH} ({FP8_GPU_SPEED}); use bf16 for this model"
         )
     if backend != "cpu" or precision in ("fp32", "tf32"):
         return None
-    if precision == "fp8":
+    if precision.startswith("fp8"):
         return (
-            f"precision fp8 on a CPU: no CPU has fp8 units, so its products are quantised and then multiplied in "
-            f"bf16: slower than bf16 (measured {FP8_CPU_SPEED}); use bf16 where the CPU has "
+            f"precision {precision} on a CPU: no CPU has fp8 units, so its products are quantised and then "
+            f"multiplied in bf16: slower than bf16 (measured {FP8_CPU_SPEED}); use bf16 where the CPU has "
             f"{' or '.join(BF16_FLAGS)}, else fp32"
         )
     if precision == "bf16" and not any(flag in flags for flag in BF16_FLAGS):

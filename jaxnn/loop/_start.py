@@ -13,8 +13,8 @@ import numpy as np
 from jaxnn.checkpoint import load_train_state, state_digest
 from jaxnn.config import ConfigError, FitConfig, config_differences, first_differences
 from jaxnn.layers.core import Layer
-from jaxnn.precision import get_policy
 from jaxnn.train import create_train_state
+from jaxnn.train.state import params_for
 
 log = logging.getLogger("jaxnn.loop")
 
@@ -25,6 +25,7 @@ def starting_point(model: Layer, in_shape: Any, params: Any, model_state: Any) -
     if params is None and model_state is None:
         return {}
     from jaxnn._src.pytree import shapes
+    from jaxnn.fp8 import HISTORY_KEY
     from jaxnn.layers.core import init_model
     from jaxnn.lora import ADAPTER_KEYS
 
@@ -34,8 +35,8 @@ def starting_point(model: Layer, in_shape: Any, params: Any, model_state: Any) -
         if given is None:
             continue
         theirs, ours = shapes(given), shapes(own)
-        if part == "params":
-            theirs = {k: v for k, v in theirs.items() if k.rsplit(".", 1)[-1] not in ADAPTER_KEYS}
+        if part == "params":  # adapters and fp8 amax histories are not the model's own
+            theirs = {k: v for k, v in theirs.items() if k.rsplit(".", 1)[-1] not in (*ADAPTER_KEYS, HISTORY_KEY)}
         diffs = config_differences(theirs, ours, saved_as="given", now_as="model")
         if diffs:
             raise ConfigError(
@@ -96,7 +97,7 @@ def lora_start(model: Layer, tx: Any, cfg: FitConfig, inputs: Any, x_spec: Any) 
 def initial_state(model: Layer, tx: Any, cfg: FitConfig, in_shape: Any, params: Any, model_state: Any) -> Any:
     state = create_train_state(model, tx, jax.random.key(cfg.seed), in_shape, cfg.precision)
     if params is not None:
-        params = get_policy(cfg.precision).cast_to_param(params)
+        params = params_for(cfg.precision, params)
         state = state._replace(params=params, opt_state=tx.init(params))
     if model_state is not None:
         state = state._replace(model_state=model_state)

@@ -29,6 +29,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxnn import fp8
 from jaxnn._src.pytree import is_prng_key
 from jaxnn.layers.core import Layer
 from jaxnn.parallel.mesh import (
@@ -118,9 +119,14 @@ def _grads_summed_over(model: Layer, axis_name: str) -> Layer:
     def global_grads(params):
         return params
 
-    def backward(_, grads):
+    def reduce(path, g):
+        if fp8.is_history(path):  # an fp8 amax history updated with each device's maxima: the largest is global
+            return lax.pmax(g, axis_name)
         # Reduce in float32 so that bf16/fp16 compute does not lose the sum's precision.
-        return (jax.tree.map(lambda g: lax.psum(g.astype(jnp.float32), axis_name).astype(g.dtype), grads),)
+        return lax.psum(g.astype(jnp.float32), axis_name).astype(g.dtype)
+
+    def backward(_, grads):
+        return (jax.tree_util.tree_map_with_path(reduce, grads),)
 
     global_grads.defvjp(lambda params: (params, None), backward)
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxnn import fp8
 from jaxnn._src.pytree import is_prng_key
 from jaxnn.layers.core import Layer, Params, PRNGKey, Shape, State, init_model
 from jaxnn.precision import LossScale, Policy, get_policy
@@ -39,6 +40,16 @@ class TrainState(NamedTuple):
 StepFn: TypeAlias = Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
 
 
+def params_for(policy: Policy | str, params: Params) -> Params:
+    """`params` as a state under `policy` holds them: in its parameter dtype, with an fp8 amax history beside each
+    fp8 kernel when the policy scales fp8 products from past steps (`jaxnn.fp8.with_histories`), without any
+    otherwise."""
+    policy = get_policy(policy)
+    params = policy.cast_to_param(params)
+    # Histories a policy without delayed scaling would not update (an optimizer would move them) are dropped.
+    return fp8.with_histories(params, policy.fp8_history) if policy.fp8_history else fp8.without_histories(params)
+
+
 def create_train_state(
     model: Layer,
     tx: optax.GradientTransformation,
@@ -51,7 +62,7 @@ def create_train_state(
     policy = get_policy(policy)
     init_key, train_key = jax.random.split(key)
     _, params, model_state = init_model(model, init_key, in_shape)
-    params = policy.cast_to_param(params)
+    params = params_for(policy, params)
     # None (no leaves) unless the policy scales the loss: every leaf of the state costs dispatch time per step.
     loss_scale = LossScale.create() if policy.loss_scaling else None
     # Stored as raw key data: a typed key array in the arguments takes jit's slower dispatch path, which cost a

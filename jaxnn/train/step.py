@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxnn import fp8
 from jaxnn.layers.core import Layer, Params, PRNGKey, State, run
 from jaxnn.precision import LossScale, Policy, all_finite, get_policy
 from jaxnn.train.optim import check_optimizer
@@ -99,11 +100,15 @@ def train_step_fn(
             grads, (loss, metrics, model_state) = grad_fn(state.params, state.model_state, batch, key)
         else:
             grads, (loss, metrics, model_state) = _accumulated(grad_fn, state, batch, key, accumulate)
+        if policy.fp8_history:  # the new amax histories, written below rather than handed to the optimizer
+            histories, grads = fp8.split_histories(grads)
         if scale is not None:  # without it, skip the multiply and divide: small models pay for every op
             grads = scale.unscale(grads)
         extra = {"value": loss} if takes_value else {}
         updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
         params = optax.apply_updates(state.params, updates)
+        if policy.fp8_history:
+            params = fp8.put_histories(params, histories)
         loss_scale = state.loss_scale
         if scale is not None:
             # An overflowing fp16 step changes nothing but the scale (halved); the step counter still advances.
@@ -156,17 +161,24 @@ def _frozen_integers(grad_fn: Callable) -> Callable:
 def _accumulated(grad_fn: Callable, state: TrainState, batch: Batch, key: jax.Array, k: int) -> tuple[Any, Any]:
     """Mean gradient, loss and metrics over K micro-batches; the model state (BatchNorm) runs through them in order."""
 
+    # An fp8 amax history's "gradient" is the history updated with a micro-batch's maxima: the batch's is their
+    # elementwise maximum (each starts from the same history), not their sum or mean.
+    history = fp8.history_mask(state.params)
+
     def body(carry, xs):
         grads_sum, model_state = carry
         i, micro = xs
         grads, (loss, metrics, model_state) = grad_fn(state.params, model_state, micro, jax.random.fold_in(key, i))
-        return (jax.tree.map(jnp.add, grads_sum, grads), model_state), (loss, metrics)
+        combined = jax.tree.map(lambda h, a, b: jnp.maximum(a, b) if h else a + b, history, grads_sum, grads)
+        return (combined, model_state), (loss, metrics)
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
     (grads_sum, model_state), (losses, metrics) = jax.lax.scan(
         body, (zeros, state.model_state), (jnp.arange(k), micro_batches(batch, k))
     )
-    grads = jax.tree.map(lambda g: g / k if jnp.issubdtype(g.dtype, jnp.inexact) else g, grads_sum)
+    grads = jax.tree.map(
+        lambda h, g: g / k if jnp.issubdtype(g.dtype, jnp.inexact) and not h else g, history, grads_sum
+    )
     return grads, (losses.mean(), jax.tree.map(lambda m: m.mean(axis=0), metrics), model_state)
 
 
