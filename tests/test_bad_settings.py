@@ -61,6 +61,7 @@ def test_a_non_finite_augmentation_setting_is_refused_as_the_setting(text):
         Augment(brightness=float("nan"))
 
 
+@pytest.mark.slow
 def test_one_callback_without_a_list_is_taken_and_a_non_list_named(cnn):
     model, _ = cnn
 
@@ -215,6 +216,7 @@ def test_an_onednn_switch_value_that_is_neither_on_nor_off_is_said_and_ignored(m
     assert "JAXNN_ONEDNN='maybe' is not 1 or 0" in str(caught[0].message)
 
 
+@pytest.mark.slow
 def test_mixup_with_a_loss_that_never_reads_the_mixed_targets_is_refused():
     pytest.importorskip("dm_pix")
     images = np.random.default_rng(0).uniform(size=(8, 8, 8, 1)).astype(np.float32)

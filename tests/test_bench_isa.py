@@ -95,6 +95,7 @@ def test_capped_env_replaces_an_earlier_cap_and_native_removes_every_cap():
     assert isa.capped_env("native", {"ONEDNN_MAX_CPU_ISA": "AVX2", "XLA_FLAGS": "--xla_cpu_max_isa=AVX2"}) == {}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="PyTorch is in the bench extra")
 def test_pytorch_started_with_the_cap_dispatches_to_avx2_kernels():
     probe = "import torch; print(torch.backends.cpu.get_cpu_capability())"

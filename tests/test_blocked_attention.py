@@ -55,6 +55,7 @@ def test_values_and_gradients_match_jax_xla_attention(B, T, S, causal, mask):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_padded_rows_that_see_no_key_match_jax_when_blocks_are_off():
     # Under a padding mask a causal query can see no key at all; jax's path then weighs every key equally, which
     # only one block (every key present) reproduces, so MultiHeadAttention passes skip_hidden_keys=False there.
@@ -84,6 +85,7 @@ def test_float64_gradients_match_finite_differences(causal):
         check_grads(lambda q, k, v: BA.attention(q, k, v, valid, causal), (q, k, v), order=1, modes="rev")
 
 
+@pytest.mark.slow
 def test_forward_mode_matches_jax_xla_attention():
     # Plain jax functions, so jvp (and jacfwd, linearize) goes through, as through jax's path.
     rng = np.random.default_rng(5)

@@ -109,6 +109,7 @@ def test_train_writes_metrics_plots_summary_and_refuses_reuse(capsys, tmp_path):
     assert "test accuracy" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_run_validates_its_fit_config_once_and_the_loop_takes_it_whole(monkeypatch, tmp_path):
     import dataclasses
 

@@ -97,6 +97,7 @@ def test_early_stopping_on_accuracy_waits_while_it_rises_and_keep_best_infers_it
                   callbacks=[EarlyStopping("kappa")])  # fmt: skip
 
 
+@pytest.mark.slow
 def test_the_history_reads_by_name_and_keeps_its_rows():
     digits = jaxnn.data.load_digits()
     data = (digits.x_train[:64] / 16.0, digits.y_train[:64])

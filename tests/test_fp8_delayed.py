@@ -98,6 +98,7 @@ def test_the_train_step_writes_the_histories_and_the_optimizer_leaves_them_alone
     assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
 
 
+@pytest.mark.slow
 def test_micro_batches_combine_their_maxima_not_their_sum():
     # Two identical micro-batches (rows i and i + 2 hold the same tokens) see the same maxima as one of them.
     state, one, data = _gpt_step("fp8-delayed", batch=2)
@@ -124,9 +125,8 @@ def test_a_delayed_scaling_run_trains_like_current_scalings():
     assert losses["fp8-delayed"][-1] == pytest.approx(losses["fp8"][-1], rel=0.05)
 
 
-@pytest.mark.parametrize(
-    "form", [pytest.param("jit", marks=pytest.mark.slow), "shard_map", pytest.param("pmap", marks=pytest.mark.slow)]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["jit", "shard_map", "pmap"])
 def test_every_data_parallel_form_keeps_the_global_maxima(form):
     from jaxnn.train import data_parallel
 
@@ -141,3 +141,13 @@ def test_every_data_parallel_form_keeps_the_global_maxima(form):
     expected = _histories(alone.params)
     for name, h in _histories(dp.unreplicate(spread).params).items():
         np.testing.assert_allclose(h, expected[name], rtol=1e-5, err_msg=name)
+
+
+def test_histories_are_counted_as_no_parameters():
+    from jaxnn.loop._levers import parameter_counts
+
+    model, tx = models.GPT(TINY), optax.adam(1e-3)
+    plain = train.create_train_state(model, tx, jax.random.key(0), (2, 16), "fp8").params
+    delayed = train.create_train_state(model, tx, jax.random.key(0), (2, 16), "fp8-delayed").params
+    assert _histories(delayed) and parameter_counts(delayed, lora=False) == parameter_counts(plain, lora=False)
+    assert parameter_counts(plain, lora=False)[0] == TINY.num_params()

@@ -59,6 +59,7 @@ def _fit(params, tmp_path=None, **kw):
                      optimizer=optax.adam(1e-2), **kw)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_fit_with_lora_trains_the_adapters_alone_and_keeps_no_optimizer_state_for_the_base():
     _, base = GPT(CFG).init(jax.random.key(0), (1, 8))
     result = _fit(base, steps=3, lora="r=4,alpha=8")

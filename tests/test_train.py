@@ -73,6 +73,7 @@ def test_train_step_donates_the_incoming_state(key):
     assert not new_state.params["w"].is_deleted()
 
 
+@pytest.mark.slow
 def test_batch_norm_statistics_travel_through_the_state(key):
     model = L.serial(L.Conv(4, 3), L.BatchNorm(), L.Relu, L.GlobalAvgPool(), L.Dense(4))
     tx = optax.adam(1e-3)

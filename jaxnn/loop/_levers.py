@@ -71,8 +71,10 @@ def precision_advice(precision: str, backend: str, flags: frozenset[str], width:
 def parameter_counts(params: Any, lora: bool) -> tuple[int, int]:
     """(trainable, frozen) parameters: a LoRA run trains its adapters alone (their scales are constants, counted
     in neither); a quantised base counts its weights' parameters, not its stored bytes."""
+    from jaxnn.fp8 import without_histories
     from jaxnn.quantized import parameter_count
 
+    params = without_histories(params)  # fp8-delayed's amax histories are neither trained nor the model's
     total = parameter_count(params)
     if not lora:
         return total, 0
