@@ -470,14 +470,14 @@ def _packed_clause(packed: dict | None) -> str:
 
 
 def _fp8_clause(fp8: dict | None) -> str:
-    """The fp8 policy's step against bf16's, as the MFU child measured it (jaxnn.fp8)."""
+    """The fp8 policy's step (benchmarks.train_steps.FP8_POLICY) against bf16's, as the MFU child measured it."""
     if not fp8:
         return ""
     if "step_s" not in fp8:
         return f"; fp8 failed: {fp8.get('error', '?')[:80]}"
     return (
-        f"; fp8 policy {fp8['step_s'] * 1e3:.1f} ms/step ({fp8['speedup_over_bf16']:.2f}x bf16's speed, "
-        f"{fp8['float8_gemm_calls']} fp8 GEMMs)"
+        f"; {fp8.get('policy', 'fp8')} {fp8['step_s'] * 1e3:.1f} ms/step "
+        f"({fp8['speedup_over_bf16']:.2f}x bf16's speed, {fp8['float8_gemm_calls']} fp8 GEMMs)"
     )
 
 

@@ -124,6 +124,8 @@ def test_fit_profile_dir_writes_a_trace(tmp_path):
     )
     assert list(trace.glob("plugins/profile/*/*.xplane.pb"))
     assert list(trace.glob("plugins/profile/*/perfetto_trace.json.gz"))
+    table = (trace / "kernel_table.txt").read_text()  # where the traced steps' time went, read from the trace
+    assert table.startswith("cpu runtime:") and "by kind:" in table
 
 
 def test_report_section_labels_projections_and_prefers_measured_gpu_peaks(tmp_path):

@@ -2,7 +2,8 @@
 
 `jaxnn.fit(..., profile_dir=DIR)` (and `jaxnn train --profile-dir DIR`) adds a `TraceSteps(DIR)`. The trace lands in
 DIR/plugins/profile/<time>/ as `<host>.xplane.pb` (open DIR with `tensorboard --logdir DIR`, Profile tab) and
-`perfetto_trace.json.gz` (drop it on https://ui.perfetto.dev).
+`perfetto_trace.json.gz` (drop it on https://ui.perfetto.dev); DIR/kernel_table.txt says where the traced steps'
+device time went, operation by operation (`python -m jaxnn.profile.kernel_table DIR` reads it again).
 """
 
 from __future__ import annotations
@@ -52,3 +53,18 @@ class TraceSteps(Callback):
         jax.profiler.stop_trace()
         self.active, self.done = False, True
         log.info("profiler trace of steps %s.. written to %s", self.first, self.log_dir)
+        self._summarise()
+
+    def _summarise(self) -> None:
+        """Where the traced steps' device time went (`jaxnn.profile.kernel_table`), in the log and in
+        DIR/kernel_table.txt; a trace it cannot read is said in one line, and the run goes on."""
+        from jaxnn.profile.kernel_table import format_kernel_table, kernel_table
+
+        try:
+            table = format_kernel_table(kernel_table(self.log_dir), top=10)
+        except (OSError, ValueError) as err:
+            log.warning("profiler trace in %s: no kernel table (%s)", self.log_dir, err)
+            return
+        with open(os.path.join(self.log_dir, "kernel_table.txt"), "w") as f:
+            f.write(table + "\n")
+        log.info("device time of the traced steps:\n%s", table)

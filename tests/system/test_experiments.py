@@ -355,6 +355,7 @@ def test_gpu_check_dry_run_runs_every_experiment(dry_run):
     )
     assert check["mfu"]["mfu_datasheet"] == pytest.approx(mfu["model_tflops"] / 989.0)
     # Where each step's device time went, read from a trace of two more steps of it.
+    assert mfu["fp8"]["policy"] == "fp8-delayed" and mfu["fp8"]["step_s"] > 0
     for kernels in (mfu["kernels"], mfu["fp8"]["kernels"], packed["kernels"]):
         assert kernels["steps"] == 2 and kernels["rows"] and "matmul" in kernels["by_kind"]
         assert sum(kernels["by_kind"].values()) == pytest.approx(1.0)
