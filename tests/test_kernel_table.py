@@ -121,3 +121,16 @@ def test_command_prints_the_table_and_refuses_a_folder_without_a_trace(traced_pr
     assert kt.main([str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no perfetto_trace.json.gz" in err[0]
+
+
+def test_a_gpu_trace_without_stream_lines_falls_back_to_its_ops_line(tmp_path):
+    meta = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "XLA Ops"}},
+        {"ph": "M", "pid": 1, "tid": 9, "name": "thread_name", "args": {"name": "XLA Modules"}},
+    ]
+    events = [_event(8, "cublas-gemm.1", 0, 60), _event(8, "loop_add_fusion", 60, 20), _event(9, "jit_step", 0, 80)]
+    _write_trace(tmp_path / "t", meta + events)
+    table = kt.kernel_table(tmp_path / "t")
+    assert table.source == "gpu xla ops line" and table.busy_s == pytest.approx(80e-6)
+    assert table.by_kind() == pytest.approx({"matmul": 0.75, "fusion": 0.25})

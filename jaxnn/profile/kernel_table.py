@@ -169,8 +169,8 @@ def _names(events: list[dict]) -> tuple[dict[int, str], dict[tuple[int, int], st
 
 
 def _operations(events: list[dict]) -> tuple[list[dict], str]:
-    """The events that are device work: kernels on a GPU's streams if the trace has any, else the CPU runtime's
-    XLA operations (the events that carry an `hlo_op`)."""
+    """The events that are device work: kernels on a GPU's streams if the trace has any (else the GPU's "XLA Ops"
+    line), else the CPU runtime's XLA operations (the events that carry an `hlo_op`)."""
     processes, threads = _names(events)
     complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
 
@@ -181,6 +181,14 @@ def _operations(events: list[dict]) -> tuple[list[dict], str]:
     gpu = [e for e in complete if on_a_stream(e)]
     if gpu:
         return gpu, "gpu streams"
+    # A GPU trace whose kernel lines are named otherwise: the profiler's own per-operation line, counted once.
+    ops_line = [
+        e
+        for e in complete
+        if "/device:GPU" in processes.get(e["pid"], "") and threads.get((e["pid"], e.get("tid")), "") == "XLA Ops"
+    ]
+    if ops_line:
+        return ops_line, "gpu xla ops line"
     cpu = [e for e in complete if "hlo_op" in e.get("args", {}) and not _RUNTIME_EVENT.match(e.get("name", ""))]
     return cpu, "cpu runtime"
 
