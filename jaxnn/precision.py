@@ -353,11 +353,11 @@ def einsum(spec: str, a: jax.Array, b: jax.Array, policy: Policy | None = None) 
 def dense(x: jax.Array, w: jax.Array, policy: Policy | None = None, fp8_history: jax.Array | None = None) -> jax.Array:
     """`x @ w` over the last axis of `x` (any batch axes before it), `w` cast to `x`'s dtype, accumulated as
     `einsum` does: the product of Dense, the recurrent cells and every projection. Under a policy with
-    `fp8_products`, in float8 where the widths allow (`jaxnn.fp8`), scaled from `fp8_history` where the kernel
-    has one (delayed scaling), else from the operands themselves."""
+    `fp8_products`, in float8 where the widths allow (`jaxnn.fp8`): scaled from `fp8_history` where the kernel
+    has one and the policy scales from past steps (`fp8_history` > 0), else from the operands themselves."""
     x2 = x.reshape(-1, x.shape[-1])
     if policy is not None and policy.fp8_products and _is_half(x.dtype) and fp8.fits(*w.shape):
-        if fp8_history is not None:
+        if fp8_history is not None and policy.fp8_history:  # only a step that writes the histories reads them
             y = fp8.delayed_matmul(x2, w.astype(x.dtype), fp8_history)
         else:
             y = fp8.matmul(x2, w.astype(x.dtype))
