@@ -151,3 +151,27 @@ def test_histories_are_counted_as_no_parameters():
     delayed = train.create_train_state(model, tx, jax.random.key(0), (2, 16), "fp8-delayed").params
     assert _histories(delayed) and parameter_counts(delayed, lora=False) == parameter_counts(plain, lora=False)
     assert parameter_counts(plain, lora=False)[0] == TINY.num_params()
+
+
+def _fit(run_dir, steps, **kw):
+    import jaxnn
+    from jaxnn.train import lm_loss
+
+    tokens = np.random.default_rng(5).integers(0, 256, (32, 17))
+    data = {"x": tokens[:, :-1].astype(np.int32), "y": tokens[:, 1:].astype(np.int32)}
+    return jaxnn.fit(models.GPT(TINY), data, loss=lm_loss, steps=steps, batch_size=8, precision="fp8-delayed",
+                     optimizer=optax.adam(1e-2), run_dir=str(run_dir), progress=False, plots=False, **kw)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:precision fp8-delayed on a CPU")  # the start-of-run advice, tested elsewhere
+@pytest.mark.parametrize("lora", [None, "r=4,alpha=8"])
+def test_a_delayed_scaling_run_resumes_bitwise_with_its_histories(tmp_path, lora):
+    straight = _fit(tmp_path / "a", 4, lora=lora)
+    _fit(tmp_path / "b", 2, lora=lora, ckpt_every=2)
+    resumed = _fit(tmp_path / "b", 4, lora=lora, resume=True)
+    histories = _histories(straight.state.params)
+    # Under LoRA too (its base is frozen by a stop-gradient): every history holds four steps of maxima.
+    assert histories and all(np.all(h[..., :4] > 0) and np.all(h[..., 4:] == 0) for h in histories.values())
+    for a, b in zip(jax.tree.leaves(straight.state.params), jax.tree.leaves(resumed.state.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
