@@ -175,3 +175,11 @@ def test_a_delayed_scaling_run_resumes_bitwise_with_its_histories(tmp_path, lora
     assert histories and all(np.all(h[..., :4] > 0) and np.all(h[..., 4:] == 0) for h in histories.values())
     for a, b in zip(jax.tree.leaves(straight.state.params), jax.tree.leaves(resumed.state.params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_start_of_run_advice_covers_delayed_scaling_as_fp8():
+    from jaxnn.loop._levers import precision_advice
+
+    assert "precision fp8-delayed on a CPU" in precision_advice("fp8-delayed", "cpu", frozenset({"avx512_bf16"}))
+    assert "fp8-delayed with products 1024 wide" in precision_advice("fp8-delayed", "gpu", frozenset(), width=1024)
+    assert precision_advice("fp8-delayed", "gpu", frozenset(), width=4096) is None
