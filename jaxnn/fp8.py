@@ -107,7 +107,7 @@ def with_histories(params: Any, length: int = HISTORY_LENGTH) -> Any:
         if not isinstance(node, dict):
             return node
         out = {k: visit(v) for k, v in node.items()}
-        w = node.get("w")
+        w: Any = node.get("w")
         if (
             HISTORY_KEY not in node
             and hasattr(w, "ndim")

@@ -158,8 +158,9 @@ def newest_trace(path: str | os.PathLike) -> Path:
     return Path(max(found, key=os.path.getmtime))
 
 
-def _names(events: list[dict]) -> tuple[dict[int, str], dict[tuple[int, int], str]]:
-    processes, threads = {}, {}
+def _names(events: list[dict]) -> tuple[dict[Any, str], dict[tuple[Any, Any], str]]:
+    processes: dict[Any, str] = {}
+    threads: dict[tuple[Any, Any], str] = {}
     for e in events:
         if e.get("ph") == "M" and e.get("name") == "process_name":
             processes[e["pid"]] = e.get("args", {}).get("name", "")
