@@ -29,10 +29,11 @@ RUNS: list[str] = [
     "make bench-peers ARGS='--quick --models tiny --precisions fp32 --repeats 1 --json peers-smoke.json'",
     "make bench-generation ARGS='--size small --prompt 8 --new-tokens 8 --batch 1 --no-cache-batches 1 --rounds 1'",
     "make bench-gpu-dry",
-    "python -m benchmarks.mfu_levers --dry-run --budget-s 30 --out-dir levers-smoke",
+    "python -m benchmarks.mfu_levers --dry-run --budget-s 5 --out-dir levers-smoke",
     "make bench-augment ARGS='--batch 8 --steps 2 --repeats 1 --out augment-smoke.json'",
     "make bench-remat ARGS='--seq-lens 64 --policies none --steps 1'",
-    "make bench-lora ARGS='--models gpt2-small --ranks 4 --batch 1 --seq-len 16 --steps 1'",
+    # the quantised bases' rows run in gpu-check's dry run (its LoRA child)
+    "make bench-lora ARGS='--models gpt2-small --ranks 4 --batch 1 --seq-len 16 --steps 1 --bases'",
     "make bench-input ARGS='--steps 2 --repeats 1 --batch-size 8 --out input-smoke.json'",
     f"make train-gpt ARGS='{TRAIN_TINY} --size small'",
     "make docs",
@@ -57,7 +58,7 @@ RUNS: list[str] = [
     "make profile MODEL=mlp ARGS='--out profile-smoke'",
     # modules no target runs
     "python -m benchmarks.ab_bf16_layout --models cnn --repeats 1",
-    "python -m benchmarks.ab_conv --repeats 1",
+    # benchmarks.ab_conv: its documented capped run below
     "python -m benchmarks.ab_max_pool --repeats 1",
     "python -m benchmarks.ab_train_step tiny --rounds 1",
     "python -m benchmarks.ab_widened_bf16 mlp --rounds 1 --repeats 1",
@@ -101,6 +102,11 @@ MLP_RULES_ECHO = (
 COVERED_BY = "covered by "
 NOT_RUN = "not run by the tests:"
 
+KERNEL_TABLE_RUN = (
+    "jaxnn train --model cnn --profile-dir runs/trace-k --steps 6 --no-summary --no-progress && "
+    "python -m jaxnn.profile.kernel_table runs/trace-k && "
+    "python -m jaxnn.profile.kernel_table runs/trace-k --top 40 --json"
+)
 DOC_COMMANDS: dict[str, str] = {
     # README.md
     "make experiments": "make experiments SIZE=tiny",
@@ -178,14 +184,9 @@ DOC_COMMANDS: dict[str, str] = {
     "make train ARGS='--profile-dir runs/trace'": (
         "make train ARGS='--profile-dir runs/trace --steps 12 --no-summary --no-progress'"
     ),
-    "python -m jaxnn.profile.kernel_table runs/trace": (
-        "jaxnn train --model cnn --profile-dir runs/trace-k --steps 6 --no-summary --no-progress && "
-        "python -m jaxnn.profile.kernel_table runs/trace-k"
-    ),
-    "python -m jaxnn.profile.kernel_table runs/trace --top 40 --json": (
-        "jaxnn train --model cnn --profile-dir runs/trace-j --steps 6 --no-summary --no-progress && "
-        "python -m jaxnn.profile.kernel_table runs/trace-j --top 40 --json"
-    ),
+    # one run for both (smoke_lines runs a line once)
+    "python -m jaxnn.profile.kernel_table runs/trace": KERNEL_TABLE_RUN,
+    "python -m jaxnn.profile.kernel_table runs/trace --top 40 --json": KERNEL_TABLE_RUN,
 }
 
 # The docs' walk-through, run as written by tests/system/test_docs_paths.py.
