@@ -123,7 +123,7 @@ class KernelTable:
     rows: list[KernelRow]  # slowest first
     busy_s: float  # the sum of every operation's self time
     span_s: float  # from the first operation's start to the last one's end
-    source: str  # "gpu streams" or "cpu runtime"
+    source: str  # "gpu streams", "gpu xla ops line" or "cpu runtime"
     trace: str  # the trace file read
 
     def by_kind(self) -> dict[str, float]:
