@@ -14,7 +14,6 @@ lost; levers that the budget leaves no room for are recorded as not run, with th
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -24,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.train_steps import DRY_RUN_GPT, GPU_GPT, gpt_config, gpt_model_flops
+from benchmarks.train_steps import DRY_RUN_GPT, GPU_GPT, float8_gemm_calls, gpt_config, gpt_model_flops
+from jaxnn._src.storage import write_json_atomic
 from jaxnn.profile.timing import measure_matmul_peak, stepper, time_interleaved
 
 # Each lever changes one thing of the plain step: the batch ("batch"), the GPT's remat policy ("remat"), Adam's
@@ -88,7 +88,6 @@ def _measure(name: str, lever: dict, cfg: dict, impl: str, plain, plain_flops: f
     run, flops, compile_s = _variant(cfg, lever, impl)
     timings = time_interleaved({"plain": plain, name: run}, warmup=2, repeats=WINDOWS)
     plain_s, lever_s = timings["plain"].median, timings[name].median
-    del run  # its state's buffers go before the next lever's are made
     return {
         "lever": lever,
         "step_s": lever_s,
@@ -109,12 +108,11 @@ def fp8_at_width(cfg: dict, impl: str) -> dict:
     bf16_s = timings["bf16"].median
     out = {}
     for policy, (run, _, compile_s) in runs.items():
-        text = run.step_fn.as_text()
         out[policy] = {
             "step_s": timings[policy].median,
             "speedup_over_bf16": bf16_s / timings[policy].median,
             "compile_s": compile_s,
-            "float8_gemm_calls": sum("$f8" in line for line in text.splitlines() if "custom_call_target" in line),
+            "float8_gemm_calls": float8_gemm_calls(run.step_fn),
         }
     return out
 
@@ -139,9 +137,7 @@ def run_levers(out_dir: str, *, dry_run: bool = False, budget_s: float = 240.0, 
     }
 
     def save() -> None:
-        with open(path + ".tmp", "w") as f:
-            json.dump(record, f, indent=2)
-        os.replace(path + ".tmp", path)
+        write_json_atomic(path, record)
 
     record["fp8_at_width"] = {"config": DRY_RUN_GPT if dry_run else FP8_GPT, "error": "started, not finished"}
     save()

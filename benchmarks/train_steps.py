@@ -250,6 +250,11 @@ def gpt_model_flops(cfg: dict) -> float:
     return 6.0 * params * tokens + 12.0 * layers * t * d * tokens
 
 
+def float8_gemm_calls(compiled) -> int:
+    """How many of a compiled program's GEMMs XLA made fp8 ones (cuBLASLt's `$f8` calls; none on a CPU)."""
+    return sum("$f8" in line for line in compiled.as_text().splitlines() if "custom_call_target" in line)
+
+
 def _gpt_step_mfu(
     cfg: dict,
     impl: str,
@@ -276,13 +281,12 @@ def _gpt_step_mfu(
     run_step = stepper(compiled, state, batch)
     timing = time_fn(run_step, warmup=2, repeats=repeats, number=steps)
     model_flops = gpt_model_flops(cfg)
-    float8_gemms = sum("$f8" in line for line in compiled.as_text().splitlines() if "custom_call_target" in line)
     kernels = {} if trace_dir is None else {"kernels": step_breakdown(run_step, compiled, trace_dir)}
     return {
         **kernels,
         "attention": impl,
         "policy": policy,
-        "float8_gemm_calls": float8_gemms,
+        "float8_gemm_calls": float8_gemm_calls(compiled),
         "compile_s": compile_s,
         "num_params": gpt_cfg.num_params(),
         "step_s": timing.median,
